@@ -1,0 +1,141 @@
+"""The dp × sp process mesh, its groups, and seeding that respects it.
+
+Ranks are laid out with sequence parallelism innermost: SP group ``d`` is the consecutive
+ranks ``[d·sp, …, d·sp + sp − 1]`` (consecutive ranks usually share a node, where the
+all-to-alls of a switch are cheapest), and DP group ``i`` is the ranks with SP rank ``i``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+@dataclass(frozen=True)
+class SPMesh:
+    """A dp × sp mesh seen from one rank.
+
+    Attributes:
+        world_size, rank: the whole job.
+        dp_size, sp_size: mesh shape, ``dp_size * sp_size == world_size``.
+        dp_rank, sp_rank: this rank's coordinates.
+        sp_group: process group of this rank's SP group (``None`` when ``sp_size == 1``).
+        dp_group: process group of this rank's DP group (``None`` when ``dp_size == 1``).
+    """
+
+    world_size: int
+    rank: int
+    dp_size: int
+    sp_size: int
+    dp_rank: int
+    sp_rank: int
+    sp_group: Any = None
+    dp_group: Any = None
+
+    @property
+    def sp_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's SP group."""
+        start = self.dp_rank * self.sp_size
+        return tuple(range(start, start + self.sp_size))
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (for logging and saving)."""
+        return self.rank == 0
+
+    def __str__(self) -> str:
+        return (
+            f"SPMesh(world={self.world_size}, dp={self.dp_size}, sp={self.sp_size}, "
+            f"rank={self.rank} -> dp_rank={self.dp_rank}, sp_rank={self.sp_rank})"
+        )
+
+
+def single_process_mesh() -> SPMesh:
+    """The trivial mesh of a job without ``torch.distributed``."""
+    return SPMesh(world_size=1, rank=0, dp_size=1, sp_size=1, dp_rank=0, sp_rank=0)
+
+
+def build_mesh(sp_size: int, accelerator: Accelerator | None = None) -> SPMesh:
+    """Build the dp × sp mesh over the current world.
+
+    Args:
+        sp_size: ranks per sequence-parallel group; must divide the world size.
+        accelerator: optional ``accelerate.Accelerator``; only used to make sure the process
+            group is initialised (Accelerate does that on construction).
+
+    Must be called on every rank, in the same order, since it creates process groups.
+    """
+    if accelerator is not None:
+        _ = accelerator.state  # Accelerator() has initialised torch.distributed when launched
+    if not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        if sp_size != 1:
+            raise RuntimeError(
+                f"sp_size={sp_size} needs torch.distributed: launch with "
+                f"`accelerate launch --multi_gpu --num_processes {sp_size} ...` or `torchrun "
+                f"--nproc_per_node {sp_size} ...` (got a single process)"
+            )
+        return single_process_mesh()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % sp_size != 0:
+        raise ValueError(
+            f"sp_size={sp_size} does not divide the world size {world}; choose an sp size among "
+            f"{[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    dp_size = world // sp_size
+    sp_group = dp_group = None
+    for d in range(dp_size):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(d * sp_size, (d + 1) * sp_size)))
+        if d == rank // sp_size and sp_size > 1:
+            sp_group = group
+    for i in range(sp_size):
+        group = dist.new_group(list(range(i, world, sp_size)))
+        if i == rank % sp_size and dp_size > 1:
+            dp_group = group
+    return SPMesh(
+        world_size=world,
+        rank=rank,
+        dp_size=dp_size,
+        sp_size=sp_size,
+        dp_rank=rank // sp_size,
+        sp_rank=rank % sp_size,
+        sp_group=sp_group,
+        dp_group=dp_group,
+    )
+
+
+def dp_seed(mesh: SPMesh, seed: int) -> int:
+    """A seed identical inside an SP group and different across DP groups."""
+    return (seed * 1_000_003 + mesh.dp_rank * 7_919) % (2**63 - 1)
+
+
+def seed_everything(mesh: SPMesh, seed: int) -> int:
+    """Seed python, numpy and torch so RNG is identical inside an SP group, distinct across DP.
+
+    Diffusion noise, timesteps, dropout masks and augmentation drawn from the global RNGs are
+    then the same on every rank of an SP group, as the replicated parts of a model require.
+    Returns the seed used on this rank.
+    """
+    value = dp_seed(mesh, seed)
+    random.seed(value)
+    np.random.seed(value % (2**32))
+    torch.manual_seed(value)
+    os.environ["PYTHONHASHSEED"] = str(value % (2**32))
+    return value
+
+
+def sp_generator(mesh: SPMesh, seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` identical across the SP group and distinct across DP groups."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(dp_seed(mesh, seed))
+    return gen

@@ -1,0 +1,111 @@
+"""Test utilities: run a function on N gloo worker processes (inside pytest), never hanging.
+
+Workers are spawned with ``torch.multiprocessing``, join a gloo group over a file store with a
+short collective timeout, and send back either their return value or their traceback. The
+parent waits with a deadline and kills every worker that is still alive.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _worker(
+    rank: int,
+    world: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including assertion failures
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return results by rank.
+
+    ``fn`` must be a module-level function (it is pickled). Raises ``AssertionError`` with the
+    workers' tracebacks if any fails, and ``TimeoutError`` (after killing them) on a hang.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, init_file, fn, args, queue, env or {}), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[str, Any]] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        try:
+            while len(results) < world:
+                remaining = (deadline - datetime.datetime.now()).total_seconds()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"distributed test timed out after {timeout}s; finished ranks: {sorted(results)}"
+                    )
+                try:
+                    rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+                except Exception:
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if not p.is_alive() and r not in results and p.exitcode not in (0, None)
+                    ]
+                    if dead:
+                        raise AssertionError(
+                            f"worker(s) {dead} died without reporting (exit codes {[procs[r].exitcode for r in dead]})"
+                        ) from None
+                    continue
+                results[rank] = (status, payload)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    errors = [
+        f"--- rank {r} ---\n{payload}"
+        for r, (status, payload) in sorted(results.items())
+        if status == "error"
+    ]
+    if errors:
+        raise AssertionError("distributed worker failed:\n" + "\n".join(errors))
+    return [results[r][1] for r in range(world)]
