@@ -1,1 +1,1 @@
-"""dspzoo.core.layers."""
+"""Building blocks shared by the zoo: attention kernels, MLPs, modulation, embeddings."""

@@ -1,0 +1,190 @@
+"""The runtime a model talks to: sharded activations and the SP context.
+
+A model is written once, as if on one device, in terms of stages::
+
+    act = sp.enter(x, names=("t", "s"), stages=STAGES)   # split on the planned dim
+    for block in blocks:
+        act = sp.to_stage(act, "spatial")                # switch if the plan says so
+        h = sp.attention(q, k, v, act.spec, over="s")    # attention over a whole dim
+        ...
+    out = sp.exit(act)                                   # gather (or keep sharded for the loss)
+
+:class:`SeqTensor` carries the local tensor together with its :class:`~dspzoo.core.layout.SeqSpec`
+(names, true lengths, sharded dim) and the plan, so the sharding state is explicit and travels
+with the data. The strategy (``dsp`` here; embedded ones plug into the same two hooks,
+:meth:`Strategy.to_stage` and :meth:`Strategy.attention`) is a runtime choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from . import comm
+from .layout import SeqSpec
+from .mesh import SPMesh
+from .plan import Plan, Stage
+from .strategies.base import Strategy
+from .trace import comm_region
+
+
+@dataclass(frozen=True)
+class SeqTensor:
+    """A local tensor plus the sharding state of the activation it belongs to.
+
+    Attributes:
+        tensor: this rank's data, e.g. ``[B, T_local, S, C]`` when sharded on ``t``.
+        spec: names, true global lengths and the sharded dim.
+        plan: the stage plan in force (``None`` outside a planned region).
+    """
+
+    tensor: torch.Tensor
+    spec: SeqSpec
+    plan: Plan | None = None
+
+    def with_tensor(self, tensor: torch.Tensor) -> SeqTensor:
+        """Same sharding, new local data (sequence axes must keep their local sizes)."""
+        first, count = self.spec.first_axis, len(self.spec.names)
+        if tuple(tensor.shape[first : first + count]) != tuple(
+            self.tensor.shape[first : first + count]
+        ):
+            raise ValueError(
+                f"with_tensor: sequence axes {self.spec.names} changed from "
+                f"{tuple(self.tensor.shape[first : first + count])} to {tuple(tensor.shape[first : first + count])}"
+            )
+        return replace(self, tensor=tensor)
+
+    def axis(self, name: str) -> int:
+        """Tensor axis of sequence dim ``name``."""
+        return self.spec.axis(name)
+
+
+class SeqParallel:
+    """Sequence-parallel context of one SP group, handed to a model's ``forward``.
+
+    Args:
+        mesh: the dp × sp mesh (or ``None`` for a single process).
+        strategy: ``"dsp"`` or a :class:`Strategy` instance.
+    """
+
+    def __init__(self, mesh: SPMesh | None = None, strategy: str | Strategy = "dsp") -> None:
+        from .strategies import get_strategy
+
+        self.mesh = mesh
+        self.group: Any = None if mesh is None else mesh.sp_group
+        self.size = comm.group_size(self.group)
+        self.rank = comm.group_rank(self.group)
+        self.strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
+        self._plans: dict[tuple, Plan] = {}
+
+    def __repr__(self) -> str:
+        return f"SeqParallel(size={self.size}, rank={self.rank}, strategy={self.strategy.name!r})"
+
+    # -- planning ---------------------------------------------------------------------------
+    def plan(
+        self, names: tuple[str, ...], lengths: tuple[int, ...], stages: tuple[Stage, ...]
+    ) -> Plan:
+        """The (cached) plan for these dims, lengths and stages at this group's size."""
+        key = (tuple(names), tuple(lengths), tuple(stages))
+        if key not in self._plans:
+            self._plans[key] = self.strategy.plan(
+                tuple(names), tuple(lengths), tuple(stages), self.size
+            )
+        return self._plans[key]
+
+    # -- entering and leaving the sharded region --------------------------------------------
+    def enter(
+        self,
+        x: torch.Tensor,
+        names: tuple[str, ...],
+        stages: tuple[Stage, ...],
+        first_axis: int = 1,
+    ) -> SeqTensor:
+        """Replicated ``x`` → :class:`SeqTensor` sharded on the plan's entry dim."""
+        spec = SeqSpec.of(x, tuple(names), first_axis)
+        plan = self.plan(spec.names, spec.lengths, tuple(stages))
+        return self.shard(x, spec, plan.entry, plan)
+
+    def shard(
+        self, x: torch.Tensor, spec: SeqSpec, dim: str, plan: Plan | None = None
+    ) -> SeqTensor:
+        """Replicated ``x`` described by ``spec`` → sharded on ``dim``."""
+        local = comm.split(x, spec.axis(dim), self.group)
+        return SeqTensor(local, spec.with_sharded(dim), plan)
+
+    def exit(self, act: SeqTensor) -> torch.Tensor:
+        """Sharded :class:`SeqTensor` → replicated tensor (identical use on every rank)."""
+        if act.spec.sharded is None:
+            return act.tensor
+        with comm_region("exit"):
+            return comm.gather(
+                act.tensor,
+                act.spec.axis(act.spec.sharded),
+                self.group,
+                act.spec.length(act.spec.sharded),
+            )
+
+    def switch(self, act: SeqTensor, dim: str) -> SeqTensor:
+        """Re-shard ``act`` on ``dim`` with one all-to-all (no-op if already sharded there)."""
+        src = act.spec.sharded
+        if src == dim:
+            return act
+        if src is None:
+            raise ValueError("switch: the activation is replicated; use shard() to split it")
+        out = comm.switch(
+            act.tensor, act.spec.axis(src), act.spec.axis(dim), self.group, act.spec.length(src)
+        )
+        return SeqTensor(out, act.spec.with_sharded(dim), act.plan)
+
+    # -- strategy hooks ---------------------------------------------------------------------
+    def to_stage(self, act: SeqTensor, stage: str) -> SeqTensor:
+        """Make ``act`` ready for ``stage`` (DSP: switch to the planned sharded dim)."""
+        with comm_region(stage):
+            return self.strategy.to_stage(self, act, stage)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: SeqSpec,
+        over: str,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        """Self-attention along sequence dim ``over``.
+
+        ``q, k, v``: ``[B, *seq_local, H, D]`` laid out as ``spec`` (heads and head dim last).
+        Every other sequence dim acts as a batch dim. Returns ``[B, *seq_local, H, D]``.
+        """
+        return self.strategy.attention(self, q, k, v, spec, over, mask, causal)
+
+    # -- lockstep helpers -------------------------------------------------------------------
+    def shard_like(
+        self, t: torch.Tensor, act: SeqTensor | SeqSpec, axes: dict[str, int] | None = None
+    ) -> torch.Tensor:
+        """This rank's slice of a replicated ``t`` matching ``act``'s sharding.
+
+        For position embeddings, per-frame conditioning and masks: ``axes`` maps sequence dim
+        names to ``t``'s axes (default: the same axes as ``act``). An axis of size 1 broadcasts
+        and is left alone; a dim ``t`` does not have is ignored.
+        """
+        spec = act.spec if isinstance(act, SeqTensor) else act
+        dim = spec.sharded
+        if dim is None or self.size == 1:
+            return t
+        axes = {n: spec.axis(n) for n in spec.names} if axes is None else axes
+        if dim not in axes:
+            return t
+        axis = axes[dim]
+        size, full = t.shape[axis], spec.length(dim)
+        if size == 1:
+            return t
+        if size != full:
+            raise ValueError(
+                f"shard_like: axis {axis} of a tensor of shape {tuple(t.shape)} has size {size}, but sequence "
+                f"dim {dim!r} has length {full} (or 1 to broadcast)"
+            )
+        return comm.split(t, axis, self.group)
