@@ -25,6 +25,7 @@ import torch
 from accelerate import Accelerator
 
 from .mesh import SPMesh, build_mesh, seed_everything
+from .perf import keep_freed_memory
 from .runtime import SeqParallel
 
 
@@ -45,9 +46,14 @@ def setup_accelerate(
         strategy: sequence-parallel strategy name.
         mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` (GPU), passed to Accelerate.
         cpu: force CPU; default: CPU when CUDA is unavailable.
+
+    On CPU it also calls :func:`dspzoo.core.perf.keep_freed_memory` (glibc reuses freed
+    activation-sized blocks instead of page-faulting fresh ones for every tensor).
     """
     if cpu is None:
         cpu = not torch.cuda.is_available()
+    if cpu:
+        keep_freed_memory()
     accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, **accelerator_kwargs)
     mesh = build_mesh(sp_size, accelerator)
     seed_everything(mesh, seed)

@@ -155,16 +155,42 @@ def _record(
 # block layout helpers
 
 
-def _pack_blocks(x: torch.Tensor, axis: int, sizes: list[int]) -> torch.Tensor:
+_SEND_WORKSPACE: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor | None:
+    """A reusable send buffer for synchronous CPU collectives (``None`` elsewhere).
+
+    On CPU a fresh multi-MiB buffer costs page faults comparable to the copy itself; the
+    workspace keeps one buffer per dtype, as large as the largest switch so far.
+    """
+    if like.device.type != "cpu":
+        return None
+    key = (str(like.device), like.dtype)
+    buf = _SEND_WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _SEND_WORKSPACE[key] = buf
+    return buf[:numel]
+
+
+def _pack_blocks(x: torch.Tensor, axis: int, sizes: list[int], reuse: bool = False) -> torch.Tensor:
     """Flat buffer of the blocks ``x.narrow(axis, off_q, sizes[q])`` in rank order.
 
     Each block keeps ``x``'s own axis order, so the receiver can read a block as a tensor.
-    Equal sizes: one copy at most (none when every axis before ``axis`` has size 1).
+    Equal sizes: one copy at most (none when every axis before ``axis`` has size 1). With
+    ``reuse`` the copy goes into the CPU workspace (only for buffers consumed at once).
     """
     n = len(sizes)
     if len(set(sizes)) == 1:
         blocks = x.unflatten(axis, (n, sizes[0])).movedim(axis, 0)
-        return blocks.contiguous().view(-1)
+        if blocks.is_contiguous():
+            return blocks.view(-1)
+        out = _workspace(x.numel(), x) if reuse else None
+        if out is None:
+            return blocks.contiguous().view(-1)
+        out.view(blocks.shape).copy_(blocks)
+        return out
     parts = [x.narrow(axis, off, size).reshape(-1) for off, size in zip(_offsets(sizes), sizes)]
     return torch.cat(parts)
 
@@ -425,8 +451,25 @@ class _SwitchMeta:
             rank=self.rank,
         )
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        return _pack_blocks(x, self.dst, self.dst_sizes)
+    def pack(self, x: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        return _pack_blocks(x, self.dst, self.dst_sizes, reuse)
+
+    def pack_remote(self, x: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        """Like :meth:`pack` without this rank's own block (first or last rank only)."""
+        n, r = len(self.dst_sizes), self.rank
+        keep = range(1, n) if r == 0 else range(n - 1)
+        if len(set(self.dst_sizes)) == 1:
+            blocks = x.unflatten(self.dst, (n, self.dst_sizes[0])).movedim(self.dst, 0)
+            blocks = blocks[keep.start : keep.stop]
+            out = _workspace(blocks.numel(), x) if reuse else None
+            if out is None:
+                return blocks.contiguous().view(-1)
+            out.view(blocks.shape).copy_(blocks)
+            return out
+        offsets = _offsets(self.dst_sizes)
+        return torch.cat(
+            [x.narrow(self.dst, offsets[q], self.dst_sizes[q]).reshape(-1) for q in keep]
+        )
 
     def unpack(self, flat: torch.Tensor) -> torch.Tensor:
         return _unpack_blocks(flat, self.src, self.src_sizes, self.y_shape)
@@ -438,14 +481,36 @@ class _SwitchMeta:
 def _start_all_to_all(
     x: torch.Tensor, meta: _SwitchMeta, group: Any, async_op: bool
 ) -> tuple[torch.Tensor, Any]:
-    send = meta.pack(x)
+    """Launch the exchange of one switch; returns the receive buffer and ``(work, send)``.
+
+    On the first and last rank of the group the rank's own block sits at an end of both the
+    send and the receive buffer, so it is left out of the collective (split size 0) and copied
+    straight from ``x`` into place while the remote blocks travel: the pack copy shrinks by
+    ``1/N`` and the local copy overlaps the transfer.
+    """
+    n, r = len(meta.send_splits), meta.rank
     out = torch.empty(sum(meta.recv_splits), dtype=x.dtype, device=x.device)
-    if meta.even:
-        work = dist.all_to_all_single(out, send, group=group, async_op=async_op)
-    else:
+    if r not in (0, n - 1):
+        send = meta.pack(x, reuse=not async_op)
         work = dist.all_to_all_single(
             out, send, meta.recv_splits, meta.send_splits, group=group, async_op=async_op
         )
+        return out, (work, send)
+    own_recv, own_send = meta.recv_splits[r], meta.send_splits[r]
+    remote_out = out[own_recv:] if r == 0 else out[: out.numel() - own_recv]
+    send = meta.pack_remote(x, reuse=not async_op)
+    send_splits, recv_splits = list(meta.send_splits), list(meta.recv_splits)
+    send_splits[r] = recv_splits[r] = 0
+    work = dist.all_to_all_single(
+        remote_out, send, recv_splits, send_splits, group=group, async_op=True
+    )
+    own_start = 0 if r == 0 else out.numel() - own_recv
+    own = x.narrow(meta.dst, _offsets(meta.dst_sizes)[r], meta.dst_sizes[r])
+    assert own.numel() == own_send == own_recv
+    out[own_start : own_start + own_recv].view(own.shape).copy_(own)
+    if not async_op:
+        work.wait()
+        work = None
     return out, (work, send)
 
 
@@ -571,7 +636,8 @@ class _SwitchStart(torch.autograd.Function):
 class _SwitchFinish(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, handle: SwitchHandle) -> torch.Tensor:
-        handle.work.wait()
+        if handle.work is not None:
+            handle.work.wait()
         handle._buffers = None
         ctx.meta = handle.meta
         return handle.meta.unpack(out)
