@@ -67,7 +67,7 @@ def run_distributed(
         init_file = os.path.join(tmp, "init")
         procs = [
             ctx.Process(
-                target=_worker, args=(r, world, init_file, fn, args, queue, env or {}), daemon=True
+                target=_worker, args=(r, world, init_file, fn, args, queue, env or {}), daemon=False
             )
             for r in range(world)
         ]

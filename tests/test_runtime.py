@@ -1,0 +1,79 @@
+"""SeqParallel runtime: specs, bad input, lockstep slicing, accounting (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspzoo.core import SavedTensorMeter, SeqParallel, SeqSpec, Stage, shard_sizes
+from dspzoo.core.layout import shard_offset
+from dspzoo.domains.toy.model import Toy2DConfig, Toy2DTransformer
+
+STAGES = (Stage("spatial", ("s",)), Stage("temporal", ("t",)))
+
+
+def test_shard_sizes_are_balanced_and_unpadded() -> None:
+    assert shard_sizes(10, 4) == [3, 3, 2, 2]
+    assert shard_sizes(3, 4) == [1, 1, 1, 0]
+    assert sum(shard_sizes(1001, 7)) == 1001
+    assert shard_offset(10, 4, 2) == 6
+
+
+def test_spec_errors_name_the_problem() -> None:
+    x = torch.randn(2, 3, 4, 5)
+    spec = SeqSpec.of(x, ("t", "s"))
+    assert spec.lengths == (3, 4) and spec.axis("s") == 2
+    with pytest.raises(ValueError, match="unknown sequence dim 'h'"):
+        spec.axis("h")
+    with pytest.raises(ValueError, match="too few"):
+        SeqSpec.of(torch.randn(2, 3), ("t", "s"))
+    with pytest.raises(ValueError, match="does not match"):
+        spec.with_sharded("t").check_local(torch.randn(2, 3, 4, 5), rank=0, world=2)
+
+
+def test_enter_with_unknown_stage_dim_raises() -> None:
+    sp = SeqParallel()
+    with pytest.raises(ValueError, match="unknown dim"):
+        sp.enter(torch.randn(1, 4, 4, 2), ("t", "s"), (Stage("a", ("h",)),))
+
+
+def test_attention_rejects_wrong_rank() -> None:
+    sp = SeqParallel()
+    act = sp.enter(torch.randn(1, 4, 6, 8), ("t", "s"), STAGES)
+    q = torch.randn(1, 4, 6, 8)  # missing the heads axis
+    with pytest.raises(ValueError, match="heads, head_dim"):
+        sp.attention(q, q, q, act.spec, over="s")
+
+
+def test_shard_like_checks_lengths() -> None:
+    sp = SeqParallel()
+    act = sp.enter(torch.randn(1, 4, 6, 8), ("t", "s"), STAGES)
+    pos = torch.randn(1, 4, 6, 8)
+    assert sp.shard_like(pos, act) is pos  # single process: nothing to slice
+
+
+def test_with_tensor_keeps_sequence_sizes() -> None:
+    sp = SeqParallel()
+    act = sp.enter(torch.randn(1, 4, 6, 8), ("t", "s"), STAGES)
+    assert act.with_tensor(torch.randn(1, 4, 6, 3)).tensor.shape[-1] == 3
+    with pytest.raises(ValueError, match="changed"):
+        act.with_tensor(torch.randn(1, 5, 6, 8))
+
+
+def test_saved_tensor_meter_counts_activations_not_parameters() -> None:
+    lin = torch.nn.Linear(64, 64, bias=False)
+    x = torch.randn(32, 64, requires_grad=True)
+    with SavedTensorMeter(lin.parameters()) as meter:
+        y = torch.relu(lin(x))
+    # the linear saves its input x; relu saves its output y
+    assert meter.bytes == x.numel() * 4 + y.numel() * 4
+
+
+def test_meter_scales_with_tokens() -> None:
+    torch.manual_seed(0)
+    model = Toy2DTransformer(Toy2DConfig(in_channels=2, hidden=16, heads=2, depth=1))
+    sizes = []
+    for t in (4, 8):
+        with SavedTensorMeter(model.parameters()) as meter:
+            model(torch.randn(1, t, 16, 2))
+        sizes.append(meter.bytes)
+    assert 1.8 < sizes[1] / sizes[0] < 2.2
