@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from dspzoo.core import SeqParallel, SeqTensor, Stage
+from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from einops import rearrange
 from torch import nn
 
@@ -95,7 +95,8 @@ class Toy2DTransformer(nn.Module):
         act = sp.enter(x, SEQ_DIMS, STAGES)
         pos = self.pos_t[:, :t] + self.pos_s[:, :, :s]  # [1, T, S, C], replicated
         act = act.with_tensor(self.embed(act.tensor) + sp.shard_like(pos, act))
-        for block in self.blocks:
-            act = block(act, sp)
+        for i, block in enumerate(self.blocks):
+            with comm_region(f"block{i}"):
+                act = block(act, sp)
         act = act.with_tensor(self.head(act.tensor))
         return sp.exit(act) if gather_output else act
