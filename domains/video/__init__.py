@@ -1,0 +1,1 @@
+"""dspzoo.domains.video."""
