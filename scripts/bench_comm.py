@@ -101,7 +101,9 @@ def main() -> None:
             args.warmup,
         )
         switch_s = timed(
-            lambda x=x, length=t_local * n: switch(x, 1, 2, group, src_length=length), args.iters, args.warmup
+            lambda x=x, length=t_local * n: switch(x, 1, 2, group, src_length=length),
+            args.iters,
+            args.warmup,
         )
         naive_s = timed(lambda x=x: naive_switch(x, 1, 2, n), args.iters, args.warmup)
         rows.append(

@@ -42,10 +42,17 @@ def main() -> None:
         else int(__import__("os").environ.get("WORLD_SIZE", 1))
     )
     accelerator, mesh, sp = setup_accelerate(sp_size=args.sp or world, seed=0)
-    cfg = Toy2DConfig(in_channels=4, hidden=args.hidden, heads=4, depth=args.depth)
+    cfg = Toy2DConfig(
+        in_channels=4,
+        hidden=args.hidden,
+        heads=4,
+        depth=args.depth,
+        max_t=args.frames,
+        max_s=args.tokens,
+    )
     torch.manual_seed(0)
-    model = Toy2DTransformer(cfg, max_t=args.frames, max_s=args.tokens)
-    reference = Toy2DTransformer(cfg, max_t=args.frames, max_s=args.tokens)
+    model = Toy2DTransformer(cfg)
+    reference = Toy2DTransformer(cfg)
     reference.load_state_dict(model.state_dict())
     ddp = DDP(model) if mesh.world_size > 1 else model
 

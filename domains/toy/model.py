@@ -25,6 +25,8 @@ class Toy2DConfig:
     heads: int = 4
     depth: int = 2
     mlp_ratio: float = 2.0
+    max_t: int = 16
+    max_s: int = 64
 
 
 class AxialAttention(nn.Module):
@@ -69,12 +71,12 @@ class Block(nn.Module):
 class Toy2DTransformer(nn.Module):
     """``[B, T, S, in_channels]`` → same shape; a learned positional table per (t, s) slot."""
 
-    def __init__(self, config: Toy2DConfig, max_t: int = 16, max_s: int = 64) -> None:
+    def __init__(self, config: Toy2DConfig) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Linear(config.in_channels, config.hidden)
-        self.pos_t = nn.Parameter(torch.randn(1, max_t, 1, config.hidden) * 0.02)
-        self.pos_s = nn.Parameter(torch.randn(1, 1, max_s, config.hidden) * 0.02)
+        self.pos_t = nn.Parameter(torch.randn(1, config.max_t, 1, config.hidden) * 0.02)
+        self.pos_s = nn.Parameter(torch.randn(1, 1, config.max_s, config.hidden) * 0.02)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
         self.head = nn.Sequential(
             nn.LayerNorm(config.hidden), nn.Linear(config.hidden, config.in_channels)

@@ -1,0 +1,124 @@
+"""Zoo registry and pretrained folders."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import dspzoo.domains.toy  # noqa: F401  (registers toy2d)
+import pytest
+import torch
+from dspzoo.zoo import (
+    CheckpointMismatchError,
+    count_parameters,
+    create_model,
+    from_pretrained,
+    get_config,
+    list_models,
+    load_weights,
+    register_config,
+    register_family,
+    save_pretrained,
+    unregister_family,
+)
+from dspzoo.zoo.cli import main as cli_main
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    width: int = 8
+    dims: tuple[int, ...] = (3, 4)
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, config: MLPConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.net = nn.Sequential(
+            nn.Linear(config.dims[0], config.width), nn.Linear(config.width, config.dims[1])
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.fixture
+def mlp_family():
+    register_family("testmlp", TinyMLP, MLPConfig)
+    register_config("testmlp", "a", MLPConfig())
+    register_config("testmlp", "b", MLPConfig(width=16))
+    yield "testmlp"
+    unregister_family("testmlp")
+
+
+def test_create_list_and_override(mlp_family: str) -> None:
+    assert {"testmlp-a", "testmlp-b"} <= set(list_models())
+    model = create_model("testmlp-a", width=5)
+    assert model.config.width == 5 and model.config.dims == (3, 4)
+    with pytest.raises(ValueError, match="unknown config field"):
+        create_model("testmlp-a", depth=3)
+    with pytest.raises(KeyError, match="did you mean"):
+        create_model("testmlp-c")
+    with pytest.raises(KeyError, match="unknown model family"):
+        create_model("nosuch-a")
+    with pytest.raises(ValueError, match="already registered"):
+        register_config("testmlp", "a", MLPConfig())
+
+
+def test_meta_device_counts_without_memory(mlp_family: str) -> None:
+    model = create_model("testmlp-b", device="meta")
+    assert next(model.parameters()).is_meta
+    assert count_parameters(model) == 3 * 16 + 16 + 16 * 4 + 4
+
+
+def test_round_trip_and_atomic_overwrite(mlp_family: str, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = create_model("testmlp-a")
+    path = save_pretrained(model, tmp_path / "ckpt", config_name="a")
+    loaded = from_pretrained(path)
+    assert loaded.config == model.config  # tuples round-trip
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(loaded(x), model(x))
+    # overwrite in place: the folder stays loadable and holds the new weights, no temp left over
+    with torch.no_grad():
+        model.net[0].weight.add_(1)
+    save_pretrained(model, path)
+    torch.testing.assert_close(from_pretrained(path)(x), model(x))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_mismatched_checkpoints_raise(mlp_family: str, tmp_path) -> None:
+    save_pretrained(create_model("testmlp-b"), tmp_path / "b")
+    with pytest.raises(
+        CheckpointMismatchError, match=r"net.0.weight: checkpoint \(16, 3\) vs model \(8, 3\)"
+    ):
+        load_weights(create_model("testmlp-a"), tmp_path / "b")
+    save_pretrained(create_model("toy2d-tiny"), tmp_path / "toy")
+    with pytest.raises(CheckpointMismatchError, match="family 'toy2d'"):
+        load_weights(create_model("testmlp-a"), tmp_path / "toy")
+    with pytest.raises(CheckpointMismatchError, match="expected"):
+        from_pretrained(tmp_path / "toy", expected_family="testmlp")
+
+
+def test_corrupt_files_are_named(mlp_family: str, tmp_path) -> None:
+    path = save_pretrained(create_model("testmlp-a"), tmp_path / "ckpt")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])
+    with pytest.raises(ValueError, match="model.safetensors is corrupt"):
+        from_pretrained(path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is corrupt"):
+        from_pretrained(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained(tmp_path / "missing")
+
+
+def test_cli_lists_models(capsys) -> None:
+    cli_main(["list"])
+    out = capsys.readouterr().out
+    assert "toy2d-tiny" in out
+    cli_main(["info", "toy2d-tiny"])
+    assert "hidden" in capsys.readouterr().out
+    assert get_config("toy2d-tiny").hidden == 32
+    json.dumps(list_models())

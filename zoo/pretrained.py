@@ -1,0 +1,188 @@
+"""Save and load zoo models as folders: ``config.json`` + ``model.safetensors``.
+
+Saving is atomic: the folder is written under a temporary name next to the target and renamed
+into place, so an interrupted save never leaves a half-written checkpoint where a good one was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .registry import family_info, family_of
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the model it is loaded into."""
+
+
+def save_pretrained(
+    model: nn.Module, path: str | os.PathLike, config_name: str | None = None
+) -> Path:
+    """Write ``model`` (a registered zoo model) to folder ``path`` atomically."""
+    from dspzoo import __version__
+
+    path = Path(path)
+    family = family_of(model)
+    config = model.config  # type: ignore[attr-defined]
+    meta = {
+        "dspzoo_version": __version__,
+        "family": family,
+        "config_name": config_name,
+        "config": dataclasses.asdict(config),
+    }
+    state = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"family": family})
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"checkpoint {path} has no {CONFIG_FILE}")
+    if not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"checkpoint {path} has no {WEIGHTS_FILE}")
+    try:
+        meta = json.loads(config_file.read_text())
+        meta["family"], meta["config"]  # noqa: B018 - presence check
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{config_file} is corrupt or not a dspzoo checkpoint config: {exc}"
+        ) from exc
+    return meta
+
+
+def _from_json(tp: Any, value: Any) -> Any:
+    """Rebuild a dataclass field value from JSON (tuples and nested dataclasses)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        return _build_config(tp, value)
+    if origin is tuple and isinstance(value, list):
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_json(args[0], v) for v in value)
+        return tuple(_from_json(a, v) for a, v in zip(args, value)) if args else tuple(value)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is not type(None) and (
+                typing.get_origin(arg) is tuple or dataclasses.is_dataclass(arg)
+            ):
+                return _from_json(arg, value)
+    return value
+
+
+def _build_config(config_cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(config_cls)
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise CheckpointMismatchError(
+            f"checkpoint config has fields {unknown} that {config_cls.__name__} does not know"
+        )
+    return config_cls(**{k: _from_json(hints.get(k), v) for k, v in values.items()})
+
+
+def load_config(path: str | os.PathLike) -> tuple[str, Any]:
+    """``(family, config)`` of the checkpoint folder ``path``."""
+    meta = _read_meta(Path(path))
+    fam = family_info(meta["family"])
+    return fam.name, _build_config(fam.config_cls, meta["config"])
+
+
+def _load_state(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path / WEIGHTS_FILE))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{path / WEIGHTS_FILE} is corrupt or truncated: {exc}") from exc
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> nn.Module:
+    """Load a checkpoint folder's weights into ``model``, refusing any mismatch.
+
+    Raises :class:`CheckpointMismatchError` listing missing and unexpected keys and shape
+    mismatches (a checkpoint of another model, or of another config of the same model).
+    """
+    path = Path(path)
+    meta = _read_meta(path)
+    try:
+        family = family_of(model)
+    except KeyError:
+        family = None
+    if family is not None and family != meta["family"]:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} is for model family {meta['family']!r}, but the model is {family!r}"
+        )
+    state = _load_state(path)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(state))
+        if state[k].shape != own[k].shape
+    ]
+    if shapes or (strict and (missing or unexpected)):
+        parts = []
+        if shapes:
+            parts.append(
+                "shape mismatches: " + "; ".join(shapes[:10]) + (" …" if len(shapes) > 10 else "")
+            )
+        if strict and missing:
+            parts.append(f"missing keys: {missing[:10]}")
+        if strict and unexpected:
+            parts.append(f"unexpected keys: {unexpected[:10]}")
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit {type(model).__name__}: " + " | ".join(parts)
+        )
+    model.load_state_dict(state, strict=strict)
+    return model
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    expected_family: str | None = None,
+    device: str | torch.device = "cpu",
+    strict: bool = True,
+) -> nn.Module:
+    """Rebuild a zoo model from a folder written by :func:`save_pretrained`."""
+    path = Path(path)
+    family, config = load_config(path)
+    if expected_family is not None and family != expected_family:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} is for model family {family!r}, but {expected_family!r} was expected"
+        )
+    model = family_info(family).model_cls(config)
+    load_weights(model, path, strict=strict)
+    return model.to(device)

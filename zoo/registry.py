@@ -1,0 +1,152 @@
+"""Model registry: families (a model class + its config dataclass) and their named configs.
+
+A zoo model is constructed as ``ModelCls(config)`` and keeps ``self.config``. Full model names
+are ``"<family>-<config>"``, e.g. ``"stdit-tiny"`` or ``"stdit-720M"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Family:
+    """A registered model family."""
+
+    name: str
+    model_cls: type[nn.Module]
+    config_cls: type
+    configs: dict[str, Any] = field(default_factory=dict)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: str, model_cls: type[nn.Module], config_cls: type) -> None:
+    """Register ``model_cls`` (built as ``model_cls(config)``) under ``family``."""
+    if not dataclasses.is_dataclass(config_cls):
+        raise TypeError(
+            f"config class of family {family!r} must be a dataclass, got {config_cls!r}"
+        )
+    if "-" in family:
+        raise ValueError(f"family names may not contain '-': {family!r}")
+    if family in _FAMILIES:
+        raise ValueError(f"model family {family!r} is already registered")
+    _FAMILIES[family] = Family(family, model_cls, config_cls)
+
+
+def register_config(family: str, name: str, config: Any) -> None:
+    """Register a named config (an instance of the family's config dataclass)."""
+    fam = _family(family)
+    if not isinstance(config, fam.config_cls):
+        raise TypeError(
+            f"config {name!r} of family {family!r} must be a {fam.config_cls.__name__}, got {type(config).__name__}"
+        )
+    if name in fam.configs:
+        raise ValueError(f"config {family}-{name} is already registered")
+    fam.configs[name] = config
+
+
+def unregister_family(family: str) -> None:
+    """Remove a family and its configs (for tests and interactive use)."""
+    _FAMILIES.pop(family, None)
+
+
+def _family(family: str) -> Family:
+    try:
+        return _FAMILIES[family]
+    except KeyError:
+        close = difflib.get_close_matches(family, list(_FAMILIES), n=3)
+        hint = f"; did you mean {close}?" if close else ""
+        raise KeyError(
+            f"unknown model family {family!r}{hint} (registered: {sorted(_FAMILIES)})"
+        ) from None
+
+
+def family_of(model: nn.Module) -> str:
+    """The family name under which ``type(model)`` is registered."""
+    for fam in _FAMILIES.values():
+        if type(model) is fam.model_cls:
+            return fam.name
+    raise KeyError(f"{type(model).__name__} is not a registered zoo model class")
+
+
+def family_info(family: str) -> Family:
+    """The :class:`Family` record for ``family``."""
+    return _family(family)
+
+
+def list_models(family: str | None = None) -> list[str]:
+    """All ``family-config`` names, optionally of one family."""
+    fams = [_family(family)] if family else list(_FAMILIES.values())
+    return sorted(f"{f.name}-{c}" for f in fams for c in f.configs)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``"stdit-720M"`` → ``("stdit", "720M")``."""
+    family, sep, config = name.partition("-")
+    if not sep or not config:
+        raise ValueError(
+            f"model names look like 'family-config' (e.g. 'stdit-tiny'), got {name!r}; known: {list_models()}"
+        )
+    return family, config
+
+
+def get_config(name: str) -> Any:
+    """The registered config of ``name``."""
+    family, config = split_name(name)
+    fam = _family(family)
+    try:
+        return fam.configs[config]
+    except KeyError:
+        known = list_models(family)
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f"; did you mean {close}?" if close else ""
+        raise KeyError(f"unknown model {name!r}{hint} (known: {known})") from None
+
+
+def override_config(config: Any, **overrides: Any) -> Any:
+    """``dataclasses.replace`` with a clear error for unknown fields."""
+    names = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown config field(s) {unknown} for {type(config).__name__}; valid fields: {sorted(names)}"
+        )
+    return dataclasses.replace(config, **overrides)
+
+
+def create_model(
+    name: str, *, device: str | torch.device | None = None, **overrides: Any
+) -> nn.Module:
+    """Build the zoo model ``name`` with config ``overrides``.
+
+    ``device="meta"`` builds it without allocating memory (to count parameters of the
+    big configs).
+    """
+    family, _ = split_name(name)
+    config = override_config(get_config(name), **overrides)
+    cls = _family(family).model_cls
+    if device is None:
+        return cls(config)
+    with torch.device(device):
+        return cls(config)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters (works on the meta device)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def format_count(n: int) -> str:
+    """``1234567`` → ``"1.2M"``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
