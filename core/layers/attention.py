@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 
 @lru_cache(maxsize=1)
@@ -57,3 +58,54 @@ def attend(
         is_causal=causal,
     )
     return out.transpose(1, 2)
+
+
+class SeqSelfAttention(torch.nn.Module):
+    """Multi-head self-attention along one named sequence dim of ``[B, *seq, C]``.
+
+    The other sequence dims act as batch dims; the SP context decides what (if anything)
+    must be communicated: nothing under DSP, whose plan keeps ``over`` whole.
+    """
+
+    def __init__(self, hidden: int, heads: int, over: str, qkv_bias: bool = True) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads")
+        self.heads, self.over = heads, over
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=qkv_bias)
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, spec: Any, sp: Any) -> torch.Tensor:
+        """``x``: local ``[B, *seq_local, C]`` laid out as ``spec`` → same shape."""
+        q, k, v = rearrange(self.qkv(x), "... (three h d) -> three ... h d", three=3, h=self.heads)
+        out = sp.attention(q, k, v, spec, over=self.over)
+        return self.proj(rearrange(out, "... h d -> ... (h d)"))
+
+
+class CrossAttention(torch.nn.Module):
+    """Tokens attend to replicated context tokens; mixes no sequence dim.
+
+    ``x``: ``[B, *tokens, C]``; ``context``: ``[B, L, C]``; ``context_mask``: ``[B, L]`` bool
+    (True = attend) or ``None``.
+    """
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads")
+        self.heads = heads
+        self.q = torch.nn.Linear(hidden, hidden)
+        self.kv = torch.nn.Linear(hidden, 2 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        shape = x.shape
+        q = rearrange(
+            self.q(x).reshape(shape[0], -1, shape[-1]), "b n (h d) -> b n h d", h=self.heads
+        )
+        k, v = rearrange(self.kv(context), "b l (two h d) -> two b l h d", two=2, h=self.heads)
+        mask = None if context_mask is None else context_mask[:, None, None, :].to(torch.bool)
+        out = attend(q, k, v, mask=mask)
+        return self.proj(rearrange(out, "b n h d -> b n (h d)")).reshape(shape)

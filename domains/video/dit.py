@@ -1,0 +1,265 @@
+"""What every video DiT here shares: config, patching, embeddings, conditioning, final layer.
+
+Latents ``[B, C, T, H, W]`` become tokens ``[B, T', S, C·pt·ph·pw]`` (``T' = T/pt``,
+``S = (H/ph)·(W/pw)``) by a pure rearrangement, so the sequence-parallel split happens on raw
+patches and the patch embedding (a linear layer, i.e. a strided Conv3d) already runs sharded.
+Subclasses supply the blocks and their stage declarations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
+from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d, sincos_2d
+from dspzoo.core.layers.mlp import modulate
+from einops import rearrange
+from torch import nn
+
+SEQ_DIMS = ("t", "s")
+
+
+@dataclass(frozen=True)
+class VideoDiTConfig:
+    """Architecture of a spatial-temporal video DiT (STDiT and Latte share it).
+
+    ``cond_dim = 0`` builds no cross-attention; ``num_classes = 0`` no label embedding.
+    """
+
+    in_channels: int = 12
+    hidden: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    patch: tuple[int, int, int] = (1, 2, 2)
+    max_frames: int = 16
+    input_size: tuple[int, int] = (16, 16)
+    num_classes: int = 0
+    class_dropout_prob: float = 0.1
+    cond_dim: int = 0
+
+
+def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """``[B, C, T, H, W]`` → ``[B, T/pt, (H/ph)(W/pw), pt·ph·pw·C]``."""
+    pt, ph, pw = patch
+    return rearrange(x, "b c (t p) (h q) (w r) -> b t (h w) (p q r c)", p=pt, q=ph, r=pw)
+
+
+def unpatchify(
+    tokens: torch.Tensor, patch: tuple[int, int, int], height: int, width: int
+) -> torch.Tensor:
+    """Inverse of :func:`patchify`; ``height``/``width`` are the latent (not token) sizes."""
+    pt, ph, pw = patch
+    return rearrange(
+        tokens,
+        "b t (h w) (p q r c) -> b c (t p) (h q) (w r)",
+        h=height // ph,
+        w=width // pw,
+        p=pt,
+        q=ph,
+        r=pw,
+    )
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated LayerNorm + linear to patch space, per token."""
+
+    def __init__(self, hidden: int, out_dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.linear = nn.Linear(hidden, out_dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.ada(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+class VideoDiT(nn.Module):
+    """Base class: embeddings, conditioning and the DSP-aware forward.
+
+    Subclasses set ``STAGES``, build ``self.blocks`` (each called as
+    ``block(act, block_inputs(c), context, context_mask, sp) -> act``) and call
+    :meth:`initialize_weights`.
+    """
+
+    STAGES: tuple[Stage, ...] = ()
+
+    def __init__(self, config: VideoDiTConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        if c.hidden % c.heads:
+            raise ValueError(f"hidden {c.hidden} is not divisible by heads {c.heads}")
+        if c.hidden % 4:
+            raise ValueError(
+                f"hidden {c.hidden} must be divisible by 4 for the 2-D sin-cos position embedding"
+            )
+        self.patch_dim = c.in_channels * c.patch[0] * c.patch[1] * c.patch[2]
+        self.x_embed = nn.Linear(self.patch_dim, c.hidden)
+        self.t_embed = TimestepEmbedder(c.hidden)
+        self.y_embed = nn.Embedding(c.num_classes + 1, c.hidden) if c.num_classes else None
+        self.cond_proj = (
+            nn.Sequential(
+                nn.Linear(c.cond_dim, c.hidden),
+                nn.GELU(approximate="tanh"),
+                nn.Linear(c.hidden, c.hidden),
+            )
+            if c.cond_dim
+            else None
+        )
+        self.final = FinalLayer(c.hidden, self.patch_dim)
+
+    # -- init -----------------------------------------------------------------------------
+    def initialize_weights(self) -> None:
+        """Xavier linears, small embeddings, and adaLN-Zero: every residual gate starts at 0."""
+
+        def init(m: nn.Module) -> None:
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+        self.apply(init)
+        if self.y_embed is not None:
+            nn.init.normal_(self.y_embed.weight, std=0.02)
+        for m in self.t_embed.mlp:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+        for module in self.modules():
+            if hasattr(module, "zero_init"):
+                module.zero_init()
+        nn.init.zeros_(self.final.ada[-1].weight)
+        nn.init.zeros_(self.final.ada[-1].bias)
+        nn.init.zeros_(self.final.linear.weight)
+        nn.init.zeros_(self.final.linear.bias)
+
+    # -- inputs ---------------------------------------------------------------------------
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise a clear error for latents this model cannot take."""
+        c = self.config
+        if x.dim() != 5:
+            raise ValueError(
+                f"{type(self).__name__} expects latents [B, C, T, H, W], got shape {tuple(x.shape)}"
+            )
+        if x.shape[1] != c.in_channels:
+            raise ValueError(
+                f"expected {c.in_channels} latent channels, got {x.shape[1]} (shape {tuple(x.shape)})"
+            )
+        _, _, t, h, w = x.shape
+        pt, ph, pw = c.patch
+        if t % pt or h % ph or w % pw:
+            raise ValueError(
+                f"latent size (T={t}, H={h}, W={w}) is not divisible by the patch size {c.patch}"
+            )
+        if t // pt > c.max_frames:
+            raise ValueError(
+                f"{t} frames is beyond the position-embedding range of this model (max_frames={c.max_frames}); "
+                f"use fewer frames or a config with a larger max_frames"
+            )
+
+    def position_table(
+        self, frames: int, height: int, width: int, device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``[1, T', S, hidden]`` sum of the temporal (1-D) and spatial (2-D) sin-cos tables."""
+        c = self.config
+        spatial = sincos_2d(height // c.patch[1], width // c.patch[2], c.hidden)
+        temporal = sincos_1d(frames, c.hidden)
+        return (temporal[:, None, :] + spatial[None, :, :])[None].to(device=device, dtype=dtype)
+
+    def condition(self, timestep: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        """``[B, hidden]`` vector from timesteps and (optionally dropped) class labels.
+
+        Label dropout for classifier-free guidance draws from the global RNG, which is
+        identical on the ranks of an SP group.
+        """
+        c = self.t_embed(timestep)
+        if self.y_embed is not None:
+            if y is None:
+                y = torch.full(
+                    (timestep.shape[0],),
+                    self.config.num_classes,
+                    dtype=torch.long,
+                    device=timestep.device,
+                )
+            elif self.training and self.config.class_dropout_prob > 0:
+                drop = torch.rand(y.shape[0]) < self.config.class_dropout_prob
+                y = torch.where(drop.to(y.device), torch.full_like(y, self.config.num_classes), y)
+            c = c + self.y_embed(y)
+        return c
+
+    def block_inputs(self, c: torch.Tensor) -> torch.Tensor:
+        """What every block receives as its modulation input (default: ``c`` itself)."""
+        return c
+
+    def patchify_target(self, target: torch.Tensor) -> torch.Tensor:
+        """Latent-space target ``[B, C, T, H, W]`` in the token layout of the output."""
+        return patchify(target, self.config.patch)
+
+    # -- forward --------------------------------------------------------------------------
+    def forward_tokens(
+        self,
+        act: SeqTensor,
+        timestep: torch.Tensor,
+        y: torch.Tensor | None,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+        sp: SeqParallel,
+        grid: tuple[int, int, int],
+    ) -> SeqTensor:
+        """Sharded raw patches ``[B, T'_l, S_l, patch_dim]`` → sharded output patches (same layout).
+
+        ``grid`` is the latent ``(T, H, W)``. The output is sharded on the plan's last stage dim.
+        """
+        x = act.tensor
+        pos = self.position_table(
+            grid[0] // self.config.patch[0], grid[1], grid[2], x.device, x.dtype
+        )
+        act = act.with_tensor(self.x_embed(x) + sp.shard_like(pos, act))
+        c = self.condition(timestep, y)
+        if context is not None:
+            if self.cond_proj is None:
+                raise ValueError(
+                    "this model was built without cross-attention (cond_dim=0) but got conditioning tokens"
+                )
+            if context.shape[-1] != self.config.cond_dim:
+                raise ValueError(
+                    f"conditioning tokens have dim {context.shape[-1]}, expected cond_dim={self.config.cond_dim}"
+                )
+            context = self.cond_proj(context)
+        block_c = self.block_inputs(c)
+        for i, block in enumerate(self.blocks):
+            with comm_region(f"block{i}"):
+                act = block(act, block_c, context, context_mask, sp)
+        return act.with_tensor(self.final(act.tensor, c))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        y: torch.Tensor | None = None,
+        cond: torch.Tensor | None = None,
+        cond_mask: torch.Tensor | None = None,
+        sp: SeqParallel | None = None,
+        gather_output: bool = True,
+    ) -> torch.Tensor | SeqTensor:
+        """Predict ``[B, C, T, H, W]`` from noisy latents ``x`` at ``timestep`` ``[B]``.
+
+        Args:
+            y: class labels ``[B]`` (``None``: unconditional / the null label).
+            cond: conditioning tokens ``[B, L, cond_dim]`` for cross-attention, replicated.
+            cond_mask: ``[B, L]`` bool, True for real tokens.
+            sp: the sequence-parallel context (``None``: one process).
+            gather_output: return the replicated output; otherwise this rank's shard in token
+                layout ``[B, T'_l, S_l, patch_dim]`` as a :class:`SeqTensor` (for a sharded loss
+                against :meth:`patchify_target`).
+        """
+        sp = sp or SeqParallel()
+        self.check_input(x)
+        _, _, t, h, w = x.shape
+        act = sp.enter(patchify(x, self.config.patch), SEQ_DIMS, self.STAGES)
+        act = self.forward_tokens(act, timestep, y, cond, cond_mask, sp, (t, h, w))
+        if not gather_output:
+            return act
+        return unpatchify(sp.exit(act), self.config.patch, h, w)

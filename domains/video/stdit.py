@@ -1,0 +1,85 @@
+"""STDiT (OpenSora-v1-like): spatial, temporal and cross-attention plus an MLP in every layer.
+
+Per layer: spatial self-attention mixes ``s``, temporal self-attention mixes ``t``, cross-
+attention to replicated conditioning tokens and the MLP mix nothing. Under DSP the plan keeps
+``t`` sharded for the spatial stage and ``s`` sharded from the temporal stage on: exactly two
+switches per layer, the minimum. Timestep modulation is adaLN-single: one shared projection of
+the conditioning vector plus a per-layer learned table, zero at init (adaLN-Zero).
+"""
+
+from __future__ import annotations
+
+import torch
+from dspzoo.core import SeqParallel, SeqTensor, Stage
+from dspzoo.core.layers.attention import CrossAttention, SeqSelfAttention
+from dspzoo.core.layers.mlp import Mlp, gated, modulate
+from torch import nn
+
+from .dit import VideoDiT, VideoDiTConfig
+
+
+class STDiTBlock(nn.Module):
+    """One STDiT layer over ``[B, T, S, C]`` activations."""
+
+    def __init__(self, config: VideoDiTConfig) -> None:
+        super().__init__()
+        h = config.hidden
+        self.norm1 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
+        self.spatial = SeqSelfAttention(h, config.heads, over="s")
+        self.temporal = SeqSelfAttention(h, config.heads, over="t")
+        self.cross = CrossAttention(h, config.heads) if config.cond_dim else None
+        self.norm2 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(h, config.mlp_ratio)
+        self.table = nn.Parameter(torch.zeros(6, h))  # per-layer shift/scale/gate offsets
+
+    def zero_init(self) -> None:
+        nn.init.normal_(self.table, std=self.table.shape[1] ** -0.5)
+
+    def forward(
+        self,
+        act: SeqTensor,
+        mod: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+        sp: SeqParallel,
+    ) -> SeqTensor:
+        """``mod``: ``[B, 6, C]`` shared modulation for this layer."""
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (mod + self.table).unbind(1)
+
+        act = sp.to_stage(act, "spatial")
+        x = act.tensor
+        x = x + gated(self.spatial(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a)
+
+        act = sp.to_stage(act.with_tensor(x), "temporal")
+        x = act.tensor
+        x = x + gated(
+            self.temporal(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a
+        )
+
+        act = sp.to_stage(act.with_tensor(x), "cross")
+        x = act.tensor
+        if self.cross is not None and context is not None:
+            x = x + self.cross(x, context, context_mask)
+
+        act = sp.to_stage(act.with_tensor(x), "mlp")
+        x = act.tensor
+        x = x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
+        return act.with_tensor(x)
+
+
+class STDiT(VideoDiT):
+    """Spatial-temporal DiT; see the module docstring."""
+
+    STAGES = (Stage("spatial", ("s",)), Stage("temporal", ("t",)), Stage("cross"), Stage("mlp"))
+
+    def __init__(self, config: VideoDiTConfig) -> None:
+        super().__init__(config)
+        self.mod = nn.Sequential(nn.SiLU(), nn.Linear(config.hidden, 6 * config.hidden))
+        self.blocks = nn.ModuleList(STDiTBlock(config) for _ in range(config.depth))
+        self.initialize_weights()
+        nn.init.zeros_(self.mod[-1].weight)
+        nn.init.zeros_(self.mod[-1].bias)
+
+    def block_inputs(self, c: torch.Tensor) -> torch.Tensor:
+        """Shared per-layer modulation ``[B, 6, C]`` from the conditioning vector."""
+        return self.mod(c).unflatten(-1, (6, self.config.hidden))

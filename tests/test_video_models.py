@@ -1,0 +1,183 @@
+"""STDiT and Latte under DSP against the single-process computation (forward and gradients)."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import dspzoo.domains.video  # noqa: F401  (registers the families)
+import pytest
+import torch
+import torch.distributed as dist
+from dspzoo.core import SeqParallel, build_mesh, sp_mse, trace_comm
+from dspzoo.core.layers import attention as attention_module
+from dspzoo.core.testing import run_distributed
+from dspzoo.zoo import create_model
+
+# (T, H, W) latents: divisible at SP 2 and 4, T = 5 frames, and a 6×6 latent (S = 9 tokens)
+SHAPES = [(4, 8, 8), (5, 6, 6)]
+
+
+def _model(family: str, cond: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = create_model(
+        f"{family}-tiny", cond_dim=8 if cond else 0, hidden=32, heads=4, num_classes=3
+    ).double()
+    with (
+        torch.no_grad()
+    ):  # adaLN-Zero starts at identity: randomise so every gradient is non-trivial
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def _inputs(shape: tuple[int, int, int], cond: bool) -> dict:
+    g = torch.Generator().manual_seed(1)
+    t, h, w = shape
+    inputs = {
+        "x": torch.randn(2, 12, t, h, w, generator=g, dtype=torch.float64),
+        "timestep": torch.rand(2, generator=g, dtype=torch.float64) * 1000,
+        "y": torch.tensor([0, 2]),
+    }
+    if cond:
+        inputs["cond"] = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
+        inputs["cond_mask"] = torch.tensor([[True, True, False], [True, True, True]])
+    return inputs
+
+
+def _run(model: torch.nn.Module, inputs: dict, sp: SeqParallel, sharded_loss: bool) -> torch.Tensor:
+    torch.manual_seed(5)  # label dropout draws from the global RNG, identical in the SP group
+    model.train()
+    weight = torch.randn(
+        inputs["x"].shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64
+    )
+    if sharded_loss:
+        out = model(**inputs, sp=sp, gather_output=False)
+        target = sp.shard_like(model.patchify_target(weight), out)
+        loss = sp_mse(out.tensor, target, sp.group)
+        loss.backward()
+        return loss.detach()
+    out = model(**inputs, sp=sp)
+    ((out - weight) ** 2).mean().backward()
+    return out.detach()
+
+
+def _compare(rank: int, world: int) -> int:
+    sp = SeqParallel(build_mesh(world))
+    checks = 0
+    for family in ("stdit", "latte"):
+        for cond in (False, True):
+            for shape in SHAPES:
+                for sharded_loss in (False, True):
+                    inputs = _inputs(shape, cond)
+                    ref_model, model = _model(family, cond), _model(family, cond)
+                    ref = _run(ref_model, inputs, SeqParallel(), sharded_loss)
+                    got = _run(model, inputs, sp, sharded_loss)
+                    if sharded_loss:  # per-rank loss share: its SP mean is the full loss
+                        got = got.clone()
+                        dist.all_reduce(got)
+                        got = got / world
+                    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
+                    for (name, p), q in zip(
+                        model.named_parameters(), ref_model.parameters(), strict=True
+                    ):
+                        grad = p.grad.clone()
+                        dist.all_reduce(grad)
+                        torch.testing.assert_close(
+                            grad / world,
+                            q.grad,
+                            rtol=1e-5,
+                            atol=1e-8,
+                            msg=lambda m, n=name, f=family: f"{f} {n}: {m}",
+                        )
+                    checks += 1
+    return checks
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_video_models_match_single_process(world: int) -> None:
+    assert run_distributed(_compare, world, timeout=400) == [16] * world
+
+
+def _traced_bytes(rank: int, world: int) -> dict:
+    sp = SeqParallel(build_mesh(world))
+    model = create_model("stdit-tiny", depth=3).eval()
+    x = torch.randn(1, 12, 8, 8, 8)  # T = 8, S = 16, hidden 64: divisible at 2 and 4
+    with trace_comm() as tracer, torch.no_grad():
+        model(x, torch.tensor([500.0]), sp=sp)
+    m = 1 * 8 * 16 * model.config.hidden
+    formula = 2 * (m / world) * (world - 1) / world * 4
+    return {
+        "switches": tracer.count("all_to_all", "forward"),
+        "per_layer": [tracer.total_bytes("all_to_all", "forward", f"block{i}") for i in range(3)],
+        "formula": formula,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stdit_uses_two_switches_per_layer(world: int) -> None:
+    for r in run_distributed(_traced_bytes, world):
+        assert r["switches"] == 2 * 3 - 1  # the first layer's first switch is the entry split
+        assert r["per_layer"][1] == r["per_layer"][2] == r["formula"]
+        assert r["per_layer"][0] == r["formula"] / 2
+
+
+def test_big_configs_on_meta_device() -> None:
+    from dspzoo.zoo import count_parameters
+
+    n720 = count_parameters(create_model("stdit-720M", device="meta"))
+    n3b = count_parameters(create_model("stdit-3B", device="meta"))
+    assert 600e6 < n720 < 800e6, n720
+    assert 2.5e9 < n3b < 3.5e9, n3b
+    cfg = create_model("stdit-3B", device="meta").config
+    assert (cfg.depth, cfg.hidden, cfg.heads, cfg.patch) == (36, 2048, 32, (1, 2, 2))
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    model = create_model("stdit-tiny")
+    t = torch.tensor([1.0])
+    with pytest.raises(ValueError, match="latent channels"):
+        model(torch.randn(1, 3, 4, 8, 8), t)
+    with pytest.raises(ValueError, match="position-embedding range"):
+        model(torch.randn(1, 12, model.config.max_frames + 1, 8, 8), t)
+    with pytest.raises(ValueError, match=r"\[B, C, T, H, W\]"):
+        model(torch.randn(1, 12, 8, 8), t)
+    with pytest.raises(ValueError, match="not divisible by the patch"):
+        model(torch.randn(1, 12, 4, 7, 8), t)
+    no_cross = create_model("stdit-tiny", cond_dim=0)
+    with pytest.raises(ValueError, match="without cross-attention"):
+        no_cross(torch.randn(1, 12, 4, 8, 8), t, cond=torch.randn(1, 2, 32))
+    with pytest.raises(ValueError, match="depth must be even"):
+        create_model("latte-tiny", depth=3)
+
+
+def test_flash_attention_dispatch() -> None:
+    q = torch.randn(2, 5, 4, 8)
+    assert not attention_module.can_use_flash(q, None)  # CPU: always SDPA
+    calls = []
+
+    def fake_flash(q, k, v, dropout_p=0.0, causal=False):
+        calls.append(q.shape)
+        return torch.zeros_like(q)
+
+    with (
+        mock.patch.object(attention_module, "can_use_flash", return_value=True),
+        mock.patch.object(attention_module, "flash_attn_func", return_value=fake_flash),
+    ):
+        out = attention_module.attend(q, q, q)
+    assert calls == [q.shape] and torch.equal(out, torch.zeros_like(q))
+    ref = attention_module.attend(q, q, q)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2)
+    )
+    torch.testing.assert_close(ref, sdpa.transpose(1, 2))
+
+
+def test_config_round_trip_through_zoo(tmp_path) -> None:
+    from dspzoo.zoo import from_pretrained, save_pretrained
+
+    model = create_model("latte-tiny")
+    path = save_pretrained(model, tmp_path / "latte")
+    loaded = from_pretrained(path, expected_family="latte")
+    assert dataclasses.asdict(loaded.config) == dataclasses.asdict(model.config)
+    assert loaded.config.patch == (1, 2, 2)
