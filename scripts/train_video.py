@@ -45,12 +45,13 @@ def main() -> None:
     )
     cfg = parse_args()
     result = train(cfg)
-    logging.getLogger("dspzoo.video.train").info(
-        "final loss %.4f (first %.4f); saved to %s/final",
-        result["losses"][-1],
-        result["losses"][0],
-        result["output_dir"],
-    )
+    if result["is_main"]:
+        logging.getLogger("dspzoo.video.train").info(
+            "final loss %.4f (first %.4f); saved to %s/final",
+            result["losses"][-1],
+            result["losses"][0],
+            result["output_dir"],
+        )
 
 
 if __name__ == "__main__":

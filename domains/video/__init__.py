@@ -1,7 +1,7 @@
 """Video domain: spatial-temporal diffusion transformers (STDiT, Latte-like) under DSP.
 
-Registers the zoo families ``stdit`` and ``latte`` with configs ``tiny`` (CPU tests and
-demos), ``small``, ``720M`` (28 layers, hidden 1152, 16 heads) and ``3B`` (36 layers,
+Registers the zoo families ``stdit`` and ``latte`` with configs ``tiny`` (CPU tests),
+``mini`` (the CPU demo), ``small``, ``720M`` (28 layers, hidden 1152, 16 heads) and ``3B`` (36 layers,
 hidden 2048, 32 heads), all with patch (1, 2, 2).
 """
 
@@ -14,6 +14,7 @@ from .stdit import STDiT
 _BIG = dict(in_channels=4, patch=(1, 2, 2), max_frames=1024, input_size=(64, 64), cond_dim=4096)
 CONFIGS = {
     "tiny": VideoDiTConfig(hidden=64, depth=2, heads=4, cond_dim=32, num_classes=8),
+    "mini": VideoDiTConfig(hidden=128, depth=4, heads=4, cond_dim=64, num_classes=8),
     "small": VideoDiTConfig(hidden=384, depth=12, heads=6, cond_dim=512, num_classes=8),
     "720M": VideoDiTConfig(hidden=1152, depth=28, heads=16, **_BIG),
     "3B": VideoDiTConfig(hidden=2048, depth=36, heads=32, **_BIG),

@@ -56,6 +56,9 @@ class VideoTrainConfig:
     save_every: int = 100
     log_every: int = 10
     resume: str | None = None  # a checkpoint folder, or "latest"
+    stop_after: int | None = (
+        None  # end this session after N steps (a checkpoint is saved), e.g. for time-limited jobs
+    )
     extra: dict = field(default_factory=dict)
 
 
@@ -97,6 +100,7 @@ def build_model(
         max_frames=max(cfg.frames, 16),
         input_size=(latent, latent),
         class_dropout_prob=cfg.class_dropout,
+        cond_dim=0,  # the built-in data has class labels, no text tokens: no cross-attention
     )
 
 
@@ -150,6 +154,7 @@ def train(cfg: VideoTrainConfig) -> dict:
         if mesh.is_main:
             logger.info("resumed from %s at step %d", ckpt, step)
 
+    start_step = step
     batches_per_epoch = len(loader)
     flow = FlowConfig()
     losses: list[float] = []
@@ -213,14 +218,22 @@ def train(cfg: VideoTrainConfig) -> dict:
                     tps,
                     scheduler.get_last_lr()[0],
                 )
-            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+            session_over = cfg.stop_after is not None and step - start_step >= cfg.stop_after
+            if (cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps) or (
+                session_over and step < cfg.steps
+            ):
                 _save_checkpoint(accelerator, output_dir, step, mesh.is_main)
+            if session_over:
+                break
+        if cfg.stop_after is not None and step - start_step >= cfg.stop_after:
+            break
     progress.close()
     accelerator.wait_for_everyone()
-    if mesh.is_main:
+    if mesh.is_main and step >= cfg.steps:
         from dspzoo.zoo import save_pretrained
 
         save_pretrained(raw_model, output_dir / "final")
+    if mesh.is_main:
         (output_dir / "losses.json").write_text(json.dumps(losses))
     tps = (
         cfg.batch_size
@@ -242,6 +255,7 @@ def train(cfg: VideoTrainConfig) -> dict:
         "tokens_per_s": tps,
         "activation_bytes": meter_bytes,
         "output_dir": str(output_dir),
+        "is_main": mesh.is_main,
     }
 
 
