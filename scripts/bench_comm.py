@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
 from dspzoo.core import switch, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.trace import format_bytes

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Set up .venv (see setup_env.sh) and run the main job on built-in data with 2 processes.
+# Set up .venv (see setup_env.sh), train a small STDiT with DSP on 2 processes on the built-in
+# moving-shapes data, then sample a GIF with DSP. Extra flags go to train_video.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 . "${DSPZOO_VENV:-.venv}/bin/activate"
-accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
-    scripts/dsp_demo.py "$@"
+OUT="${DSPZOO_OUT:-outputs/stdit-mini}"
+LAUNCH=(accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no)
+"${LAUNCH[@]}" scripts/train_video.py --sp 2 --model stdit-mini --steps "${DSPZOO_STEPS:-1200}" \
+    --log-every 100 --save-every 400 --output-dir "$OUT" "$@"
+"${LAUNCH[@]}" scripts/sample_video.py --model-dir "$OUT/final" --out "$OUT/samples.gif"

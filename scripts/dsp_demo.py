@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from dspzoo.core import SavedTensorMeter, single_process_mesh, sp_mse, sp_report, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.runtime import SeqParallel
 from dspzoo.core.trace import format_bytes
 from dspzoo.domains.toy.model import STAGES, Toy2DConfig, Toy2DTransformer
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ import argparse
 import json
 from pathlib import Path
 
-import dspzoo.domains.video  # noqa: F401  (registers the families)
 import torch
+
+import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.io import save_frame_strip_png, video_grid, write_video

@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+
 from dspzoo.core import comm
 from dspzoo.core.layout import shard_offset, shard_sizes
 from dspzoo.core.testing import run_distributed

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.data import Dataset
+
 from dspzoo.core import build_mesh, seed_everything, sp_dataloader
 from dspzoo.core.testing import run_distributed
-from torch.utils.data import Dataset
 
 
 class Numbers(Dataset):

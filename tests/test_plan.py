@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from dspzoo.core import Stage, plan_stages
 
 STDIT = (Stage("spatial", ("s",)), Stage("temporal", ("t",)), Stage("cross"), Stage("mlp"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dspzoo.core import SavedTensorMeter, SeqParallel, SeqSpec, Stage, shard_sizes
 from dspzoo.core.layout import shard_offset
 from dspzoo.domains.toy.model import Toy2DConfig, Toy2DTransformer

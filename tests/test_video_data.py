@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.data import (
     MovingShapesConfig,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from unittest import mock
 
-import dspzoo.domains.video  # noqa: F401  (registers the families)
 import pytest
 import torch
 import torch.distributed as dist
+
+import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core import SeqParallel, build_mesh, sp_mse, trace_comm
 from dspzoo.core.layers import attention as attention_module
 from dspzoo.core.testing import run_distributed
@@ -62,8 +63,8 @@ def _run(model: torch.nn.Module, inputs: dict, sp: SeqParallel, sharded_loss: bo
     return out.detach()
 
 
-def _compare(rank: int, world: int) -> int:
-    sp = SeqParallel(build_mesh(world))
+def _compare(sp: SeqParallel, world: int) -> int:
+    """Every (family, conditioning, shape, loss placement) case against one process."""
     checks = 0
     for family in ("stdit", "latte"):
         for cond in (False, True):
@@ -81,6 +82,7 @@ def _compare(rank: int, world: int) -> int:
                     for (name, p), q in zip(
                         model.named_parameters(), ref_model.parameters(), strict=True
                     ):
+                        assert q.grad is not None and q.grad.abs().sum() > 0, name
                         grad = p.grad.clone()
                         dist.all_reduce(grad)
                         torch.testing.assert_close(
@@ -94,32 +96,39 @@ def _compare(rank: int, world: int) -> int:
     return checks
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_video_models_match_single_process(world: int) -> None:
-    assert run_distributed(_compare, world, timeout=400) == [16] * world
-
-
-def _traced_bytes(rank: int, world: int) -> dict:
-    sp = SeqParallel(build_mesh(world))
-    model = create_model("stdit-tiny", depth=3).eval()
-    x = torch.randn(1, 12, 8, 8, 8)  # T = 8, S = 16, hidden 64: divisible at 2 and 4
+def _traced_bytes(sp: SeqParallel, world: int, depth: int = 3) -> dict:
+    """All-to-all count and bytes per layer of an STDiT forward (T = 8, S = 16, hidden 64)."""
+    torch.manual_seed(0)
+    model = create_model("stdit-tiny", depth=depth).eval()
+    x = torch.randn(1, 12, 8, 8, 8)
     with trace_comm() as tracer, torch.no_grad():
         model(x, torch.tensor([500.0]), sp=sp)
     m = 1 * 8 * 16 * model.config.hidden
-    formula = 2 * (m / world) * (world - 1) / world * 4
     return {
         "switches": tracer.count("all_to_all", "forward"),
-        "per_layer": [tracer.total_bytes("all_to_all", "forward", f"block{i}") for i in range(3)],
-        "formula": formula,
+        "per_layer": [
+            tracer.total_bytes("all_to_all", "forward", f"block{i}") for i in range(depth)
+        ],
+        "formula": 2 * (m / world) * (world - 1) / world * x.element_size(),
     }
 
 
+def _worker(rank: int, world: int) -> dict:
+    """One spawned group per world size runs every multi-rank check (start-up is the cost)."""
+    sp = SeqParallel(build_mesh(world))
+    return {"checks": _compare(sp, world), "trace": _traced_bytes(sp, world)}
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_stdit_uses_two_switches_per_layer(world: int) -> None:
-    for r in run_distributed(_traced_bytes, world):
-        assert r["switches"] == 2 * 3 - 1  # the first layer's first switch is the entry split
-        assert r["per_layer"][1] == r["per_layer"][2] == r["formula"]
-        assert r["per_layer"][0] == r["formula"] / 2
+def test_video_models_under_dsp(world: int) -> None:
+    """Outputs and all gradients equal one process; STDiT does 2 switches per layer."""
+    results = run_distributed(_worker, world, timeout=400)
+    for r in results:
+        assert r["checks"] == 16
+        trace = r["trace"]
+        assert trace["switches"] == 2 * 3 - 1  # the first layer's first switch is the entry split
+        assert trace["per_layer"][1] == trace["per_layer"][2] == trace["formula"]
+        assert trace["per_layer"][0] == trace["formula"] / 2
 
 
 def test_big_configs_on_meta_device() -> None:
@@ -144,11 +153,48 @@ def test_bad_inputs_raise_clear_errors() -> None:
         model(torch.randn(1, 12, 8, 8), t)
     with pytest.raises(ValueError, match="not divisible by the patch"):
         model(torch.randn(1, 12, 4, 7, 8), t)
+    x = torch.randn(1, 12, 4, 8, 8)
     no_cross = create_model("stdit-tiny", cond_dim=0)
     with pytest.raises(ValueError, match="without cross-attention"):
-        no_cross(torch.randn(1, 12, 4, 8, 8), t, cond=torch.randn(1, 2, 32))
+        no_cross(x, t, cond=torch.randn(1, 2, 32))
+    with pytest.raises(ValueError, match="cond_dim=32"):
+        model(x, t, cond=torch.randn(1, 2, 16))
+    with pytest.raises(ValueError, match="cond_mask"):
+        model(x, t, cond=torch.randn(1, 2, 32), cond_mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="timestep"):
+        model(x, torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="depth must be even"):
         create_model("latte-tiny", depth=3)
+
+
+@pytest.mark.parametrize("family", ["stdit", "latte"])
+def test_blocks_start_as_identity(family: str) -> None:
+    """adaLN-Zero: at init every block (cross-attention included) returns its input."""
+    model = create_model(f"{family}-tiny").eval()
+    x = torch.randn(2, 12, 3, 4, 6)
+    seen = []
+    for block in model.blocks:
+        block.register_forward_hook(
+            lambda m, args, out: seen.append(torch.equal(out.tensor, args[0].tensor))
+        )
+    out = model(x, torch.tensor([10.0, 900.0]), y=torch.tensor([1, 2]), cond=torch.randn(2, 5, 32))
+    assert seen == [True] * model.config.depth
+    assert torch.equal(out, torch.zeros_like(x))  # zero final layer
+
+
+def test_learn_sigma_doubles_the_output() -> None:
+    model = create_model("latte-tiny", learn_sigma=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    x, t = torch.randn(1, 12, 2, 4, 4), torch.tensor([3.0])
+    out = model(x, t)
+    assert out.shape == (1, 24, 2, 4, 4)
+    pred, var = model.split_sigma(model(x, t, gather_output=False).tensor)
+    assert torch.equal(pred, model.patchify_target(out[:, :12]))
+    assert torch.equal(var, model.patchify_target(out[:, 12:]))
+    with pytest.raises(ValueError, match="learn_sigma=False"):
+        create_model("latte-tiny").split_sigma(pred)
 
 
 def test_flash_attention_dispatch() -> None:

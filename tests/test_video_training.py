@@ -8,9 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dspzoo.domains.video  # noqa: F401
 import pytest
 import torch
+
+import dspzoo.domains.video  # noqa: F401
 from dspzoo.core import SeqParallel, build_mesh
 from dspzoo.core.testing import run_distributed
 from dspzoo.domains.video.sampling import sample_video

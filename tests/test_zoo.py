@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import dspzoo.domains.toy  # noqa: F401  (registers toy2d)
 import pytest
 import torch
+from torch import nn
+
+import dspzoo.domains.toy  # noqa: F401  (registers toy2d)
 from dspzoo.zoo import (
     CheckpointMismatchError,
     count_parameters,
@@ -22,7 +24,6 @@ from dspzoo.zoo import (
     unregister_family,
 )
 from dspzoo.zoo.cli import main as cli_main
-from torch import nn
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from einops import rearrange
 from torch import nn
+
+from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 
 SEQ_DIMS = ("t", "s")
 STAGES = (Stage("spatial", ("s",)), Stage("temporal", ("t",)), Stage("mlp"))

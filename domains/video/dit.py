@@ -9,13 +9,15 @@ Subclasses supply the blocks and their stage declarations.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+from einops import rearrange
+from torch import nn
+
 from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d, sincos_2d
 from dspzoo.core.layers.mlp import modulate
-from einops import rearrange
-from torch import nn
 
 SEQ_DIMS = ("t", "s")
 
@@ -25,6 +27,9 @@ class VideoDiTConfig:
     """Architecture of a spatial-temporal video DiT (STDiT and Latte share it).
 
     ``cond_dim = 0`` builds no cross-attention; ``num_classes = 0`` no label embedding.
+    ``max_frames`` bounds the temporal position embedding (in latent frames); the spatial
+    tables are built for the actual latent size, ``input_size`` is the default (H, W).
+    ``learn_sigma`` doubles the output channels: ``[prediction, variance]`` (DiT/IDDPM style).
     """
 
     in_channels: int = 12
@@ -38,6 +43,25 @@ class VideoDiTConfig:
     num_classes: int = 0
     class_dropout_prob: float = 0.1
     cond_dim: int = 0
+    learn_sigma: bool = False
+
+    @property
+    def out_channels(self) -> int:
+        """Channels of the model output: ``in_channels``, doubled with ``learn_sigma``."""
+        return 2 * self.in_channels if self.learn_sigma else self.in_channels
+
+
+@lru_cache(maxsize=16)
+def _sincos_tables(
+    frames: int, grid_h: int, grid_w: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed float32 CPU tables: temporal ``[1, T', 1, dim]`` and spatial ``[1, 1, S, dim]``.
+
+    Built on the CPU whatever the default device (a ``torch.device("meta")`` context must not
+    leave meta tensors in the cache).
+    """
+    with torch.device("cpu"):
+        return sincos_1d(frames, dim)[None, :, None], sincos_2d(grid_h, grid_w, dim)[None, None]
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
@@ -109,11 +133,16 @@ class VideoDiT(nn.Module):
             if c.cond_dim
             else None
         )
-        self.final = FinalLayer(c.hidden, self.patch_dim)
+        self.out_patch_dim = c.out_channels * c.patch[0] * c.patch[1] * c.patch[2]
+        self.final = FinalLayer(c.hidden, self.out_patch_dim)
 
     # -- init -----------------------------------------------------------------------------
     def initialize_weights(self) -> None:
-        """Xavier linears, small embeddings, and adaLN-Zero: every residual gate starts at 0."""
+        """Xavier linears, small embeddings, and adaLN-Zero: every block starts as the identity.
+
+        Blocks implement ``zero_init()`` (zero gates and zero output projections of ungated
+        branches); the final layer starts at zero, so the initial prediction is 0.
+        """
 
         def init(m: nn.Module) -> None:
             if isinstance(m, nn.Linear):
@@ -159,14 +188,51 @@ class VideoDiT(nn.Module):
                 f"use fewer frames or a config with a larger max_frames"
             )
 
-    def position_table(
-        self, frames: int, height: int, width: int, device: torch.device, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``[1, T', S, hidden]`` sum of the temporal (1-D) and spatial (2-D) sin-cos tables."""
+    def check_conditioning(
+        self,
+        batch: int,
+        timestep: torch.Tensor,
+        y: torch.Tensor | None,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+    ) -> None:
+        """Raise a clear error for timesteps / labels / conditioning tokens of the wrong shape."""
         c = self.config
-        spatial = sincos_2d(height // c.patch[1], width // c.patch[2], c.hidden)
-        temporal = sincos_1d(frames, c.hidden)
-        return (temporal[:, None, :] + spatial[None, :, :])[None].to(device=device, dtype=dtype)
+        if timestep.shape != (batch,):
+            raise ValueError(f"timestep must be [B={batch}], got shape {tuple(timestep.shape)}")
+        if y is not None and c.num_classes and y.shape != (batch,):
+            raise ValueError(f"class labels y must be [B={batch}], got shape {tuple(y.shape)}")
+        if context is None:
+            if context_mask is not None:
+                raise ValueError("cond_mask given without conditioning tokens cond")
+            return
+        if self.cond_proj is None:
+            raise ValueError(
+                "this model was built without cross-attention (cond_dim=0) but got conditioning tokens"
+            )
+        if context.dim() != 3 or context.shape[0] != batch or context.shape[-1] != c.cond_dim:
+            raise ValueError(
+                f"conditioning tokens must be [B={batch}, L, cond_dim={c.cond_dim}], "
+                f"got shape {tuple(context.shape)}"
+            )
+        if context_mask is not None and context_mask.shape != context.shape[:2]:
+            raise ValueError(
+                f"cond_mask must be [B, L] = {tuple(context.shape[:2])}, got {tuple(context_mask.shape)}"
+            )
+
+    def position_tables(
+        self, frames: int, height: int, width: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temporal ``[1, T', 1, hidden]`` and spatial ``[1, 1, S, hidden]`` sin-cos tables.
+
+        ``frames`` counts token frames, ``height``/``width`` are latent sizes. Kept separate
+        (broadcast when added) so no ``[T', S, hidden]`` table is ever materialised.
+        """
+        c = self.config
+        temporal, spatial = _sincos_tables(
+            frames, height // c.patch[1], width // c.patch[2], c.hidden
+        )
+        return temporal.to(device=device, dtype=dtype), spatial.to(device=device, dtype=dtype)
 
     def condition(self, timestep: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         """``[B, hidden]`` vector from timesteps and (optionally dropped) class labels.
@@ -194,8 +260,23 @@ class VideoDiT(nn.Module):
         return c
 
     def patchify_target(self, target: torch.Tensor) -> torch.Tensor:
-        """Latent-space target ``[B, C, T, H, W]`` in the token layout of the output."""
+        """Latent-space target ``[B, C, T, H, W]`` → ``[B, T', S, pt·ph·pw·C]``, the output's layout.
+
+        With ``learn_sigma`` compare it with the first half of :meth:`split_sigma`.
+        """
         return patchify(target, self.config.patch)
+
+    def split_sigma(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output tokens ``[..., P·2C]`` of a ``learn_sigma`` model → (prediction, variance).
+
+        Each is ``[..., P·C]`` in the layout of :meth:`patchify_target` (``P = pt·ph·pw``).
+        """
+        if not self.config.learn_sigma:
+            raise ValueError("split_sigma: this model was built with learn_sigma=False")
+        pred, var = rearrange(
+            tokens, "... (p two c) -> two ... (p c)", two=2, c=self.config.in_channels
+        )
+        return pred, var
 
     # -- forward --------------------------------------------------------------------------
     def forward_tokens(
@@ -208,25 +289,20 @@ class VideoDiT(nn.Module):
         sp: SeqParallel,
         grid: tuple[int, int, int],
     ) -> SeqTensor:
-        """Sharded raw patches ``[B, T'_l, S_l, patch_dim]`` → sharded output patches (same layout).
+        """Sharded raw patches ``[B, T'_l, S_l, patch_dim]`` → output ``[B, T'_l, S_l, out_patch_dim]``.
 
-        ``grid`` is the latent ``(T, H, W)``. The output is sharded on the plan's last stage dim.
+        ``grid`` is the latent ``(T, H, W)``. The output is sharded on the plan's last stage dim
+        (``out_patch_dim = pt·ph·pw·out_channels``).
         """
         x = act.tensor
-        pos = self.position_table(
+        self.check_conditioning(x.shape[0], timestep, y, context, context_mask)
+        temporal, spatial = self.position_tables(
             grid[0] // self.config.patch[0], grid[1], grid[2], x.device, x.dtype
         )
-        act = act.with_tensor(self.x_embed(x) + sp.shard_like(pos, act))
+        x = self.x_embed(x) + sp.shard_like(temporal, act) + sp.shard_like(spatial, act)
+        act = act.with_tensor(x)
         c = self.condition(timestep, y)
         if context is not None:
-            if self.cond_proj is None:
-                raise ValueError(
-                    "this model was built without cross-attention (cond_dim=0) but got conditioning tokens"
-                )
-            if context.shape[-1] != self.config.cond_dim:
-                raise ValueError(
-                    f"conditioning tokens have dim {context.shape[-1]}, expected cond_dim={self.config.cond_dim}"
-                )
             context = self.cond_proj(context)
         block_c = self.block_inputs(c)
         for i, block in enumerate(self.blocks):
@@ -244,7 +320,9 @@ class VideoDiT(nn.Module):
         sp: SeqParallel | None = None,
         gather_output: bool = True,
     ) -> torch.Tensor | SeqTensor:
-        """Predict ``[B, C, T, H, W]`` from noisy latents ``x`` at ``timestep`` ``[B]``.
+        """Predict ``[B, C_out, T, H, W]`` from noisy latents ``x`` at ``timestep`` ``[B]``.
+
+        ``C_out = config.out_channels`` (``2·C`` with ``learn_sigma``, see :meth:`split_sigma`).
 
         Args:
             y: class labels ``[B]`` (``None``: unconditional / the null label).
@@ -252,7 +330,7 @@ class VideoDiT(nn.Module):
             cond_mask: ``[B, L]`` bool, True for real tokens.
             sp: the sequence-parallel context (``None``: one process).
             gather_output: return the replicated output; otherwise this rank's shard in token
-                layout ``[B, T'_l, S_l, patch_dim]`` as a :class:`SeqTensor` (for a sharded loss
+                layout ``[B, T'_l, S_l, out_patch_dim]`` as a :class:`SeqTensor` (for a sharded loss
                 against :meth:`patchify_target`).
         """
         sp = sp or SeqParallel()

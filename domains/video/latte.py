@@ -9,10 +9,11 @@ sharded on ``s``: two switches per pair of blocks.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from dspzoo.core import SeqParallel, SeqTensor, Stage
 from dspzoo.core.layers.attention import CrossAttention, SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
-from torch import nn
 
 from .dit import VideoDiT, VideoDiTConfig
 
@@ -32,8 +33,12 @@ class LatteBlock(nn.Module):
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(h, 6 * h))
 
     def zero_init(self) -> None:
+        """Identity at init: zero modulation (so zero gates) and zero cross-attention output."""
         nn.init.zeros_(self.ada[-1].weight)
         nn.init.zeros_(self.ada[-1].bias)
+        if self.cross is not None:
+            nn.init.zeros_(self.cross.proj.weight)
+            nn.init.zeros_(self.cross.proj.bias)
 
     def forward(
         self,

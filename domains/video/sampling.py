@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from dspzoo.core import SeqParallel
 from tqdm.auto import tqdm
+
+from dspzoo.core import SeqParallel
 
 from .diffusion import TIMESTEP_SCALE
 from .dit import SEQ_DIMS, VideoDiT, patchify, unpatchify

@@ -4,16 +4,18 @@ Per layer: spatial self-attention mixes ``s``, temporal self-attention mixes ``t
 attention to replicated conditioning tokens and the MLP mix nothing. Under DSP the plan keeps
 ``t`` sharded for the spatial stage and ``s`` sharded from the temporal stage on: exactly two
 switches per layer, the minimum. Timestep modulation is adaLN-single: one shared projection of
-the conditioning vector plus a per-layer learned table, zero at init (adaLN-Zero).
+the conditioning vector plus a per-layer learned table, both zero at init, and the cross-
+attention output projection starts at zero, so every layer starts as the identity (adaLN-Zero).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from dspzoo.core import SeqParallel, SeqTensor, Stage
 from dspzoo.core.layers.attention import CrossAttention, SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
-from torch import nn
 
 from .dit import VideoDiT, VideoDiTConfig
 
@@ -33,7 +35,11 @@ class STDiTBlock(nn.Module):
         self.table = nn.Parameter(torch.zeros(6, h))  # per-layer shift/scale/gate offsets
 
     def zero_init(self) -> None:
-        nn.init.normal_(self.table, std=self.table.shape[1] ** -0.5)
+        """Identity at init: zero gates (table) and zero cross-attention output."""
+        nn.init.zeros_(self.table)
+        if self.cross is not None:
+            nn.init.zeros_(self.cross.proj.weight)
+            nn.init.zeros_(self.cross.proj.bias)
 
     def forward(
         self,

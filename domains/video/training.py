@@ -13,15 +13,17 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
+
 from dspzoo.core import SavedTensorMeter, sp_dataloader, sp_mse, sp_report
 from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.trace import format_bytes
-from tqdm.auto import tqdm
 
 from .codec import PixelUnshuffleCodec
 from .diffusion import TIMESTEP_SCALE, FlowConfig, noisy_pair, sample_t
@@ -161,7 +163,12 @@ def train(cfg: VideoTrainConfig) -> dict:
     tokens_per_sample = cfg.frames * (cfg.size // codec.factor // 2) ** 2
     timings: list[float] = []
     progress = tqdm(
-        total=cfg.steps, initial=step, desc="train", disable=not mesh.is_main, dynamic_ncols=True
+        total=cfg.steps,
+        initial=step,
+        desc="train",
+        disable=not mesh.is_main,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stderr.isatty() else 30,  # keep logs of non-interactive runs short
     )
     meter_bytes = 0
     while step < cfg.steps:
