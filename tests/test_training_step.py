@@ -79,6 +79,36 @@ def test_dsp_step_matches_single_process(
     assert all(r["switches"] == 2 * CFG.depth - 1 for r in results)
 
 
+def _fsdp2_step(rank: int, world: int, t: int, s: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = build_mesh(world)
+    sp = SeqParallel(mesh)
+    torch.manual_seed(0)
+    model = Toy2DTransformer(CFG).double()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    x, y = _data(1, t, s)
+    out = model(x[0], sp, gather_output=False)
+    sp_mse(out.tensor, sp.shard_like(y[0], out), sp.group).backward()
+    _, ref_grads = _reference(1, t, s)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.grad.full_tensor(),
+            ref_grads[n],
+            rtol=1e-9,
+            atol=1e-11,
+            msg=lambda m, n=n: f"{n}: {m}",
+        )
+
+
+def test_fsdp2_averaging_matches_single_process() -> None:
+    from dspzoo.core.testing import run_distributed
+
+    run_distributed(_fsdp2_step, 2, 5, 7)
+
+
 def run(world: int, sp_size: int, t: int, s: int, sharded_loss: bool) -> list[dict]:
     from dspzoo.core.testing import run_distributed
 

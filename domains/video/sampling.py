@@ -70,6 +70,8 @@ def sample_video(
         tvec = torch.full((x_in.tensor.shape[0],), t * TIMESTEP_SCALE)
         v = model.forward_tokens(x_in, tvec, labels_in, cond_in, mask_in, sp, grid)
         v = sp.switch(v, x.spec.sharded).tensor
+        if model.config.learn_sigma:  # the variance half plays no part in a flow ODE
+            v = model.split_sigma(v)[0]
         if use_cfg:
             v_cond, v_uncond = v.chunk(2)
             v = v_uncond + guidance * (v_cond - v_uncond)

@@ -194,7 +194,12 @@ def train(cfg: VideoTrainConfig) -> dict:
                 ):
                     out = model(xt, t * TIMESTEP_SCALE, y=labels, sp=sp, gather_output=False)
                 target = sp.shard_like(raw_model.patchify_target(velocity), out)
-                loss = sp_mse(out.tensor.float(), target.float(), sp.group)
+                pred = (
+                    raw_model.split_sigma(out.tensor)[0]
+                    if raw_model.config.learn_sigma
+                    else out.tensor
+                )
+                loss = sp_mse(pred.float(), target.float(), sp.group)
             if measure:
                 meter_bytes = meter.bytes
             accelerator.backward(loss)
