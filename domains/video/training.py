@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from dspzoo.core import SavedTensorMeter, sp_dataloader, sp_mse, sp_report
 from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.ema import EMA
 from dspzoo.core.trace import format_bytes
 
 from .codec import PixelUnshuffleCodec
@@ -43,6 +44,7 @@ class VideoTrainConfig:
     weight_decay: float = 0.0
     warmup: int = 20
     grad_clip: float = 1.0
+    ema: float = 0.999  # decay of the parameter average saved as the final model (0: off)
     mixed_precision: str = "no"
     seed: int = 0
     data: str = "shapes"  # "shapes" (built-in) or a folder of videos
@@ -140,6 +142,9 @@ def train(cfg: VideoTrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     raw_model = accelerator.unwrap_model(model)
+    ema = EMA(raw_model, cfg.ema) if cfg.ema else None
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)
     loader = sp_dataloader(
         dataset, mesh, cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_workers
     )
@@ -208,6 +213,8 @@ def train(cfg: VideoTrainConfig) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(raw_model)
             step += 1
             full = sp_report(loss, sp.group)
             losses.append(full)
@@ -244,6 +251,8 @@ def train(cfg: VideoTrainConfig) -> dict:
     if mesh.is_main and step >= cfg.steps:
         from dspzoo.zoo import save_pretrained
 
+        if ema is not None:  # the final model carries the averaged weights
+            ema.copy_to(raw_model)
         save_pretrained(raw_model, output_dir / "final")
     if mesh.is_main:
         (output_dir / "losses.json").write_text(json.dumps(losses))
