@@ -8,6 +8,6 @@ bash scripts/setup_env.sh
 . "${DSPZOO_VENV:-.venv}/bin/activate"
 OUT="${DSPZOO_OUT:-outputs/stdit-mini}"
 LAUNCH=(accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no)
-"${LAUNCH[@]}" scripts/train_video.py --sp 2 --model stdit-mini --steps "${DSPZOO_STEPS:-1200}" \
-    --log-every 100 --save-every 400 --output-dir "$OUT" "$@"
-"${LAUNCH[@]}" scripts/sample_video.py --model-dir "$OUT/final" --out "$OUT/samples.gif"
+"${LAUNCH[@]}" scripts/train_video.py --sp 2 --model stdit-mini --steps "${DSPZOO_STEPS:-4000}" --lr 1e-3 --warmup 50 \
+    --log-every 200 --save-every 1000 --output-dir "$OUT" "$@"
+"${LAUNCH[@]}" scripts/sample_video.py --model-dir "$OUT/final" --out "$OUT/samples.gif" --guidance 3

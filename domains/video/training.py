@@ -256,6 +256,9 @@ def train(cfg: VideoTrainConfig) -> dict:
         save_pretrained(raw_model, output_dir / "final")
     if mesh.is_main:
         (output_dir / "losses.json").write_text(json.dumps(losses))
+        plot_losses(
+            losses, output_dir / "losses.png", start_step, title=f"{cfg.model}, SP {cfg.sp}"
+        )
     tps = (
         cfg.batch_size
         * mesh.dp_size
@@ -294,3 +297,30 @@ def _save_checkpoint(accelerator, output_dir: Path, step: int, is_main: bool) ->
             shutil.rmtree(final)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
+
+
+def plot_losses(
+    losses: list[float],
+    path: Path,
+    start_step: int = 0,
+    window: int = 50,
+    title: str = "training loss",
+) -> None:
+    """Loss per step and its moving average, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(start_step + 1, start_step + len(losses) + 1))
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
+    ax.plot(steps, losses, lw=0.6, alpha=0.35, label="loss")
+    if len(losses) >= window:
+        smooth = [sum(losses[i - window : i]) / window for i in range(window, len(losses) + 1)]
+        ax.plot(steps[window - 1 :], smooth, lw=1.6, label=f"mean of {window}")
+    ax.set(xlabel="step", ylabel="rectified-flow MSE", yscale="log", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
