@@ -60,6 +60,29 @@ def test_with_tensor_keeps_sequence_sizes() -> None:
         act.with_tensor(torch.randn(1, 5, 6, 8))
 
 
+@pytest.mark.parametrize("over", ["t", "h", "w"])
+def test_axial_attention_mixes_only_its_dim(over: str) -> None:
+    """Perturbing one token changes exactly the tokens on its line along ``over``.
+
+    SP-vs-single comparisons cannot catch an attention that mixes the wrong axis (both paths
+    would share the bug); this pins the semantics of one process.
+    """
+    sp = SeqParallel()
+    names = ("t", "h", "w")
+    spec = sp.enter(torch.randn(1, 3, 4, 5, 8), names, (Stage("a", (over,)),)).spec
+    q, k, v = (torch.randn(1, 3, 4, 5, 2, 4) for _ in range(3))
+    base = sp.attention(q, k, v, spec, over=over)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 1, 2, 3] += 1.0
+    v2[0, 1, 2, 3] += 1.0
+    changed = (sp.attention(q, k2, v2, spec, over=over) - base).abs().amax(dim=(0, -2, -1)) > 0
+    expected = torch.zeros(3, 4, 5, dtype=torch.bool)
+    index: list = [1, 2, 3]
+    index[names.index(over)] = slice(None)
+    expected[tuple(index)] = True
+    assert torch.equal(changed, expected)
+
+
 def test_saved_tensor_meter_counts_activations_not_parameters() -> None:
     lin = torch.nn.Linear(64, 64, bias=False)
     x = torch.randn(32, 64, requires_grad=True)
