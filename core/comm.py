@@ -99,9 +99,10 @@ def check_consistent(
     if len(meta) > 32:
         raise ValueError(f"{what}: too many dims to check ({x.dim()})")
     meta += [0] * (32 - len(meta))
-    everyone = torch.empty(n * 32, dtype=torch.long)
-    _all_gather_single(everyone, torch.tensor(meta, dtype=torch.long), group=group)
-    rows = everyone.view(n, 32)
+    # on the data's device: NCCL only moves CUDA tensors
+    everyone = torch.empty(n * 32, dtype=torch.long, device=x.device)
+    _all_gather_single(everyone, torch.tensor(meta, dtype=torch.long, device=x.device), group=group)
+    rows = everyone.view(n, 32).cpu()
     if not bool((rows == rows[0]).all()):
         detail = "; ".join(
             f"rank {q}: ndim={int(row[0])} args={row[1 : 1 + len(args)].tolist()} shape={row[1 + len(args) : 1 + len(args) + int(row[0])].tolist()}"
@@ -308,7 +309,7 @@ def _resolve_length(x: torch.Tensor, dim: int, group: Any, length: int | None) -
     """The global length of sharded axis ``dim``: ``length`` if given, else summed over ranks."""
     if length is not None:
         return int(length)
-    local = torch.tensor([x.shape[dim]], dtype=torch.long)
+    local = torch.tensor([x.shape[dim]], dtype=torch.long, device=x.device)  # NCCL: CUDA only
     dist.all_reduce(local, group=group)
     _record(
         "size_sync",

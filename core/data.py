@@ -4,13 +4,15 @@ Built on Accelerate's :func:`accelerate.data_loader.prepare_data_loader` with th
 rank (not the world's): a seeded sampler gives every rank the same permutation, Accelerate's
 batch sharding then hands each DP group its own batches, so every rank of an SP group sees the
 same batch in the same order. Worker processes are seeded from a generator that is identical
-inside an SP group and distinct across DP groups, so random augmentation agrees too.
+inside an SP group and distinct across DP groups (in every epoch), so random augmentation
+agrees inside a group and differs across groups.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,10 +23,16 @@ from torch.utils.data import DataLoader, Dataset
 from .mesh import SPMesh, sp_generator
 
 
-def _seed_worker(worker_id: int) -> None:
-    """Seed numpy and ``random`` in a worker from its torch seed (itself from the SP generator)."""
-    seed = torch.initial_seed() % (2**32)
-    np.random.seed(seed)
+def _seed_worker(worker_id: int, dp_rank: int) -> None:
+    """Seed torch, numpy and ``random`` in a worker from its base seed and the DP rank.
+
+    The base seed is drawn from the loader's generator, which Accelerate's seedable sampler
+    reseeds with ``seed + epoch`` on every rank alike; mixing in the DP rank keeps the workers
+    of different DP groups apart while the ranks of one SP group stay identical.
+    """
+    seed = (torch.initial_seed() * 1_000_003 + dp_rank * 7_919) % (2**63 - 1)
+    torch.manual_seed(seed)
+    np.random.seed(seed % (2**32))
     random.seed(seed)
 
 
@@ -65,7 +73,7 @@ def sp_dataloader(
         drop_last=drop_last,
         num_workers=num_workers,
         collate_fn=collate_fn,
-        worker_init_fn=_seed_worker,
+        worker_init_fn=partial(_seed_worker, dp_rank=mesh.dp_rank),
         generator=sp_generator(mesh, seed),
     )
     return prepare_data_loader(

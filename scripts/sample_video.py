@@ -59,7 +59,7 @@ def main() -> None:
     frames = args.frames or train_cfg.get("frames", 8)
     size = args.size or train_cfg.get("size", 32)
     codec = PixelUnshuffleCodec(train_cfg.get("codec_factor", 2))
-    model = from_pretrained(model_dir).eval()
+    model = from_pretrained(model_dir).to(accelerator.device).eval()
     classes = max(1, model.config.num_classes)
     labels = torch.arange(classes).repeat_interleave(args.per_class)
     shape = (

@@ -46,6 +46,8 @@ def _check(results: list[dict], num_batches: int) -> None:
             assert not ids[i] & ids[j]
     if len(firsts) > 1:
         assert not torch.equal(firsts[0]["noise"], firsts[1]["noise"])
+        for a, b in zip(firsts[0]["epochs"], firsts[1]["epochs"], strict=True):
+            assert not torch.equal(a[:, 1], b[:, 1])  # augmentation streams differ, every epoch
     for r in firsts:  # each epoch reshuffles
         assert not torch.equal(r["epochs"][0], r["epochs"][1])
         assert r["epochs"][0].shape[0] == num_batches * 4
@@ -57,3 +59,7 @@ def test_dataloader_dp2_sp2() -> None:
 
 def test_dataloader_with_workers_sp2() -> None:
     _check(run_distributed(_batches, 2, 2, 2), num_batches=64 // 4)
+
+
+def test_dataloader_workers_differ_across_dp_groups() -> None:
+    _check(run_distributed(_batches, 2, 1, 2), num_batches=64 // 4 // 2)

@@ -104,3 +104,20 @@ def _sample(rank: int, world: int) -> torch.Tensor:
 def test_dsp_sampling_matches_single_process() -> None:
     outs = run_distributed(_sample, 2)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_model_init_leaves_the_dp_seeded_rng_alone(tmp_path: Path) -> None:
+    """Initial weights depend on the seed only; the global RNG (seeded per DP group for noise,
+    timesteps and label dropout) must not be reset by building the model."""
+    from dspzoo.domains.video.codec import PixelUnshuffleCodec
+    from dspzoo.domains.video.training import build_model
+
+    cfg, codec = _config(tmp_path), PixelUnshuffleCodec()
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    a = build_model(cfg, 4, codec)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(99)
+    b = build_model(cfg, 4, codec)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name

@@ -51,11 +51,16 @@ def sample_video(
     """
     model.check_input(torch.empty(shape, device="meta"))
     start = time.perf_counter()
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    device = next(model.parameters()).device
+    # drawn on the CPU from a fixed seed, so every rank (and every device type) starts alike
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
     batch, _, frames, height, width = shape
     grid = (frames, height, width)
     x = sp.enter(patchify(noise, model.config.patch), SEQ_DIMS, model.STAGES)
     use_cfg = guidance != 1.0 and labels is not None
+    labels = None if labels is None else labels.to(device)
+    cond = None if cond is None else cond.to(device)
+    cond_mask = None if cond_mask is None else cond_mask.to(device)
     if use_cfg:
         null = torch.full_like(labels, model.config.num_classes)
         labels_in = torch.cat([labels, null])
@@ -67,7 +72,7 @@ def sample_video(
     for i in tqdm(range(steps), desc="sampling", disable=not progress, leave=False):
         t, dt = float(ts[i]), float(ts[i + 1] - ts[i])
         x_in = x.with_tensor(torch.cat([x.tensor, x.tensor])) if use_cfg else x
-        tvec = torch.full((x_in.tensor.shape[0],), t * TIMESTEP_SCALE)
+        tvec = torch.full((x_in.tensor.shape[0],), t * TIMESTEP_SCALE, device=device)
         v = model.forward_tokens(x_in, tvec, labels_in, cond_in, mask_in, sp, grid)
         v = sp.switch(v, x.spec.sharded).tensor
         if model.config.learn_sigma:  # the variance half plays no part in a flow ODE

@@ -55,6 +55,7 @@ class VideoTrainConfig:
     on_bad_video: str = "raise"
     codec_factor: int = 2
     class_dropout: float = 0.1
+    timesteps: str = "logit-normal"  # training t distribution: "logit-normal" or "uniform"
     num_workers: int = 0
     output_dir: str = "outputs/stdit-tiny"
     save_every: int = 100
@@ -93,19 +94,26 @@ def build_dataset(cfg: VideoTrainConfig):
 def build_model(
     cfg: VideoTrainConfig, num_classes: int, codec: PixelUnshuffleCodec
 ) -> torch.nn.Module:
-    """Create the zoo model sized for the data (channels, frames, latent size, classes)."""
+    """Create the zoo model sized for the data (channels, frames, latent size, classes).
+
+    The initial weights come from ``cfg.seed`` alone, identical on every rank, and the global
+    RNG is left untouched: it stays seeded per DP group (by ``setup_accelerate``) for the
+    diffusion noise, timesteps and label dropout.
+    """
     from dspzoo.zoo import create_model
 
     latent = cfg.size // codec.factor
-    return create_model(
-        cfg.model,
-        in_channels=codec.latent_channels,
-        num_classes=num_classes,
-        max_frames=max(cfg.frames, 16),
-        input_size=(latent, latent),
-        class_dropout_prob=cfg.class_dropout,
-        cond_dim=0,  # the built-in data has class labels, no text tokens: no cross-attention
-    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return create_model(
+            cfg.model,
+            in_channels=codec.latent_channels,
+            num_classes=num_classes,
+            max_frames=max(cfg.frames, 16),
+            input_size=(latent, latent),
+            class_dropout_prob=cfg.class_dropout,
+            cond_dim=0,  # the built-in data has class labels, no text tokens: no cross-attention
+        )
 
 
 def _lr_lambda(cfg: VideoTrainConfig):
@@ -125,6 +133,8 @@ def _latest_checkpoint(output_dir: Path) -> Path | None:
 
 def train(cfg: VideoTrainConfig) -> dict:
     """Run training; returns ``{"losses": [...], "tokens_per_s": ..., ...}`` on every rank."""
+    if cfg.timesteps not in ("logit-normal", "uniform"):
+        raise ValueError(f"--timesteps must be 'logit-normal' or 'uniform', got {cfg.timesteps!r}")
     accelerator, mesh, sp = setup_accelerate(
         cfg.sp, seed=cfg.seed, mixed_precision=cfg.mixed_precision
     )
@@ -134,7 +144,6 @@ def train(cfg: VideoTrainConfig) -> dict:
         (output_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     codec = PixelUnshuffleCodec(cfg.codec_factor)
     dataset = build_dataset(cfg)
-    torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
     model = build_model(cfg, getattr(dataset, "num_classes", 1), codec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
@@ -146,7 +155,12 @@ def train(cfg: VideoTrainConfig) -> dict:
     if ema is not None:
         accelerator.register_for_checkpointing(ema)
     loader = sp_dataloader(
-        dataset, mesh, cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_workers
+        dataset,
+        mesh,
+        cfg.batch_size,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        device=accelerator.device,
     )
 
     step = 0
@@ -163,7 +177,7 @@ def train(cfg: VideoTrainConfig) -> dict:
 
     start_step = step
     batches_per_epoch = len(loader)
-    flow = FlowConfig()
+    flow = FlowConfig(logit_normal=cfg.timesteps == "logit-normal")
     losses: list[float] = []
     tokens_per_sample = cfg.frames * (cfg.size // codec.factor // 2) ** 2
     timings: list[float] = []
@@ -187,7 +201,7 @@ def train(cfg: VideoTrainConfig) -> dict:
             start = time.perf_counter()
             video, labels = batch["video"], batch["label"]
             x0 = codec.encode(video)
-            t = sample_t(x0.shape[0], flow)
+            t = sample_t(x0.shape[0], flow).to(x0.device)
             xt, velocity = noisy_pair(x0, t)
             model.train()
             with accelerator.autocast():
