@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from unittest import mock
 
 import pytest
@@ -19,11 +20,11 @@ from dspzoo.zoo import create_model
 SHAPES = [(4, 8, 8), (5, 6, 6)]
 
 
-def _model(family: str, cond: bool) -> torch.nn.Module:
+def _model(family: str, cond: bool, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     torch.manual_seed(0)
     model = create_model(
         f"{family}-tiny", cond_dim=8 if cond else 0, hidden=32, heads=4, num_classes=3
-    ).double()
+    ).to(dtype)
     with (
         torch.no_grad()
     ):  # adaLN-Zero starts at identity: randomise so every gradient is non-trivial
@@ -32,16 +33,17 @@ def _model(family: str, cond: bool) -> torch.nn.Module:
     return model
 
 
-def _inputs(shape: tuple[int, int, int], cond: bool) -> dict:
+def _inputs(shape: tuple[int, int, int], cond: bool, dtype: torch.dtype) -> dict:
     g = torch.Generator().manual_seed(1)
     t, h, w = shape
     inputs = {
-        "x": torch.randn(2, 12, t, h, w, generator=g, dtype=torch.float64),
-        "timestep": torch.rand(2, generator=g, dtype=torch.float64) * 1000,
+        "x": torch.randn(2, 12, t, h, w, generator=g, dtype=dtype),
+        # per-frame timesteps on the odd shape: conditioning sliced in lockstep with the tokens
+        "timestep": torch.rand(2, *([t] if t % 2 else []), generator=g, dtype=dtype) * 1000,
         "y": torch.tensor([0, 2]),
     }
     if cond:
-        inputs["cond"] = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
+        inputs["cond"] = torch.randn(2, 3, 8, generator=g, dtype=dtype)
         inputs["cond_mask"] = torch.tensor([[True, True, False], [True, True, True]])
     return inputs
 
@@ -50,12 +52,16 @@ def _run(model: torch.nn.Module, inputs: dict, sp: SeqParallel, sharded_loss: bo
     torch.manual_seed(5)  # label dropout draws from the global RNG, identical in the SP group
     model.train()
     weight = torch.randn(
-        inputs["x"].shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64
+        inputs["x"].shape, generator=torch.Generator().manual_seed(9), dtype=inputs["x"].dtype
     )
     if sharded_loss:
         out = model(**inputs, sp=sp, gather_output=False)
         target = sp.shard_like(model.patchify_target(weight), out)
-        loss = sp_mse(out.tensor, target, sp.group)
+        frames = inputs["x"].shape[2]
+        frame_mask = (torch.arange(frames) != 1).to(target.dtype)[
+            None, :, None, None
+        ]  # [1, T', 1, 1]
+        loss = sp_mse(out.tensor, target, sp.group, weight=sp.shard_like(frame_mask, out))
         loss.backward()
         return loss.detach()
     out = model(**inputs, sp=sp)
@@ -63,36 +69,38 @@ def _run(model: torch.nn.Module, inputs: dict, sp: SeqParallel, sharded_loss: bo
     return out.detach()
 
 
+def _assert_matches(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """fp64: elementwise to 1e-5 relative; fp32: relative error of the whole tensor ≤ 1e-5
+    (elementwise, fp32 sums taken in another order differ by more near zero)."""
+    if ref.dtype == torch.float64:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8, msg=lambda m: f"{what}: {m}")
+        return
+    error = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    assert error <= 1e-5, f"{what}: relative error {error:.2e} in {ref.dtype}"
+
+
 def _compare(sp: SeqParallel, world: int) -> int:
-    """Every (family, conditioning, shape, loss placement) case against one process."""
+    """Every (dtype, family, conditioning, shape, loss placement) case against one process."""
     checks = 0
-    for family in ("stdit", "latte"):
-        for cond in (False, True):
-            for shape in SHAPES:
-                for sharded_loss in (False, True):
-                    inputs = _inputs(shape, cond)
-                    ref_model, model = _model(family, cond), _model(family, cond)
-                    ref = _run(ref_model, inputs, SeqParallel(), sharded_loss)
-                    got = _run(model, inputs, sp, sharded_loss)
-                    if sharded_loss:  # per-rank loss share: its SP mean is the full loss
-                        got = got.clone()
-                        dist.all_reduce(got)
-                        got = got / world
-                    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
-                    for (name, p), q in zip(
-                        model.named_parameters(), ref_model.parameters(), strict=True
-                    ):
-                        assert q.grad is not None and q.grad.abs().sum() > 0, name
-                        grad = p.grad.clone()
-                        dist.all_reduce(grad)
-                        torch.testing.assert_close(
-                            grad / world,
-                            q.grad,
-                            rtol=1e-5,
-                            atol=1e-8,
-                            msg=lambda m, n=name, f=family: f"{f} {n}: {m}",
-                        )
-                    checks += 1
+    for dtype, family, cond, shape, sharded_loss in itertools.product(
+        (torch.float64, torch.float32), ("stdit", "latte"), (False, True), SHAPES, (False, True)
+    ):
+        case = f"{dtype} {family} cond={cond} {shape} sharded_loss={sharded_loss}"
+        inputs = _inputs(shape, cond, dtype)
+        ref_model, model = _model(family, cond, dtype), _model(family, cond, dtype)
+        ref = _run(ref_model, inputs, SeqParallel(), sharded_loss)
+        got = _run(model, inputs, sp, sharded_loss)
+        if sharded_loss:  # per-rank loss share: its SP mean is the full loss
+            got = got.clone()
+            dist.all_reduce(got)
+            got = got / world
+        _assert_matches(got, ref, case)
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+            assert q.grad is not None and q.grad.abs().sum() > 0, name
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            _assert_matches(grad / world, q.grad, f"{case} grad {name}")
+        checks += 1
     return checks
 
 
@@ -124,7 +132,7 @@ def test_video_models_under_dsp(world: int) -> None:
     """Outputs and all gradients equal one process; STDiT does 2 switches per layer."""
     results = run_distributed(_worker, world, timeout=400)
     for r in results:
-        assert r["checks"] == 16
+        assert r["checks"] == 32
         trace = r["trace"]
         assert trace["switches"] == 2 * 3 - 1  # the first layer's first switch is the entry split
         assert trace["per_layer"][1] == trace["per_layer"][2] == trace["formula"]
@@ -163,8 +171,23 @@ def test_bad_inputs_raise_clear_errors() -> None:
         model(x, t, cond=torch.randn(1, 2, 32), cond_mask=torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="timestep"):
         model(x, torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"per frame \[B=1, T'=4\]"):
+        model(x, torch.rand(1, 3))
     with pytest.raises(ValueError, match="depth must be even"):
         create_model("latte-tiny", depth=3)
+
+
+@pytest.mark.parametrize("family", ["stdit", "latte"])
+def test_equal_per_frame_timesteps_match_one_per_sample(family: str) -> None:
+    model = _model(family, cond=False).eval()
+    x = torch.randn(2, 12, 5, 6, 6, dtype=torch.float64)
+    t = torch.tensor([10.0, 700.0], dtype=torch.float64)
+    y = torch.tensor([0, 2])
+    per_frame = model(x, t[:, None].expand(2, 5), y)
+    torch.testing.assert_close(per_frame, model(x, t, y))
+    t_frames = t[:, None].repeat(1, 5)
+    t_frames[:, 0] = 0.0  # a clean first frame changes the prediction for the others too
+    assert not torch.allclose(model(x, t_frames, y)[:, :, 1:], per_frame[:, :, 1:])
 
 
 @pytest.mark.parametrize("family", ["stdit", "latte"])

@@ -20,13 +20,23 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def _per_token(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[B, C]`` → ``[B, 1, …, 1, C]`` to broadcast over ``x``'s tokens; a ``p`` with as many
+    dims as ``x`` (e.g. per-frame ``[B, T, 1, C]``) is used as it is."""
+    if p.dim() == x.dim():
+        return p
+    return p.reshape((p.shape[0],) + (1,) * (x.dim() - 2) + (p.shape[-1],))
+
+
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """adaLN: ``x · (1 + scale) + shift``; ``shift``/``scale`` ``[B, C]`` broadcast over tokens."""
-    extra = x.dim() - shift.dim()
-    shape = (shift.shape[0],) + (1,) * extra + (shift.shape[-1],)
-    return x * (1 + scale.reshape(shape)) + shift.reshape(shape)
+    """adaLN: ``x · (1 + scale) + shift`` for ``x`` ``[B, *tokens, C]``.
+
+    ``shift``/``scale``: ``[B, C]`` (one per sample) or broadcastable with ``x`` (e.g. per-frame
+    ``[B, T, 1, C]``).
+    """
+    return x * (1 + _per_token(scale, x)) + _per_token(shift, x)
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``gate`` ``[B, C]`` times ``x`` ``[B, ..., C]``."""
-    return x * gate.reshape((gate.shape[0],) + (1,) * (x.dim() - 2) + (gate.shape[-1],))
+    """``gate`` (``[B, C]`` or broadcastable with ``x``) times ``x`` ``[B, *tokens, C]``."""
+    return x * _per_token(gate, x)

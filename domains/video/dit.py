@@ -64,6 +64,15 @@ def _sincos_tables(
         return sincos_1d(frames, dim)[None, :, None], sincos_2d(grid_h, grid_w, dim)[None, None]
 
 
+def frame_local(mod: torch.Tensor, act: SeqTensor, sp: SeqParallel) -> torch.Tensor:
+    """This rank's part of a modulation tensor for the activation's current sharding.
+
+    ``[B, …, C]`` per-sample tensors pass through; per-frame ones ``[B, T', 1, C]`` are sliced on
+    ``t`` when ``act`` is sharded there (in lockstep with the tokens) and kept whole otherwise.
+    """
+    return sp.shard_like(mod, act) if mod.dim() == 4 else mod
+
+
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
     """``[B, C, T, H, W]`` → ``[B, T/pt, (H/ph)(W/pw), pt·ph·pw·C]``."""
     pt, ph, pw = patch
@@ -195,11 +204,18 @@ class VideoDiT(nn.Module):
         y: torch.Tensor | None,
         context: torch.Tensor | None,
         context_mask: torch.Tensor | None,
+        frames: int | None = None,
     ) -> None:
-        """Raise a clear error for timesteps / labels / conditioning tokens of the wrong shape."""
+        """Raise a clear error for timesteps / labels / conditioning tokens of the wrong shape.
+
+        ``frames``: token frames ``T'`` of the input, the length per-frame timesteps must have.
+        """
         c = self.config
-        if timestep.shape != (batch,):
-            raise ValueError(f"timestep must be [B={batch}], got shape {tuple(timestep.shape)}")
+        if timestep.shape != (batch,) and (frames is None or timestep.shape != (batch, frames)):
+            per_frame = "" if frames is None else f" or per frame [B={batch}, T'={frames}]"
+            raise ValueError(
+                f"timestep must be [B={batch}]{per_frame}, got shape {tuple(timestep.shape)}"
+            )
         if y is not None and c.num_classes and y.shape != (batch,):
             raise ValueError(f"class labels y must be [B={batch}], got shape {tuple(y.shape)}")
         if context is None:
@@ -235,12 +251,17 @@ class VideoDiT(nn.Module):
         return temporal.to(device=device, dtype=dtype), spatial.to(device=device, dtype=dtype)
 
     def condition(self, timestep: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        """``[B, hidden]`` vector from timesteps and (optionally dropped) class labels.
+        """Conditioning vector from timesteps and (optionally dropped) class labels.
 
+        ``timestep`` ``[B]`` gives ``[B, hidden]``; per-frame timesteps ``[B, T']`` (e.g. clean
+        conditioning frames at t = 0 next to noisy ones) give ``[B, T', 1, hidden]``, laid out to
+        broadcast over ``[B, T', S, hidden]`` tokens and sliced with them (:func:`frame_local`).
         Label dropout for classifier-free guidance draws from the global RNG, which is
         identical on the ranks of an SP group.
         """
-        c = self.t_embed(timestep)
+        c = self.t_embed(timestep.flatten()).unflatten(0, timestep.shape)
+        if timestep.dim() == 2:
+            c = c[:, :, None]
         if self.y_embed is not None:
             if y is None:
                 y = torch.full(
@@ -252,7 +273,8 @@ class VideoDiT(nn.Module):
             elif self.training and self.config.class_dropout_prob > 0:
                 drop = torch.rand(y.shape[0]) < self.config.class_dropout_prob
                 y = torch.where(drop.to(y.device), torch.full_like(y, self.config.num_classes), y)
-            c = c + self.y_embed(y)
+            label = self.y_embed(y)
+            c = c + (label[:, None, None] if c.dim() == 4 else label)
         return c
 
     def block_inputs(self, c: torch.Tensor) -> torch.Tensor:
@@ -295,7 +317,9 @@ class VideoDiT(nn.Module):
         (``out_patch_dim = pt·ph·pw·out_channels``).
         """
         x = act.tensor
-        self.check_conditioning(x.shape[0], timestep, y, context, context_mask)
+        self.check_conditioning(
+            x.shape[0], timestep, y, context, context_mask, act.spec.length("t")
+        )
         temporal, spatial = self.position_tables(
             grid[0] // self.config.patch[0], grid[1], grid[2], x.device, x.dtype
         )
@@ -308,7 +332,7 @@ class VideoDiT(nn.Module):
         for i, block in enumerate(self.blocks):
             with comm_region(f"block{i}"):
                 act = block(act, block_c, context, context_mask, sp)
-        return act.with_tensor(self.final(act.tensor, c))
+        return act.with_tensor(self.final(act.tensor, frame_local(c, act, sp)))
 
     def forward(
         self,

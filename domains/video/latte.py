@@ -15,7 +15,7 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage
 from dspzoo.core.layers.attention import CrossAttention, SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
 
-from .dit import VideoDiT, VideoDiTConfig
+from .dit import VideoDiT, VideoDiTConfig, frame_local
 
 
 class LatteBlock(nn.Module):
@@ -48,9 +48,11 @@ class LatteBlock(nn.Module):
         context_mask: torch.Tensor | None,
         sp: SeqParallel,
     ) -> SeqTensor:
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
+        """``c``: ``[B, C]`` or per frame ``[B, T', 1, C]``."""
+        mods = self.ada(c).chunk(6, dim=-1)
         act = sp.to_stage(act, f"{self.kind}_attn")
         x = act.tensor
+        shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
         x = x + gated(self.attn(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a)
         act = sp.to_stage(act.with_tensor(x), f"{self.kind}_cross")
         x = act.tensor
@@ -58,6 +60,7 @@ class LatteBlock(nn.Module):
             x = x + self.cross(x, context, context_mask)
         act = sp.to_stage(act.with_tensor(x), f"{self.kind}_mlp")
         x = act.tensor
+        shift_m, scale_m, gate_m = (frame_local(m, act, sp) for m in mods[3:])
         x = x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
         return act.with_tensor(x)
 

@@ -17,7 +17,7 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage
 from dspzoo.core.layers.attention import CrossAttention, SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
 
-from .dit import VideoDiT, VideoDiTConfig
+from .dit import VideoDiT, VideoDiTConfig, frame_local
 
 
 class STDiTBlock(nn.Module):
@@ -49,15 +49,17 @@ class STDiTBlock(nn.Module):
         context_mask: torch.Tensor | None,
         sp: SeqParallel,
     ) -> SeqTensor:
-        """``mod``: ``[B, 6, C]`` shared modulation for this layer."""
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (mod + self.table).unbind(1)
+        """``mod``: shared modulation for this layer, ``[B, 6, C]`` or per frame ``[B, T', 1, 6, C]``."""
+        mods = (mod + self.table).unbind(-2)
 
         act = sp.to_stage(act, "spatial")
         x = act.tensor
+        shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
         x = x + gated(self.spatial(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a)
 
         act = sp.to_stage(act.with_tensor(x), "temporal")
         x = act.tensor
+        shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
         x = x + gated(
             self.temporal(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a
         )
@@ -69,6 +71,7 @@ class STDiTBlock(nn.Module):
 
         act = sp.to_stage(act.with_tensor(x), "mlp")
         x = act.tensor
+        shift_m, scale_m, gate_m = (frame_local(m, act, sp) for m in mods[3:])
         x = x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
         return act.with_tensor(x)
 
@@ -87,5 +90,5 @@ class STDiT(VideoDiT):
         nn.init.zeros_(self.mod[-1].bias)
 
     def block_inputs(self, c: torch.Tensor) -> torch.Tensor:
-        """Shared per-layer modulation ``[B, 6, C]`` from the conditioning vector."""
+        """Shared per-layer modulation ``[B, 6, C]`` (per frame: ``[B, T', 1, 6, C]``)."""
         return self.mod(c).unflatten(-1, (6, self.config.hidden))
