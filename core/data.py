@@ -20,7 +20,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Dataset
 
-from .mesh import SPMesh, sp_generator
+from .mesh import SPMesh, mix_dp_rank, sp_generator
 
 
 def _seed_worker(worker_id: int, dp_rank: int) -> None:
@@ -30,7 +30,7 @@ def _seed_worker(worker_id: int, dp_rank: int) -> None:
     reseeds with ``seed + epoch`` on every rank alike; mixing in the DP rank keeps the workers
     of different DP groups apart while the ranks of one SP group stay identical.
     """
-    seed = (torch.initial_seed() * 1_000_003 + dp_rank * 7_919) % (2**63 - 1)
+    seed = mix_dp_rank(torch.initial_seed(), dp_rank)
     torch.manual_seed(seed)
     np.random.seed(seed % (2**32))
     random.seed(seed)

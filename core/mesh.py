@@ -114,9 +114,14 @@ def build_mesh(sp_size: int, accelerator: Accelerator | None = None) -> SPMesh:
     )
 
 
+def mix_dp_rank(seed: int, dp_rank: int) -> int:
+    """``seed`` combined with a DP rank: equal for equal ranks, distinct across DP groups."""
+    return (seed * 1_000_003 + dp_rank * 7_919) % (2**63 - 1)
+
+
 def dp_seed(mesh: SPMesh, seed: int) -> int:
     """A seed identical inside an SP group and different across DP groups."""
-    return (seed * 1_000_003 + mesh.dp_rank * 7_919) % (2**63 - 1)
+    return mix_dp_rank(seed, mesh.dp_rank)
 
 
 def seed_everything(mesh: SPMesh, seed: int) -> int:
