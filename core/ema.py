@@ -44,5 +44,13 @@ class EMA:
         missing = set(self.shadow) - set(state["shadow"])
         if missing:
             raise ValueError(f"EMA state is missing parameters {sorted(missing)[:5]}")
+        unexpected = set(state["shadow"]) - set(self.shadow)
+        if unexpected:
+            raise ValueError(f"EMA state has unknown parameters {sorted(unexpected)[:5]}")
         self.decay, self.updates = state["decay"], state["updates"]
-        self.shadow = {k: v.clone() for k, v in state["shadow"].items()}
+        # Accelerate (and torch.load with map_location="cpu") hands the state over on the CPU:
+        # each average goes back to the device and dtype of the parameter it tracks
+        self.shadow = {
+            k: state["shadow"][k].to(device=own.device, dtype=own.dtype, copy=True)
+            for k, own in self.shadow.items()
+        }
