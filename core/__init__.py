@@ -12,6 +12,7 @@ from .loss import sp_mean, sp_mse, sp_report
 from .mesh import SPMesh, build_mesh, seed_everything, single_process_mesh, sp_generator
 from .plan import Plan, Stage, plan_stages
 from .runtime import SeqParallel, SeqTensor
+from .sharded_rng import ShardBlock, shard_block, sharded_dropout, sharded_uniform
 from .trace import SavedTensorMeter, comm_region, trace_comm
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "SeqParallel",
     "SeqSpec",
     "SeqTensor",
+    "ShardBlock",
     "Stage",
     "build_mesh",
     "comm_region",
@@ -29,7 +31,10 @@ __all__ = [
     "plan_stages",
     "seed_everything",
     "set_debug",
+    "shard_block",
     "shard_sizes",
+    "sharded_dropout",
+    "sharded_uniform",
     "single_process_mesh",
     "sp_dataloader",
     "sp_generator",

@@ -188,3 +188,25 @@ class SeqParallel:
                 f"dim {dim!r} has length {full} (or 1 to broadcast)"
             )
         return comm.split(t, axis, self.group)
+
+    # -- randomness on sharded activations --------------------------------------------------
+    def dropout(
+        self,
+        act: SeqTensor,
+        p: float,
+        key: int,
+        shared_along: tuple[str, ...] = (),
+        training: bool = True,
+        batch_offset: int = 0,
+    ) -> SeqTensor:
+        """Keyed inverted dropout of ``act``: bit for bit the one-process mask, on any sharding.
+
+        ``key`` comes from the caller, e.g. ``mix_key(seed, step, layer, "dropout")``, and must
+        be equal on the ranks of the group; ``shared_along`` names sequence dims along which one
+        mask value is shared (AlphaFold's row-/column-wise dropout); ``batch_offset`` is the
+        global index of the local batch's first sample. The global RNG is not touched. See
+        :mod:`dspzoo.core.sharded_rng`.
+        """
+        from .sharded_rng import seq_dropout
+
+        return seq_dropout(self, act, p, key, shared_along, training, batch_offset)
