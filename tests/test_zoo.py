@@ -14,6 +14,7 @@ from dspzoo.zoo import (
     CheckpointMismatchError,
     count_parameters,
     create_model,
+    format_count,
     from_pretrained,
     get_config,
     list_models,
@@ -24,6 +25,7 @@ from dspzoo.zoo import (
     unregister_family,
 )
 from dspzoo.zoo.cli import main as cli_main
+from dspzoo.zoo.registry import resolve_name
 
 
 @dataclass(frozen=True)
@@ -115,11 +117,32 @@ def test_corrupt_files_are_named(mlp_family: str, tmp_path) -> None:
         from_pretrained(tmp_path / "missing")
 
 
-def test_cli_lists_models(capsys) -> None:
-    cli_main(["list"])
-    out = capsys.readouterr().out
-    assert "toy2d-tiny" in out
-    cli_main(["info", "toy2d-tiny"])
-    assert "hidden" in capsys.readouterr().out
+def test_cli_lists_models(mlp_family: str, capsys) -> None:
+    """Every registered model (the test family included) on one line with its count."""
+    assert cli_main(["list"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    rows = [line.split() for line in captured.out.splitlines()]
+    assert all(len(row) == 2 for row in rows), rows
+    listed = dict(rows)
+    assert sorted(listed) == list_models() and len(rows) == len(listed)
+    assert {"toy2d-tiny", "testmlp-a", "testmlp-b", "stdit-small", "latte-mini"} <= set(listed)
+    for name, count in listed.items():
+        assert count == format_count(count_parameters(create_model(name, device="meta"))), name
+    assert listed["testmlp-b"] == str(3 * 16 + 16 + 16 * 4 + 4)
+    assert cli_main(["info", "toy2d-tiny"]) == 0
+    assert "  hidden" in capsys.readouterr().out
     assert get_config("toy2d-tiny").hidden == 32
     json.dumps(list_models())
+
+
+def test_names_ignore_case(mlp_family: str) -> None:
+    assert get_config("TestMLP-B").width == 16
+    assert create_model("TESTMLP-a").config.width == 8
+    assert resolve_name("testmlp-B") == "testmlp-b"
+    with pytest.raises(ValueError, match=r"already registered \(as testmlp-a; names ignore case\)"):
+        register_config("testmlp", "A", MLPConfig())
+    with pytest.raises(ValueError, match="already registered"):
+        register_family("TestMLP", TinyMLP, MLPConfig)
+    with pytest.raises(KeyError, match=r"did you mean \['testmlp-a'"):
+        get_config("testmlp-aa")

@@ -1,7 +1,10 @@
 """``dspzoo`` command line: list the zoo and describe a model.
 
 dspzoo list
-dspzoo info stdit-720M
+dspzoo info stdit-720M      # names ignore case: stdit-720m works too
+
+An unknown name prints the registry's message (with did-you-mean hints) after the usage line
+and exits with status 2, as argparse does for any other bad argument.
 """
 
 from __future__ import annotations
@@ -9,8 +12,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import sys
 
-from .registry import count_parameters, create_model, format_count, get_config, list_models
+from .registry import (
+    count_parameters,
+    create_model,
+    format_count,
+    get_config,
+    list_models,
+    resolve_name,
+)
 
 _DOMAIN_MODULES = ("dspzoo.domains.toy", "dspzoo.domains.video")
 
@@ -21,27 +32,34 @@ def load_domains() -> None:
         importlib.import_module(name)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _meta_count(name: str) -> str:
+    return format_count(count_parameters(create_model(name, device="meta")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (bad usage or names exit with 2 via argparse)."""
     parser = argparse.ArgumentParser(prog="dspzoo", description="dspzoo model zoo")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list models with their parameter counts")
     info = sub.add_parser("info", help="show a model's config and parameter count")
-    info.add_argument("name")
+    info.add_argument("name", help="model name, e.g. stdit-720M (case-insensitive)")
     args = parser.parse_args(argv)
     load_domains()
     if args.command == "list":
         for name in list_models():
-            print(
-                f"{name:<24} {format_count(count_parameters(create_model(name, device='meta'))):>8}"
-            )
-    else:
-        config = get_config(args.name)
-        print(
-            f"{args.name}: {format_count(count_parameters(create_model(args.name, device='meta')))} parameters"
-        )
-        for f in dataclasses.fields(config):
-            print(f"  {f.name:<22} {getattr(config, f.name)!r}")
+            print(f"{name:<24} {_meta_count(name):>8}")
+        return 0
+    try:
+        name = resolve_name(args.name)
+    except (KeyError, ValueError) as exc:
+        # str(KeyError) is the repr of its message; print the message itself
+        info.error(str(exc.args[0]) if exc.args else str(exc))
+    config = get_config(name)
+    print(f"{name}: {_meta_count(name)} parameters")
+    for f in dataclasses.fields(config):
+        print(f"  {f.name:<22} {getattr(config, f.name)!r}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,9 @@
 """Model registry: families (a model class + its config dataclass) and their named configs.
 
 A zoo model is constructed as ``ModelCls(config)`` and keeps ``self.config``. Full model names
-are ``"<family>-<config>"``, e.g. ``"stdit-tiny"`` or ``"stdit-720M"``.
+are ``"<family>-<config>"``, e.g. ``"stdit-tiny"`` or ``"stdit-720M"``. Lookups ignore case
+(``"stdit-720m"`` finds ``"stdit-720M"``), so names that differ only in case cannot both be
+registered; :func:`resolve_name` gives the registered spelling.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ def register_family(family: str, model_cls: type[nn.Module], config_cls: type) -
         )
     if "-" in family:
         raise ValueError(f"family names may not contain '-': {family!r}")
-    if family in _FAMILIES:
-        raise ValueError(f"model family {family!r} is already registered")
+    clash = _match(family, _FAMILIES)
+    if clash is not None:
+        raise ValueError(
+            f"model family {family!r} is already registered"
+            + (f" (as {clash!r}; names ignore case)" if clash != family else "")
+        )
     _FAMILIES[family] = Family(family, model_cls, config_cls)
 
 
@@ -48,8 +54,12 @@ def register_config(family: str, name: str, config: Any) -> None:
         raise TypeError(
             f"config {name!r} of family {family!r} must be a {fam.config_cls.__name__}, got {type(config).__name__}"
         )
-    if name in fam.configs:
-        raise ValueError(f"config {family}-{name} is already registered")
+    clash = _match(name, fam.configs)
+    if clash is not None:
+        raise ValueError(
+            f"config {fam.name}-{name} is already registered"
+            + (f" (as {fam.name}-{clash}; names ignore case)" if clash != name else "")
+        )
     fam.configs[name] = config
 
 
@@ -58,15 +68,31 @@ def unregister_family(family: str) -> None:
     _FAMILIES.pop(family, None)
 
 
+def _match(name: str, known: Any) -> str | None:
+    """The key of ``known`` equal to ``name`` ignoring case (exact spelling first), or None."""
+    if name in known:
+        return name
+    folded = name.casefold()
+    for key in known:
+        if key.casefold() == folded:
+            return key
+    return None
+
+
+def _close(name: str, known: list[str]) -> list[str]:
+    """Registered names that look like ``name`` (compared ignoring case), best first."""
+    by_folded = {k.casefold(): k for k in known}
+    close = difflib.get_close_matches(name.casefold(), list(by_folded), n=3)
+    return [by_folded[c] for c in close]
+
+
 def _family(family: str) -> Family:
-    try:
-        return _FAMILIES[family]
-    except KeyError:
-        close = difflib.get_close_matches(family, list(_FAMILIES), n=3)
-        hint = f"; did you mean {close}?" if close else ""
-        raise KeyError(
-            f"unknown model family {family!r}{hint} (registered: {sorted(_FAMILIES)})"
-        ) from None
+    key = _match(family, _FAMILIES)
+    if key is not None:
+        return _FAMILIES[key]
+    close = _close(family, list(_FAMILIES))
+    hint = f"; did you mean {close}?" if close else ""
+    raise KeyError(f"unknown model family {family!r}{hint} (registered: {sorted(_FAMILIES)})")
 
 
 def family_of(model: nn.Module) -> str:
@@ -89,26 +115,40 @@ def list_models(family: str | None = None) -> list[str]:
 
 
 def split_name(name: str) -> tuple[str, str]:
-    """``"stdit-720M"`` → ``("stdit", "720M")``."""
+    """``"stdit-720M"`` → ``("stdit", "720M")`` (as written; see :func:`resolve_name`)."""
     family, sep, config = name.partition("-")
     if not sep or not config:
+        fam = _match(family, _FAMILIES)
+        close = list_models(fam) if fam is not None else _close(name, list_models())
+        hint = f"; did you mean {close}?" if close else ""
         raise ValueError(
-            f"model names look like 'family-config' (e.g. 'stdit-tiny'), got {name!r}; known: {list_models()}"
+            f"model names look like 'family-config' (e.g. 'stdit-tiny'), got {name!r}{hint} "
+            f"(known: {list_models()})"
         )
     return family, config
 
 
-def get_config(name: str) -> Any:
-    """The registered config of ``name``."""
+def resolve_name(name: str) -> str:
+    """The registered spelling of model ``name`` (``"stdit-720m"`` → ``"stdit-720M"``).
+
+    Raises ``ValueError`` for a name without ``-`` and ``KeyError`` for an unknown family or
+    config, each with a did-you-mean hint.
+    """
     family, config = split_name(name)
     fam = _family(family)
-    try:
-        return fam.configs[config]
-    except KeyError:
-        known = list_models(family)
-        close = difflib.get_close_matches(name, known, n=3)
+    key = _match(config, fam.configs)
+    if key is None:
+        known = list_models(fam.name)
+        close = _close(name, known)
         hint = f"; did you mean {close}?" if close else ""
-        raise KeyError(f"unknown model {name!r}{hint} (known: {known})") from None
+        raise KeyError(f"unknown model {name!r}{hint} (known: {known})")
+    return f"{fam.name}-{key}"
+
+
+def get_config(name: str) -> Any:
+    """The registered config of ``name`` (case-insensitive)."""
+    family, config = resolve_name(name).split("-", 1)
+    return _FAMILIES[family].configs[config]
 
 
 def override_config(config: Any, **overrides: Any) -> Any:
@@ -127,12 +167,12 @@ def create_model(
 ) -> nn.Module:
     """Build the zoo model ``name`` with config ``overrides``.
 
-    ``device="meta"`` builds it without allocating memory (to count parameters of the
-    big configs).
+    ``name`` ignores case. ``device="meta"`` builds it without allocating memory (to count
+    parameters of the big configs).
     """
-    family, _ = split_name(name)
+    name = resolve_name(name)
     config = override_config(get_config(name), **overrides)
-    cls = _family(family).model_cls
+    cls = _family(split_name(name)[0]).model_cls
     if device is None:
         return cls(config)
     with torch.device(device):
