@@ -63,3 +63,39 @@ def test_dataloader_with_workers_sp2() -> None:
 
 def test_dataloader_workers_differ_across_dp_groups() -> None:
     _check(run_distributed(_batches, 2, 1, 2), num_batches=64 // 4 // 2)
+
+
+def _global_batches(sampler_for_dp, dp: int, steps: int, start: int = 0) -> list[list[int]]:
+    """The global batch of each step: the DP groups' shares, concatenated in DP order."""
+    shares = []
+    for rank in range(dp):
+        sampler = sampler_for_dp(dp, rank)
+        sampler.set_step(start)
+        shares.append(list(sampler)[:steps])
+    return [sum((shares[r][k] for r in range(dp)), []) for k in range(steps)]
+
+
+def test_global_batches_do_not_depend_on_the_layout() -> None:
+    from dspzoo.core.data import SPBatchSampler
+
+    def make(dp: int, rank: int) -> SPBatchSampler:
+        return SPBatchSampler(50, 12 // dp, dp, rank, seed=5)  # 12 samples per step, 4 steps
+
+    reference = _global_batches(make, 1, 4)
+    assert sorted(sum(reference, [])) != list(range(48))  # shuffled
+    for dp in (2, 3, 4):
+        assert _global_batches(make, dp, 4) == reference
+    # resuming at step 3 (epoch 0) and step 6 (epoch 1) continues the same sequence at any layout
+    assert _global_batches(make, 3, 1, start=3) == reference[3:]
+    later = _global_batches(make, 1, 2, start=4)
+    assert _global_batches(make, 2, 2, start=4) == later
+    assert later != reference[:2]  # a new epoch reshuffles
+
+
+def test_too_small_dataset_is_a_clear_error() -> None:
+    import pytest
+
+    from dspzoo.core.data import SPBatchSampler
+
+    with pytest.raises(ValueError, match="too small for one global batch of 8"):
+        SPBatchSampler(7, 4, 2, 0)
