@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -146,3 +150,65 @@ def test_names_ignore_case(mlp_family: str) -> None:
         register_family("TestMLP", TinyMLP, MLPConfig)
     with pytest.raises(KeyError, match=r"did you mean \['testmlp-a'"):
         get_config("testmlp-aa")
+
+
+@pytest.fixture
+def umask():
+    """Set a known umask for the test, restore the old one after."""
+    old = os.umask(0o022)
+    try:
+        yield os.umask
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize(
+    ("mask", "dir_mode", "file_mode"),
+    [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600), (0o002, 0o775, 0o664)],
+)
+def test_saved_folder_respects_umask(
+    mlp_family: str, tmp_path, umask, mask: int, dir_mode: int, file_mode: int
+) -> None:
+    umask(mask)
+    model = create_model("testmlp-a")
+    for _ in range(2):  # a fresh save and an overwrite
+        path = save_pretrained(model, tmp_path / "ckpt")
+        assert stat.S_IMODE(path.stat().st_mode) == dir_mode
+        for name in ("config.json", "model.safetensors"):
+            assert stat.S_IMODE((path / name).stat().st_mode) == file_mode, name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name fds")
+def test_save_fsyncs_files_and_folder_before_the_rename(mlp_family: str, tmp_path) -> None:
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", f"{src} -> {dst}"))
+        real_replace(src, dst)
+
+    model = create_model("testmlp-a")
+    for overwrite in (False, True):
+        events.clear()
+        with mock.patch("os.fsync", fsync), mock.patch("os.replace", replace):
+            save_pretrained(model, tmp_path / "ckpt")
+        into_place = [
+            i
+            for i, (kind, what) in enumerate(events)
+            if kind == "replace" and what.endswith(f"-> {tmp_path / 'ckpt'}")
+        ]
+        assert len(into_place) == 1, events
+        before = [Path(what) for kind, what in events[: into_place[0]] if kind == "fsync"]
+        assert {p.name for p in before} >= {"config.json", "model.safetensors"}, events
+        tmp_dir = before[0].parent
+        assert tmp_dir in before, events  # the folder itself (its entries) is synced
+        assert tmp_dir.parent == tmp_path and tmp_dir.name.startswith(".ckpt.tmp-")
+        after = [Path(what) for kind, what in events[into_place[0] :] if kind == "fsync"]
+        assert tmp_path in after, events  # the rename itself is made durable
+        if overwrite:
+            assert any(kind == "replace" and ".ckpt.old-" in what for kind, what in events)

@@ -1,7 +1,10 @@
 """Save and load zoo models as folders: ``config.json`` + ``model.safetensors``.
 
-Saving is atomic: the folder is written under a temporary name next to the target and renamed
-into place, so an interrupted save never leaves a half-written checkpoint where a good one was.
+Saving is atomic: the folder is written under a temporary name next to the target, its files
+and the folder itself are fsynced, and only then is it renamed into place (and the parent folder
+fsynced), so neither an interrupted save nor a power failure leaves a half-written checkpoint
+where a good one was. The folder and files get the usual modes under the process umask (0755 /
+0644 with umask 022), like any folder the user creates.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import stat
 import types
 import typing
 from pathlib import Path
@@ -31,10 +35,33 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the model it is loaded into."""
 
 
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (its entries) by name."""
+    flags = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)) if path.is_dir() else os.O_RDONLY
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if path.is_dir():  # platforms that cannot open directories (Windows): nothing to sync
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unique_sibling(path: Path, tag: str) -> Path:
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
 def save_pretrained(
     model: nn.Module, path: str | os.PathLike, config_name: str | None = None
 ) -> Path:
-    """Write ``model`` (a registered zoo model) to folder ``path`` atomically."""
+    """Write ``model`` (a registered zoo model) to folder ``path`` atomically and durably.
+
+    ``path`` is replaced as a whole if it exists. The folder and its files are created with
+    the modes the umask allows (``0o777`` / ``0o666`` masked), not private temp-file modes.
+    """
     from dspzoo import __version__
 
     path = Path(path)
@@ -48,17 +75,31 @@ def save_pretrained(
     }
     state = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = _unique_sibling(path, "tmp")
+    tmp.mkdir(mode=0o777)  # masked by the umask, unlike tempfile.mkdtemp's 0o700
     try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"family": family})
+        config_file = tmp / CONFIG_FILE
+        fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(meta, indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        weights = tmp / WEIGHTS_FILE
+        save_file(state, str(weights), metadata={"family": family})
+        # safetensors writes through a private (0600) temporary file: give the weights the
+        # umask-derived mode config.json was created with
+        os.chmod(weights, stat.S_IMODE(config_file.stat().st_mode))
+        _fsync_path(weights)
+        _fsync_path(tmp)
         if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            old = _unique_sibling(path, "old")
             os.replace(path, old)
             os.replace(tmp, path)
+            _fsync_path(path.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+            _fsync_path(path.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
