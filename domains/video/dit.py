@@ -18,6 +18,7 @@ from torch import nn
 from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d, sincos_2d
 from dspzoo.core.layers.mlp import modulate
+from dspzoo.core.validate import validate_collectively
 
 SEQ_DIMS = ("t", "s")
 
@@ -205,6 +206,7 @@ class VideoDiT(nn.Module):
         context: torch.Tensor | None,
         context_mask: torch.Tensor | None,
         frames: int | None = None,
+        label_drop: torch.Tensor | None = None,
     ) -> None:
         """Raise a clear error for timesteps / labels / conditioning tokens of the wrong shape.
 
@@ -218,6 +220,10 @@ class VideoDiT(nn.Module):
             )
         if y is not None and c.num_classes and y.shape != (batch,):
             raise ValueError(f"class labels y must be [B={batch}], got shape {tuple(y.shape)}")
+        if label_drop is not None and label_drop.shape != (batch,):
+            raise ValueError(
+                f"label_drop must be a [B={batch}] boolean mask, got shape {tuple(label_drop.shape)}"
+            )
         if context is None:
             if context_mask is not None:
                 raise ValueError("cond_mask given without conditioning tokens cond")
@@ -250,14 +256,24 @@ class VideoDiT(nn.Module):
         )
         return temporal.to(device=device, dtype=dtype), spatial.to(device=device, dtype=dtype)
 
-    def condition(self, timestep: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+    def condition(
+        self,
+        timestep: torch.Tensor,
+        y: torch.Tensor | None,
+        label_drop: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Conditioning vector from timesteps and (optionally dropped) class labels.
 
         ``timestep`` ``[B]`` gives ``[B, hidden]``; per-frame timesteps ``[B, T']`` (e.g. clean
         conditioning frames at t = 0 next to noisy ones) give ``[B, T', 1, hidden]``, laid out to
         broadcast over ``[B, T', S, hidden]`` tokens and sliced with them (:func:`frame_local`).
-        Label dropout for classifier-free guidance draws from the global RNG, which is
-        identical on the ranks of an SP group.
+
+        Label dropout for classifier-free guidance: ``label_drop`` ``[B]`` bool replaces the
+        marked labels with the null label. Trainers pass it drawn from keyed randomness
+        (:class:`dspzoo.core.rng.SampleRandom`), which makes the run independent of the
+        dp × sp layout. Without it, a model in training mode with ``class_dropout_prob > 0``
+        draws the mask from the global RNG (fine for one process, or with the global RNG
+        seeded identically inside each SP group by :func:`dspzoo.core.seed_everything`).
         """
         c = self.t_embed(timestep.flatten()).unflatten(0, timestep.shape)
         if timestep.dim() == 2:
@@ -270,9 +286,12 @@ class VideoDiT(nn.Module):
                     dtype=torch.long,
                     device=timestep.device,
                 )
-            elif self.training and self.config.class_dropout_prob > 0:
-                drop = torch.rand(y.shape[0]) < self.config.class_dropout_prob
-                y = torch.where(drop.to(y.device), torch.full_like(y, self.config.num_classes), y)
+            else:
+                if label_drop is None and self.training and self.config.class_dropout_prob > 0:
+                    label_drop = torch.rand(y.shape[0]) < self.config.class_dropout_prob
+                if label_drop is not None:
+                    null = torch.full_like(y, self.config.num_classes)
+                    y = torch.where(label_drop.to(device=y.device, dtype=torch.bool), null, y)
             label = self.y_embed(y)
             c = c + (label[:, None, None] if c.dim() == 4 else label)
         return c
@@ -310,22 +329,44 @@ class VideoDiT(nn.Module):
         context_mask: torch.Tensor | None,
         sp: SeqParallel,
         grid: tuple[int, int, int],
+        label_drop: torch.Tensor | None = None,
     ) -> SeqTensor:
         """Sharded raw patches ``[B, T'_l, S_l, patch_dim]`` → output ``[B, T'_l, S_l, out_patch_dim]``.
 
         ``grid`` is the latent ``(T, H, W)``. The output is sharded on the plan's last stage dim
-        (``out_patch_dim = pt·ph·pw·out_channels``).
+        (``out_patch_dim = pt·ph·pw·out_channels``). The conditioning is validated on every
+        rank of the SP group together: a bad input on one rank raises on all of them.
         """
-        x = act.tensor
-        self.check_conditioning(
-            x.shape[0], timestep, y, context, context_mask, act.spec.length("t")
+        batch = act.tensor.shape[0]
+        validate_collectively(
+            lambda: self.check_conditioning(
+                batch, timestep, y, context, context_mask, act.spec.length("t"), label_drop
+            ),
+            sp.group,
+            f"{type(self).__name__} conditioning",
+            act.tensor.device,
         )
+        return self._forward_tokens(act, timestep, y, context, context_mask, sp, grid, label_drop)
+
+    def _forward_tokens(
+        self,
+        act: SeqTensor,
+        timestep: torch.Tensor,
+        y: torch.Tensor | None,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+        sp: SeqParallel,
+        grid: tuple[int, int, int],
+        label_drop: torch.Tensor | None,
+    ) -> SeqTensor:
+        """:meth:`forward_tokens` on inputs already validated."""
+        x = act.tensor
         temporal, spatial = self.position_tables(
             grid[0] // self.config.patch[0], grid[1], grid[2], x.device, x.dtype
         )
         x = self.x_embed(x) + sp.shard_like(temporal, act) + sp.shard_like(spatial, act)
         act = act.with_tensor(x)
-        c = self.condition(timestep, y)
+        c = self.condition(timestep, y, label_drop)
         if context is not None:
             context = self.cond_proj(context)
         block_c = self.block_inputs(c)
@@ -343,6 +384,7 @@ class VideoDiT(nn.Module):
         cond_mask: torch.Tensor | None = None,
         sp: SeqParallel | None = None,
         gather_output: bool = True,
+        label_drop: torch.Tensor | None = None,
     ) -> torch.Tensor | SeqTensor:
         """Predict ``[B, C_out, T, H, W]`` from noisy latents ``x`` at ``timestep`` ``[B]``.
 
@@ -356,12 +398,22 @@ class VideoDiT(nn.Module):
             gather_output: return the replicated output; otherwise this rank's shard in token
                 layout ``[B, T'_l, S_l, out_patch_dim]`` as a :class:`SeqTensor` (for a sharded loss
                 against :meth:`patchify_target`).
+            label_drop: ``[B]`` bool, labels to replace with the null label (see :meth:`condition`).
+
+        Every input is validated on all ranks of the SP group together before any collective:
+        a bad input on one rank raises the same clear error on every rank instead of a hang.
         """
         sp = sp or SeqParallel()
-        self.check_input(x)
+
+        def check() -> None:
+            self.check_input(x)
+            frames = x.shape[2] // self.config.patch[0]
+            self.check_conditioning(x.shape[0], timestep, y, cond, cond_mask, frames, label_drop)
+
+        validate_collectively(check, sp.group, f"{type(self).__name__} inputs", x.device)
         _, _, t, h, w = x.shape
         act = sp.enter(patchify(x, self.config.patch), SEQ_DIMS, self.STAGES)
-        act = self.forward_tokens(act, timestep, y, cond, cond_mask, sp, (t, h, w))
+        act = self._forward_tokens(act, timestep, y, cond, cond_mask, sp, (t, h, w), label_drop)
         if not gather_output:
             return act
         return unpatchify(sp.exit(act), self.config.patch, h, w)
