@@ -1,6 +1,8 @@
 """A 2-process DSP demo: plan, switches, bytes moved, memory, and a check against 1 process.
 
-    accelerate launch --multi_gpu --num_processes 2 scripts/dsp_demo.py
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/dsp_demo.py
+
+(the last three flags are Accelerate's defaults, passed so that it does not warn about them).
 
 Runs one forward + backward of a small 2-D (t, s) axial transformer with its activations
 sharded over the SP group, prints the switch plan, every collective with the bytes it sent
