@@ -88,12 +88,18 @@ def _lsr(z: torch.Tensor, n: int) -> torch.Tensor:
     return (z >> n) & ((1 << (64 - n)) - 1)
 
 
+def _xor_lsr_(z: torch.Tensor, n: int) -> torch.Tensor:
+    """``z ^= z >>> n`` in place, with one temporary."""
+    t = z >> n
+    return z.bitwise_xor_(t.bitwise_and_((1 << (64 - n)) - 1))
+
+
 def _splitmix64_(z: torch.Tensor) -> torch.Tensor:
     """SplitMix64 of every element of int64 ``z``, in place (``z`` is returned)."""
     z.add_(_GOLDEN_S)
-    z.bitwise_xor_(_lsr(z, 30)).mul_(_M1_S)
-    z.bitwise_xor_(_lsr(z, 27)).mul_(_M2_S)
-    return z.bitwise_xor_(_lsr(z, 31))
+    _xor_lsr_(z, 30).mul_(_M1_S)
+    _xor_lsr_(z, 27).mul_(_M2_S)
+    return _xor_lsr_(z, 31)
 
 
 def _check_block(
@@ -190,7 +196,11 @@ def keep_mask(
     """
     p = _check_p(p)
     threshold = math.ceil(p * 2.0**_BITS)  # exact: p · 2**53 is a float64 scaling by 2**53
-    return _lsr(random_bits(key, shape, offsets, global_shape, device), 64 - _BITS) >= threshold
+    bits = random_bits(key, shape, offsets, global_shape, device)
+    if threshold >= 1 << _BITS:
+        return torch.zeros_like(bits, dtype=torch.bool)
+    # top53(h) >= t  <=>  h >= t · 2**11 as unsigned  <=>  (h ^ 2**63) >= t · 2**11 - 2**63 signed
+    return bits.bitwise_xor_(-(1 << 63)) >= (threshold << (64 - _BITS)) - (1 << 63)
 
 
 def _norm_axes(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -243,8 +253,8 @@ def dropout(
     if p == 1.0:
         return x * torch.zeros(shape, dtype=x.dtype, device=x.device)
     keep = keep_mask(key, p, shape, offs, full, x.device)
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=x.dtype, device=x.device)
-    return x * (keep.to(x.dtype) * scale)
+    # autograd saves only the boolean mask (broadcast: small when shared)
+    return torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # -- sharded helpers --------------------------------------------------------------------------

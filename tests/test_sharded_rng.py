@@ -83,6 +83,12 @@ def test_statistics_are_sane() -> None:
     assert abs(float(keep.double().mean()) - 0.7) < 0.01
 
 
+def test_keep_mask_is_the_53_bit_uniform_compared_with_p() -> None:
+    u = uniform(5, (4096,), dtype=torch.float64)
+    for p in (0.0, 1e-17, 0.1, 0.5, 0.999999, 1 - 2**-53, 1.0):
+        assert torch.equal(keep_mask(5, p, (4096,)), u >= p), p
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_uniform_dtypes_are_exact_and_below_one(dtype: torch.dtype) -> None:
     u = uniform(11, (4096,), dtype=dtype)
