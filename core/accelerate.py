@@ -14,19 +14,42 @@ Inside a script started by ``accelerate launch --multi_gpu --num_processes N`` (
 DDP (and FSDP2's ``fully_shard``) average gradients over the whole world; under the gradient
 contract of :mod:`dspzoo.core.loss` that is exactly the data-parallel average of
 single-process gradients, so no extra scaling is needed. On a machine without CUDA the
-Accelerator is built with ``cpu=True`` and gloo (``--multi_gpu`` still starts N processes).
+Accelerator is built with ``cpu=True`` and gloo (``--multi_gpu`` still starts N processes),
+and glibc malloc's thresholds are raised process-wide (logged at INFO; opt out with
+``keep_freed_memory=False`` or ``DSPZOO_KEEP_FREED_MEMORY=0``, see :func:`setup_accelerate`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
+from . import perf
 from .mesh import SPMesh, build_mesh, seed_everything
-from .perf import keep_freed_memory
 from .runtime import SeqParallel
+
+logger = logging.getLogger(__name__)
+
+KEEP_FREED_MEMORY_ENV = "DSPZOO_KEEP_FREED_MEMORY"
+_FALSE = ("0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _env_allows_keep_freed_memory() -> bool:
+    """``DSPZOO_KEEP_FREED_MEMORY``: unset or empty or 1/true/yes/on → allowed; 0/false/no/off → not."""
+    value = os.environ.get(KEEP_FREED_MEMORY_ENV, "").strip().lower()
+    if value in _FALSE:
+        return False
+    if value == "" or value in _TRUE:
+        return True
+    raise ValueError(
+        f"{KEEP_FREED_MEMORY_ENV}={os.environ[KEEP_FREED_MEMORY_ENV]!r}: expected one of "
+        f"{list(_TRUE + _FALSE)}"
+    )
 
 
 def setup_accelerate(
@@ -36,6 +59,7 @@ def setup_accelerate(
     strategy: str = "dsp",
     mixed_precision: str = "no",
     cpu: bool | None = None,
+    keep_freed_memory: bool = True,
     **accelerator_kwargs: Any,
 ) -> tuple[Accelerator, SPMesh, SeqParallel]:
     """Build ``(accelerator, mesh, sp)``, and seed RNGs per DP group.
@@ -46,15 +70,47 @@ def setup_accelerate(
         strategy: sequence-parallel strategy name.
         mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` (GPU), passed to Accelerate.
         cpu: force CPU; default: CPU when CUDA is unavailable.
+        keep_freed_memory: on CPU, call :func:`dspzoo.core.perf.keep_freed_memory`.
 
-    On CPU it also calls :func:`dspzoo.core.perf.keep_freed_memory` (glibc reuses freed
-    activation-sized blocks instead of page-faulting fresh ones for every tensor).
+    **Process-wide side effect (CPU only).** By default, on CPU this raises glibc malloc's mmap
+    and trim thresholds (``M_MMAP_THRESHOLD`` 1 GiB, ``M_TRIM_THRESHOLD`` 2 GiB) for the whole
+    process, so freed activation-sized blocks are reused instead of page-faulting fresh ones
+    for every tensor; the process then keeps up to that much freed memory instead of returning
+    it to the OS. What was done is logged at INFO on this module's logger. Opt out with
+    ``keep_freed_memory=False`` or the environment variable ``DSPZOO_KEEP_FREED_MEMORY=0``
+    (``0/false/no/off``; either one disables it). GPU runs never touch the host allocator.
     """
     if cpu is None:
         cpu = not torch.cuda.is_available()
     if cpu:
-        keep_freed_memory()
+        _maybe_keep_freed_memory(keep_freed_memory)
     accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, **accelerator_kwargs)
     mesh = build_mesh(sp_size, accelerator)
     seed_everything(mesh, seed)
     return accelerator, mesh, SeqParallel(mesh, strategy)
+
+
+def _maybe_keep_freed_memory(requested: bool) -> None:
+    env_ok = _env_allows_keep_freed_memory()
+    if not (requested and env_ok):
+        why = (
+            "keep_freed_memory=False"
+            if not requested
+            else f"{KEEP_FREED_MEMORY_ENV}={os.environ[KEEP_FREED_MEMORY_ENV]}"
+        )
+        logger.info("dspzoo: left glibc malloc settings unchanged (%s)", why)
+        return
+    if perf.keep_freed_memory():
+        gib = perf.DEFAULT_KEEP_LIMIT / 2**30
+        logger.info(
+            "dspzoo: set glibc malloc M_MMAP_THRESHOLD=%g GiB and M_TRIM_THRESHOLD=%g GiB "
+            "(process-wide) so freed CPU tensors are reused; opt out with "
+            "setup_accelerate(keep_freed_memory=False) or %s=0",
+            gib,
+            2 * gib,
+            KEEP_FREED_MEMORY_ENV,
+        )
+    else:
+        logger.info(
+            "dspzoo: left glibc malloc settings unchanged (allocator is not glibc or refused)"
+        )

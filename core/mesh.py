@@ -7,7 +7,6 @@ all-to-alls of a switch are cheapest), and DP group ``i`` is the ranks with SP r
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -130,12 +129,16 @@ def seed_everything(mesh: SPMesh, seed: int) -> int:
     Diffusion noise, timesteps, dropout masks and augmentation drawn from the global RNGs are
     then the same on every rank of an SP group, as the replicated parts of a model require.
     Returns the seed used on this rank.
+
+    ``PYTHONHASHSEED`` is deliberately not set: Python reads it once at interpreter start-up,
+    so setting it here would change nothing in this process (only leak into children). For
+    reproducible ``str`` hashing (set iteration order), export it before launching, e.g.
+    ``PYTHONHASHSEED=0 accelerate launch ...``; dspzoo itself does not depend on it.
     """
     value = dp_seed(mesh, seed)
     random.seed(value)
     np.random.seed(value % (2**32))
     torch.manual_seed(value)
-    os.environ["PYTHONHASHSEED"] = str(value % (2**32))
     return value
 
 
