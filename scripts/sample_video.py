@@ -10,7 +10,6 @@ the end; rank 0 decodes them and writes a GIF (or MP4) grid with one clip per cl
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.io import save_frame_strip_png, video_grid, write_video
 from dspzoo.domains.video.sampling import sample_video
-from dspzoo.zoo import from_pretrained
+from dspzoo.zoo import from_pretrained, load_extra
 
 
 def main() -> None:
@@ -35,9 +34,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--guidance", type=float, default=2.0)
     parser.add_argument("--per-class", type=int, default=2, help="clips per class label")
-    parser.add_argument("--frames", type=int, default=None, help="default: the training frames")
     parser.add_argument(
-        "--size", type=int, default=None, help="pixel size (default: the training size)"
+        "--frames", type=int, default=None, help="frames (default: those saved with the model)"
+    )
+    parser.add_argument(
+        "--size", type=int, default=None, help="pixel size (default: saved with the model)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -54,11 +55,15 @@ def main() -> None:
     )
     accelerator, mesh, sp = setup_accelerate(sp_size=args.sp or world, seed=args.seed)
     model_dir = Path(args.model_dir)
-    train_cfg_path = model_dir.parent / "train_config.json"
-    train_cfg = json.loads(train_cfg_path.read_text()) if train_cfg_path.exists() else {}
-    frames = args.frames or train_cfg.get("frames", 8)
-    size = args.size or train_cfg.get("size", 32)
-    codec = PixelUnshuffleCodec(train_cfg.get("codec_factor", 2))
+    settings = load_extra(model_dir).get("sampling", {})
+    if not settings and (args.frames is None or args.size is None):
+        raise SystemExit(
+            f"{model_dir} holds no sampling settings (frames, size, codec; train_video.py saves "
+            f"them with the final model): pass --frames and --size"
+        )
+    frames = args.frames or settings["frames"]
+    size = args.size or settings["size"]
+    codec = PixelUnshuffleCodec(settings.get("codec_factor", 2))
     model = from_pretrained(model_dir).to(accelerator.device).eval()
     classes = max(1, model.config.num_classes)
     labels = torch.arange(classes).repeat_interleave(args.per_class)

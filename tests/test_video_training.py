@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,19 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import dspzoo.domains.video  # noqa: F401
 from dspzoo.core import SeqParallel, build_mesh
 from dspzoo.core.testing import run_distributed
 from dspzoo.domains.video.sampling import sample_video
 from dspzoo.domains.video.training import VideoTrainConfig, train
-from dspzoo.zoo import create_model
+from dspzoo.zoo import create_model, load_extra
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = dict(
     model="stdit-tiny",
-    steps=5,
-    batch_size=2,
+    steps=6,
+    global_batch=2,
     frames=5,
     size=24,
     num_samples=32,
@@ -37,39 +39,100 @@ def _config(tmp_path: Path, **kw) -> VideoTrainConfig:
     )
 
 
-def test_sp2_training_repeats_the_sp1_loss_sequence(tmp_path: Path) -> None:
-    sp1 = train(_config(tmp_path / "sp1"))["losses"]
-    assert len(sp1) == 5
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in COMMON.items()]
+def _launch(nproc: int, out: Path, *flags: str) -> list[float]:
+    """Run scripts/train_video.py on ``nproc`` gloo processes; return the loss history."""
+    common = [f"--{k.replace('_', '-')}={v}" for k, v in COMMON.items()]
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        "2",
+        str(nproc),
         str(REPO / "scripts" / "train_video.py"),
-        "--sp=2",
+        f"--output-dir={out}",
         "--save-every=0",
-        f"--output-dir={tmp_path / 'sp2'}",
+        *common,
         *flags,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sp2 = json.loads((tmp_path / "sp2" / "losses.json").read_text())
-    assert sp2 == pytest.approx(sp1, rel=1e-4), (sp1, sp2)
+    return json.loads((out / "losses.json").read_text()), proc.stderr
 
 
-def test_resume_continues_the_loss_sequence(tmp_path: Path) -> None:
-    full = train(_config(tmp_path / "a", steps=6))["losses"]
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=2e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], Path]:
+    """One process, SP 1: the loss sequence and weights every layout must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    losses = train(_config(out, save_every=3))["losses"]
+    assert len(losses) == 6
+    return losses, out
+
+
+def test_resume_at_another_layout_continues_the_run(reference, tmp_path: Path) -> None:
+    """SP 2 on 2 processes for 3 steps, then resumed as SP 3 on 3 processes: the losses, the
+    step-3 weights and the final (EMA) weights are those of the uninterrupted one-process run."""
+    ref, ref_dir = reference
+    out = tmp_path / "run"
+    first, _ = _launch(2, out, "--sp=2", "--stop-after=3")
+    assert first == pytest.approx(ref[:3], rel=1e-4), (ref, first)
+    _assert_same_weights(ref_dir / "checkpoints" / "step_3", out / "checkpoints" / "step_3")
+    progress = json.loads((out / "checkpoints" / "step_3" / "progress.json").read_text())
+    assert progress["layout"] == {"world": 2, "dp": 1, "sp": 2} and progress["step"] == 3
+    history, log = _launch(3, out, "--sp=3", "--resume=latest")
+    assert "saved at dp 1 × sp 2 (2 processes) at dp 1 × sp 3 (3 processes)" in log
+    assert history == pytest.approx(ref, rel=1e-4), (ref, history)  # whole history kept
+    _assert_same_weights(ref_dir / "final", out / "final")
+
+
+@pytest.mark.slow
+def test_data_parallel_layouts_repeat_the_run(reference, tmp_path: Path) -> None:
+    """dp 2 × sp 2 (4 processes) for 3 steps, resumed as dp 2 × sp 1: the same run again."""
+    ref, ref_dir = reference
+    out = tmp_path / "run"
+    first, _ = _launch(4, out, "--sp=2", "--stop-after=3")
+    assert first == pytest.approx(ref[:3], rel=1e-4), (ref, first)
+    history, _ = _launch(2, out, "--sp=1", "--resume=latest")
+    assert history == pytest.approx(ref, rel=1e-4), (ref, history)
+    _assert_same_weights(ref_dir / "final", out / "final")
+
+
+def test_resume_continues_the_loss_sequence(reference, tmp_path: Path) -> None:
+    full, ref_dir = reference
     # a 6-step run cut off after 3 steps (checkpoint at step 3), then resumed
-    first = train(_config(tmp_path / "b", steps=6, stop_after=3))["losses"]
-    assert not (tmp_path / "b" / "final").exists()
-    resumed = train(_config(tmp_path / "b", steps=6, resume="latest"))["losses"]
+    first = train(_config(tmp_path, stop_after=3))["losses"]
+    assert not (tmp_path / "final").exists()
+    result = train(_config(tmp_path, resume="latest"))
     assert first == pytest.approx(full[:3], rel=1e-6)
-    assert resumed == pytest.approx(full[3:], rel=1e-5), (full, first, resumed)
-    assert (tmp_path / "b" / "final" / "model.safetensors").exists()
-    assert not list((tmp_path / "b" / "checkpoints").glob(".tmp*"))
+    assert result["losses"] == pytest.approx(full[3:], rel=1e-5), (full, first, result)
+    assert result["loss_history"] == pytest.approx(full, rel=1e-5)
+    assert json.loads((tmp_path / "losses.json").read_text()) == result["loss_history"]
+    _assert_same_weights(ref_dir / "final", tmp_path / "final")
+    assert not list((tmp_path / "checkpoints").glob(".tmp*"))
+    settings = load_extra(tmp_path / "final")["sampling"]
+    assert settings["frames"] == 5 and settings["size"] == 24 and settings["codec_factor"] == 2
+
+
+def test_keeps_the_newest_checkpoints(tmp_path: Path) -> None:
+    train(_config(tmp_path, steps=5, save_every=1, keep_checkpoints=2))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step_3", "step_4"]
+
+
+def test_short_runs_report_a_throughput(tmp_path: Path) -> None:
+    result = train(_config(tmp_path, steps=2, ema=0.0))
+    assert math.isfinite(result["tokens_per_s"]) and result["tokens_per_s"] > 0
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from .pretrained import (
     CheckpointMismatchError,
     from_pretrained,
     load_config,
+    load_extra,
     load_weights,
     save_pretrained,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "get_config",
     "list_models",
     "load_config",
+    "load_extra",
     "load_weights",
     "register_config",
     "register_family",

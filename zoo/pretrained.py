@@ -55,9 +55,16 @@ def _unique_sibling(path: Path, tag: str) -> Path:
 
 
 def save_pretrained(
-    model: nn.Module, path: str | os.PathLike, config_name: str | None = None
+    model: nn.Module,
+    path: str | os.PathLike,
+    config_name: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` (a registered zoo model) to folder ``path`` atomically and durably.
+
+    ``extra``: JSON-serialisable settings that using the model needs besides its config (e.g.
+    the frames, frame size and codec a video model was trained on), stored in ``config.json``
+    and read back with :func:`load_extra`, so the folder is self-contained.
 
     ``path`` is replaced as a whole if it exists. The folder and its files are created with
     the modes the umask allows (``0o777`` / ``0o666`` masked), not private temp-file modes.
@@ -72,6 +79,7 @@ def save_pretrained(
         "family": family,
         "config_name": config_name,
         "config": dataclasses.asdict(config),
+        "extra": dict(extra or {}),
     }
     state = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +160,11 @@ def _build_config(config_cls: type, values: dict[str, Any]) -> Any:
             f"checkpoint config has fields {unknown} that {config_cls.__name__} does not know"
         )
     return config_cls(**{k: _from_json(hints.get(k), v) for k, v in values.items()})
+
+
+def load_extra(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``extra`` settings saved with the checkpoint folder ``path`` (``{}`` if none)."""
+    return dict(_read_meta(Path(path)).get("extra") or {})
 
 
 def load_config(path: str | os.PathLike) -> tuple[str, Any]:
