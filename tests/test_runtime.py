@@ -1,12 +1,13 @@
-"""SeqParallel runtime: specs, bad input, lockstep slicing, accounting (single process)."""
+"""SeqParallel runtime: specs, bad input, lockstep slicing (1, 2 and 3 processes), accounting."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dspzoo.core import SavedTensorMeter, SeqParallel, SeqSpec, Stage, shard_sizes
+from dspzoo.core import SavedTensorMeter, SeqParallel, SeqSpec, Stage, build_mesh, shard_sizes
 from dspzoo.core.layout import shard_offset
+from dspzoo.core.testing import run_distributed
 from dspzoo.domains.toy.model import Toy2DConfig, Toy2DTransformer
 
 STAGES = (Stage("spatial", ("s",)), Stage("temporal", ("t",)))
@@ -45,11 +46,51 @@ def test_attention_rejects_wrong_rank() -> None:
         sp.attention(q, q, q, act.spec, over="s")
 
 
-def test_shard_like_checks_lengths() -> None:
+def test_shard_like_single_process_is_identity() -> None:
     sp = SeqParallel()
     act = sp.enter(torch.randn(1, 4, 6, 8), ("t", "s"), STAGES)
     pos = torch.randn(1, 4, 6, 8)
     assert sp.shard_like(pos, act) is pos  # single process: nothing to slice
+
+
+def _shard_like_worker(rank: int, world: int) -> int:
+    """Every branch of ``shard_like`` on a real SP group (T = 4, S = 7: uneven at 2 and 3)."""
+    sp = SeqParallel(build_mesh(world))
+    x = torch.randn(2, 4, 7, 3, generator=torch.Generator().manual_seed(0))
+    act = sp.enter(x, ("t", "s"), STAGES)
+    checks = 0
+    for dim in ("t", "s"):
+        act = sp.switch(act, dim)
+        axis, full = act.axis(dim), act.spec.length(dim)
+        size, start = shard_sizes(full, world)[rank], shard_offset(full, world, rank)
+        # a correct tensor is sliced in lockstep with the activation
+        assert torch.equal(sp.shard_like(x, act), act.tensor), dim
+        pos = torch.arange(4 * 7, dtype=torch.float32).reshape(1, 4, 7, 1)
+        assert torch.equal(sp.shard_like(pos, act), pos.narrow(axis, start, size)), dim
+        # a size-1 axis broadcasts and is left alone
+        bcast = pos.narrow(axis, 0, 1)
+        assert sp.shard_like(bcast, act) is bcast
+        # another layout via ``axes``: per-frame [B, T] / per-token [B, S] conditioning
+        per = torch.randn(2, full)
+        assert torch.equal(sp.shard_like(per, act, axes={dim: 1}), per[:, start : start + size])
+        other = "s" if dim == "t" else "t"
+        assert sp.shard_like(per, act, axes={other: 1}) is per  # no sharded dim: unchanged
+        # the length check: reached on every rank, raised locally (no collective to hang in)
+        wrong = torch.randn(*(full + 1 if a == axis else n for a, n in enumerate(x.shape)))
+        with pytest.raises(
+            ValueError, match=rf"has size {full + 1}, but sequence dim '{dim}' has length {full}"
+        ):
+            sp.shard_like(wrong, act)
+        with pytest.raises(ValueError, match=f"dim '{dim}' has length {full}"):
+            sp.shard_like(torch.randn(2, full - 1), act.spec, axes={dim: 1})
+        checks += 1
+    return checks
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shard_like_checks_lengths(world: int) -> None:
+    """On 2 and 3 processes, where the length check is reached (and slicing is uneven)."""
+    assert run_distributed(_shard_like_worker, world, timeout=120) == [2] * world
 
 
 def test_with_tensor_keeps_sequence_sizes() -> None:
