@@ -1,4 +1,5 @@
-"""STDiT and Latte under DSP against the single-process computation (forward and gradients)."""
+"""STDiT and Latte under DSP (SP 2, 3, 4) against the single-process computation (forward and
+gradients)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import torch
 import torch.distributed as dist
 
 import dspzoo.domains.video  # noqa: F401  (registers the families)
-from dspzoo.core import SeqParallel, build_mesh, sp_mse, trace_comm
+from dspzoo.core import SeqParallel, build_mesh, shard_sizes, sp_mse, trace_comm
 from dspzoo.core.layers import attention as attention_module
+from dspzoo.core.mesh import SPMesh
 from dspzoo.core.testing import run_distributed
 from dspzoo.zoo import create_model
 
-# (T, H, W) latents: divisible at SP 2 and 4, T = 5 frames, and a 6×6 latent (S = 9 tokens)
+# (T, H, W) latents → (T', S) tokens with patch (1, 2, 2): (4, 16) divides by 2 and 4 but
+# neither dim by 3; (5, 9) has T' = 5 frames, divisible by none, and S = 9 tokens (6×6 latent)
 SHAPES = [(4, 8, 8), (5, 6, 6)]
+SP_SIZES = (2, 3, 4)
+WORLD = 4  # one spawn: SP 4 = the world, SP 2 = two groups, SP 3 = ranks 0-2
 
 
 def _model(family: str, cond: bool, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -79,64 +84,119 @@ def _assert_matches(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert error <= 1e-5, f"{what}: relative error {error:.2e} in {ref.dtype}"
 
 
-def _compare(sp: SeqParallel, world: int) -> int:
-    """Every (dtype, family, conditioning, shape, loss placement) case against one process."""
-    checks = 0
-    for dtype, family, cond, shape, sharded_loss in itertools.product(
+CASES = list(
+    itertools.product(
         (torch.float64, torch.float32), ("stdit", "latte"), (False, True), SHAPES, (False, True)
-    ):
-        case = f"{dtype} {family} cond={cond} {shape} sharded_loss={sharded_loss}"
-        inputs = _inputs(shape, cond, dtype)
-        ref_model, model = _model(family, cond, dtype), _model(family, cond, dtype)
-        ref = _run(ref_model, inputs, SeqParallel(), sharded_loss)
-        got = _run(model, inputs, sp, sharded_loss)
-        if sharded_loss:  # per-rank loss share: its SP mean is the full loss
-            got = got.clone()
-            dist.all_reduce(got)
-            got = got / world
-        _assert_matches(got, ref, case)
-        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-            assert q.grad is not None and q.grad.abs().sum() > 0, name
-            grad = p.grad.clone()
-            dist.all_reduce(grad)
-            _assert_matches(grad / world, q.grad, f"{case} grad {name}")
-        checks += 1
-    return checks
+    )
+)  # (dtype, family, conditioning, shape, loss on sharded tokens)
 
 
-def _traced_bytes(sp: SeqParallel, world: int, depth: int = 3) -> dict:
+def _reference(case: tuple) -> dict:
+    """Single-process output (or loss) and every parameter gradient of one case."""
+    dtype, family, cond, shape, sharded_loss = case
+    model = _model(family, cond, dtype)
+    out = _run(model, _inputs(shape, cond, dtype), SeqParallel(), sharded_loss)
+    grads = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{case} {name}"
+        grads[name] = p.grad
+    return {"out": out, "grads": grads}
+
+
+def _references(rank: int, world: int) -> dict[int, dict]:
+    """Every case's reference, each computed once on one rank and shared with all."""
+    mine = {i: _reference(case) for i, case in enumerate(CASES) if i % world == rank}
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {i: ref for part in parts for i, ref in part.items()}
+
+
+def _check(case: tuple, ref: dict, sp: SeqParallel) -> None:
+    """One case under ``sp`` against its single-process reference (forward and gradients)."""
+    dtype, family, cond, shape, sharded_loss = case
+    what = f"SP{sp.size} {dtype} {family} cond={cond} {shape} sharded_loss={sharded_loss}"
+    model = _model(family, cond, dtype)
+    got = _run(model, _inputs(shape, cond, dtype), sp, sharded_loss)
+    if sharded_loss:  # per-rank loss share: its SP mean is the full loss
+        got = got.clone()
+        dist.all_reduce(got, group=sp.group)
+        got = got / sp.size
+    _assert_matches(got, ref["out"], what)
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=sp.group)
+        _assert_matches(grad / sp.size, ref["grads"][name], f"{what} grad {name}")
+
+
+def _traced_bytes(sp: SeqParallel, depth: int = 3) -> dict:
     """All-to-all count and bytes per layer of an STDiT forward (T = 8, S = 16, hidden 64)."""
     torch.manual_seed(0)
     model = create_model("stdit-tiny", depth=depth).eval()
     x = torch.randn(1, 12, 8, 8, 8)
     with trace_comm() as tracer, torch.no_grad():
         model(x, torch.tensor([500.0]), sp=sp)
-    m = 1 * 8 * 16 * model.config.hidden
     return {
+        "sp_rank": sp.rank,
+        "hidden": model.config.hidden,
         "switches": tracer.count("all_to_all", "forward"),
         "per_layer": [
             tracer.total_bytes("all_to_all", "forward", f"block{i}") for i in range(depth)
         ],
-        "formula": 2 * (m / world) * (world - 1) / world * x.element_size(),
     }
 
 
 def _worker(rank: int, world: int) -> dict:
-    """One spawned group per world size runs every multi-rank check (start-up is the cost)."""
-    sp = SeqParallel(build_mesh(world))
-    return {"checks": _compare(sp, world), "trace": _traced_bytes(sp, world)}
+    """SP 2, 3 and 4 in one spawned world of 4 (process start-up is the main cost)."""
+    sp4 = SeqParallel(build_mesh(world))
+    mesh2 = build_mesh(2)  # SP groups [0, 1] and [2, 3]
+    sp2 = SeqParallel(mesh2)
+    group3 = dist.new_group([0, 1, 2])  # every rank takes part in creating it
+    sp3 = None
+    if rank < 3:
+        mesh3 = SPMesh(world, rank, dp_size=1, sp_size=3, dp_rank=0, sp_rank=rank, sp_group=group3)
+        sp3 = SeqParallel(mesh3)
+    refs = _references(rank, world)
+    checked: dict[int, list[int]] = {size: [] for size in SP_SIZES}
+    for i, case in enumerate(CASES):
+        _check(case, refs[i], sp4)
+        checked[4].append(i)
+        if sp3 is not None:
+            _check(case, refs[i], sp3)
+            checked[3].append(i)
+        if i % 2 == mesh2.dp_rank:  # the two SP-2 groups share the cases
+            _check(case, refs[i], sp2)
+            checked[2].append(i)
+    traces = {size: _traced_bytes(sp) for size, sp in ((2, sp2), (3, sp3), (4, sp4)) if sp}
+    return {"checked": checked, "trace": traces}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_video_models_under_dsp(world: int) -> None:
-    """Outputs and all gradients equal one process; STDiT does 2 switches per layer."""
-    results = run_distributed(_worker, world, timeout=400)
-    for r in results:
-        assert r["checks"] == 32
-        trace = r["trace"]
-        assert trace["switches"] == 2 * 3 - 1  # the first layer's first switch is the entry split
-        assert trace["per_layer"][1] == trace["per_layer"][2] == trace["formula"]
-        assert trace["per_layer"][0] == trace["formula"] / 2
+def _switch_bytes(n: int, sp_rank: int, hidden: int, t: int = 8, s: int = 16) -> tuple[int, int]:
+    """Bytes rank ``sp_rank`` sends in the t→s and the s→t switch of a [1, t, s, hidden] fp32
+    activation: its own block stays, uneven shards included."""
+    t_own, s_own = shard_sizes(t, n)[sp_rank], shard_sizes(s, n)[sp_rank]
+    return t_own * (s - s_own) * hidden * 4, (t - t_own) * s_own * hidden * 4
+
+
+def test_video_models_under_dsp() -> None:
+    """At SP 2, 3 and 4, outputs and all gradients equal one process; STDiT does 2 switches
+    per layer, each moving exactly the off-rank part of its shard (uneven at SP 3)."""
+    results = run_distributed(_worker, WORLD, timeout=500)
+    everything = list(range(len(CASES)))
+    assert all(r["checked"][4] == everything for r in results)
+    assert all(r["checked"][3] == everything for r in results[:3])
+    assert sorted(results[0]["checked"][2] + results[2]["checked"][2]) == everything
+    for rank, r in enumerate(results):
+        assert set(r["trace"]) == ({2, 3, 4} if rank < 3 else {2, 4})
+        for n, trace in r["trace"].items():
+            assert trace["sp_rank"] == (rank % 2 if n == 2 else rank)
+            to_s, to_t = _switch_bytes(n, trace["sp_rank"], trace["hidden"])
+            assert (
+                trace["switches"] == 2 * 3 - 1
+            )  # the first layer's first switch is the entry split
+            assert trace["per_layer"] == [to_s, to_s + to_t, to_s + to_t], (n, rank)
+            if n in (2, 4):  # even shards: the README's 2·(M/N)·(N−1)/N elements per layer
+                m = 8 * 16 * trace["hidden"]
+                assert to_s + to_t == 2 * (m / n) * (n - 1) / n * 4
 
 
 def test_big_configs_on_meta_device() -> None:
