@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ import torch.distributed as dist
 
 import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core import SeqParallel, build_mesh, shard_sizes, sp_mse, trace_comm
-from dspzoo.core.layers import attention as attention_module
 from dspzoo.core.mesh import SPMesh
 from dspzoo.core.testing import run_distributed
 from dspzoo.zoo import create_model
@@ -278,28 +276,6 @@ def test_learn_sigma_doubles_the_output() -> None:
     assert torch.equal(var, model.patchify_target(out[:, 12:]))
     with pytest.raises(ValueError, match="learn_sigma=False"):
         create_model("latte-tiny").split_sigma(pred)
-
-
-def test_flash_attention_dispatch() -> None:
-    q = torch.randn(2, 5, 4, 8)
-    assert not attention_module.can_use_flash(q, None)  # CPU: always SDPA
-    calls = []
-
-    def fake_flash(q, k, v, dropout_p=0.0, causal=False):
-        calls.append(q.shape)
-        return torch.zeros_like(q)
-
-    with (
-        mock.patch.object(attention_module, "can_use_flash", return_value=True),
-        mock.patch.object(attention_module, "flash_attn_func", return_value=fake_flash),
-    ):
-        out = attention_module.attend(q, q, q)
-    assert calls == [q.shape] and torch.equal(out, torch.zeros_like(q))
-    ref = attention_module.attend(q, q, q)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2)
-    )
-    torch.testing.assert_close(ref, sdpa.transpose(1, 2))
 
 
 def test_config_round_trip_through_zoo(tmp_path) -> None:
