@@ -212,3 +212,23 @@ def test_save_fsyncs_files_and_folder_before_the_rename(mlp_family: str, tmp_pat
         assert tmp_path in after, events  # the rename itself is made durable
         if overwrite:
             assert any(kind == "replace" and ".ckpt.old-" in what for kind, what in events)
+
+
+def test_crash_between_renames_names_the_previous_checkpoint(mlp_family: str, tmp_path) -> None:
+    """A save that dies after moving the old folder aside leaves it findable, and says where."""
+    model = create_model("testmlp-a")
+    path = save_pretrained(model, tmp_path / "ckpt")
+    real_replace = os.replace
+
+    def replace(src, dst) -> None:
+        if Path(src).name.startswith(".ckpt.tmp-"):
+            raise KeyboardInterrupt  # dies between the two renames
+        real_replace(src, dst)
+
+    with mock.patch("os.replace", replace), pytest.raises(KeyboardInterrupt):
+        save_pretrained(model, path)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.old-")]
+    with pytest.raises(FileNotFoundError, match=rf"interrupted.*{aside.name}"):
+        from_pretrained(path)
+    os.replace(aside, path)  # what the message tells the user to do
+    torch.testing.assert_close(from_pretrained(path).net[0].weight, model.net[0].weight)

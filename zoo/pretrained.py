@@ -3,7 +3,8 @@
 Saving is atomic: the folder is written under a temporary name next to the target, its files
 and the folder itself are fsynced, and only then is it renamed into place (and the parent folder
 fsynced), so neither an interrupted save nor a power failure leaves a half-written checkpoint
-where a good one was. The folder and files get the usual modes under the process umask (0755 /
+where a good one was (a crash between the two renames of an overwrite leaves the previous
+checkpoint as ``.<name>.old-*``, which loading ``<name>`` then points to). The folder and files get the usual modes under the process umask (0755 /
 0644 with umask 022), like any folder the user creates.
 """
 
@@ -25,6 +26,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dspzoo.core.durable import fsync_path
+
 from .registry import family_info, family_of
 
 CONFIG_FILE = "config.json"
@@ -33,21 +36,6 @@ WEIGHTS_FILE = "model.safetensors"
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the model it is loaded into."""
-
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a directory (its entries) by name."""
-    flags = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)) if path.is_dir() else os.O_RDONLY
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        if path.is_dir():  # platforms that cannot open directories (Windows): nothing to sync
-            return
-        raise
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unique_sibling(path: Path, tag: str) -> Path:
@@ -97,17 +85,17 @@ def save_pretrained(
         # safetensors writes through a private (0600) temporary file: give the weights the
         # umask-derived mode config.json was created with
         os.chmod(weights, stat.S_IMODE(config_file.stat().st_mode))
-        _fsync_path(weights)
-        _fsync_path(tmp)
+        fsync_path(weights)
+        fsync_path(tmp)
         if path.exists():
             old = _unique_sibling(path, "old")
             os.replace(path, old)
             os.replace(tmp, path)
-            _fsync_path(path.parent)
+            fsync_path(path.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-            _fsync_path(path.parent)
+            fsync_path(path.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -116,6 +104,13 @@ def save_pretrained(
 
 def _read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
+        aside = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+        if aside:
+            raise FileNotFoundError(
+                f"checkpoint folder {path} does not exist: a save was interrupted after moving "
+                f"the previous checkpoint aside to {aside[-1].name} (rename it back to "
+                f"{path.name} to use it)"
+            )
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
