@@ -5,11 +5,15 @@ holding a shard of ``y`` weights it by its slice of ``w``; a rank holding all of
 ``y`` contributes ``w·y / N``. Then, by the gradient contract, a sharded input's local gradient
 equals its slice of the single-process gradient, and a replicated input's gradients summed over
 the group equal the single-process gradient.
+
+Process start-up dominates the cost, so each world size runs every distributed check in one
+``run_distributed`` call (:func:`_check_all`); a failure's traceback names the check.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from dspzoo.core import comm
 from dspzoo.core.layout import shard_offset, shard_sizes
 from dspzoo.core.testing import run_distributed
+from dspzoo.core.trace import trace_comm
 
 SHAPES = {
     "3d": [(2, 5, 3), (3, 4, 2)],  # lengths not divisible and divisible by 2, 3, 4
@@ -64,15 +69,16 @@ def _check_primitives(rank: int, world: int) -> int:
                     torch.testing.assert_close(x.grad, _slice(weight, dim, world, rank))
 
                 # gather for local use: every rank uses the full tensor differently
-                x = _slice(full, dim, world, rank).clone().requires_grad_(True)
-                y = comm.gather_for_local_use(x, dim, group, length=full.shape[dim])
-                torch.testing.assert_close(y, full)
                 mine = torch.randn(
                     shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)
                 )
-                (y * mine).sum().backward()
                 everyone = _summed(mine)
-                torch.testing.assert_close(x.grad, _slice(everyone, dim, world, rank))
+                for length in (full.shape[dim], None):
+                    x = _slice(full, dim, world, rank).clone().requires_grad_(True)
+                    y = comm.gather_for_local_use(x, dim, group, length=length)
+                    torch.testing.assert_close(y, full)
+                    (y * mine).sum().backward()
+                    torch.testing.assert_close(x.grad, _slice(everyone, dim, world, rank))
                 checks += 3
 
             # switch, every ordered pair of sequence axes, sync and async
@@ -90,51 +96,315 @@ def _check_primitives(rank: int, world: int) -> int:
     return checks
 
 
+# --------------------------------------------------------------------------------------------
+# exact data movement: any dtype, any strides, any lengths (including 0 and 1)
+
+OPS = (
+    "split",
+    "gather",
+    "gather_auto",
+    "local",
+    "local_auto",
+    "switch",
+    "switch_auto",
+    "switch_async",
+)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous (reversed-axes) memory layout."""
+    return t.permute(*reversed(range(t.dim()))).contiguous().permute(*reversed(range(t.dim())))
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as every second element of a twice-as-wide buffer (non-contiguous)."""
+    return torch.stack([t, torch.zeros_like(t)], dim=-1)[..., 0]
+
+
+def _apply(op: str, x: torch.Tensor, dim: int, dst: int | None, length: int) -> torch.Tensor:
+    group = dist.group.WORLD
+    if op == "split":
+        return comm.split(x, dim, group)
+    if op == "gather":
+        return comm.gather(x, dim, group, length=length)
+    if op == "gather_auto":
+        return comm.gather(x, dim, group)
+    if op == "local":
+        return comm.gather_for_local_use(x, dim, group, length=length)
+    if op == "local_auto":
+        return comm.gather_for_local_use(x, dim, group)
+    assert dst is not None
+    if op == "switch":
+        return comm.switch(x, dim, dst, group, src_length=length)
+    if op == "switch_auto":
+        return comm.switch(x, dim, dst, group)
+    if op == "switch_async":
+        return comm.switch_async(x, dim, dst, group, src_length=length).wait()
+    raise AssertionError(op)
+
+
+def _check_exact(
+    rank: int,
+    world: int,
+    full: torch.Tensor,
+    dim: int,
+    dst: int | None = None,
+    prep: Callable[[torch.Tensor], torch.Tensor] = _same,
+    grad_prep: Callable[[torch.Tensor], torch.Tensor] = _same,
+    in_place: bool = False,
+    ops: tuple[str, ...] = OPS,
+) -> int:
+    """Each op moves data bitwise like the single-process slice/concat, forward and backward.
+
+    Gradients are small integers so that the reduce-scatter's sums are exact in any dtype.
+    ``prep``/``grad_prep`` give the input and the output gradient their memory layout;
+    ``in_place`` adds 1 to the output in place before backward.
+    """
+    n, r = world, rank
+    ints = torch.Generator().manual_seed(1)
+    common = torch.randint(-8, 9, full.shape, generator=ints).to(full.dtype)  # same on all ranks
+    mine = torch.randint(-8, 9, full.shape, generator=torch.Generator().manual_seed(7 + r))
+    mine = mine.to(full.dtype)
+    everyone = _summed(mine.double()).to(full.dtype)
+    checks = 0
+    for op in ops:
+        if op.startswith("switch") and dst is None:
+            continue
+        where = (
+            f"{op} dtype={full.dtype} shape={tuple(full.shape)} dim={dim} dst={dst} rank={r}/{n}"
+        )
+        x = prep(full if op == "split" else _slice(full, dim, n, r)).detach().requires_grad_(True)
+        y = _apply(op, x, dim, dst, full.shape[dim])
+        if op == "split":
+            want, grad_out = _slice(full, dim, n, r), _slice(common, dim, n, r)
+        elif op.startswith("gather"):
+            want, grad_out = full, common
+        elif op.startswith("local"):
+            want, grad_out = full, mine
+        else:
+            assert dst is not None
+            want, grad_out = _slice(full, dst, n, r), _slice(common, dst, n, r)
+        if in_place:
+            y.add_(1)
+            want = want + 1
+        assert y.dtype == full.dtype and torch.equal(y, want), f"forward differs: {where}"
+        y.backward(grad_prep(grad_out.clone()))
+        if op == "split":
+            grad, want_grad = _summed(x.grad.double()), common.double()
+        elif op.startswith("gather"):
+            grad, want_grad = x.grad, _slice(common, dim, n, r) * n
+        elif op.startswith("local"):
+            grad, want_grad = x.grad, _slice(everyone, dim, n, r)
+        else:
+            grad, want_grad = x.grad, _slice(common, dim, n, r)
+        assert grad.dtype == want_grad.dtype and torch.equal(grad, want_grad), (
+            f"backward differs: {where}"
+        )
+        checks += 1
+    return checks
+
+
+def _check_low_precision(rank: int, world: int) -> int:
+    """bf16 and fp16 move bitwise like the single-process slice and concatenation."""
+    checks = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        full = torch.randn(2, 5, 6, 3, generator=torch.Generator().manual_seed(2)).to(dtype)
+        checks += _check_exact(rank, world, full, 1, 2)
+        checks += _check_exact(rank, world, full, 2, 1)
+    return checks
+
+
+def _check_non_contiguous(rank: int, world: int) -> int:
+    """Transposed and strided input views, and non-contiguous output gradients."""
+    checks = 0
+    full = torch.randn(2, 5, 6, 3, generator=torch.Generator().manual_seed(3))
+    for prep in (_transposed, _strided):
+        checks += _check_exact(rank, world, full, 1, 2, prep=prep, grad_prep=_transposed)
+        checks += _check_exact(rank, world, full, 2, 1, prep=prep, grad_prep=_strided)
+    # a sharded input that is itself a slice of a larger tensor on the sharded axis
+    checks += _check_exact(
+        rank, world, full, 2, 1, prep=lambda t: torch.cat([t, t], dim=1)[:, : t.shape[1]]
+    )
+    return checks
+
+
+def _check_short_lengths(rank: int, world: int) -> int:
+    """Lengths 0 and 1: fewer rows than ranks, so some ranks hold empty shards."""
+    checks = 0
+    gen = torch.Generator().manual_seed(4)
+    for a, b in ((0, 5), (5, 0), (1, 5), (5, 1), (1, 1), (0, 0), (1, 0), (2, 3)):
+        full = torch.randn(2, a, b, 3, generator=gen, dtype=torch.float64)
+        checks += _check_exact(rank, world, full, 1, 2)
+        checks += _check_exact(rank, world, full, 2, 1)
+    return checks
+
+
+def _check_in_place(rank: int, world: int) -> int:
+    """Outputs are never views of the inputs: in-place ops work at batch 1 and 2."""
+    checks = 0
+    gen = torch.Generator().manual_seed(5)
+    for batch, (a, b) in itertools.product((1, 2), ((12, 12), (5, 7))):
+        full = torch.randn(batch, a, b, 2, generator=gen)
+        checks += _check_exact(rank, world, full, 1, 2, in_place=True)
+        checks += _check_exact(rank, world, full, 2, 1, in_place=True)
+    return checks
+
+
+def _check_async_out_of_order(rank: int, world: int) -> int:
+    """Async switches waited in the reverse order of their start, with a sync one in between."""
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(6)
+    shape = (2, 5, 7, 3)
+    x1_full, x2_full, x3_full, w1, w2, w3 = (
+        torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(6)
+    )
+    x1 = _slice(x1_full, 1, world, rank).clone().requires_grad_(True)  # sharded on 1
+    x2 = _slice(x2_full, 2, world, rank).clone().requires_grad_(True)  # sharded on 2
+    x3 = _slice(x3_full, 1, world, rank).clone().requires_grad_(True)  # sharded on 1
+    h1 = comm.switch_async(x1, 1, 2, group, src_length=shape[1])
+    h2 = comm.switch_async(x2, 2, 1, group, src_length=shape[2])
+    y3 = comm.switch(x3, 1, 2, group, src_length=shape[1])  # sync, while both are in flight
+    y2 = h2.wait()  # sharded on 1
+    y1 = h1.wait()  # sharded on 2
+    assert h1.wait() is y1  # idempotent
+    torch.testing.assert_close(y1, _slice(x1_full, 2, world, rank), rtol=0, atol=0)
+    torch.testing.assert_close(y2, _slice(x2_full, 1, world, rank), rtol=0, atol=0)
+    z = comm.switch(y2, 1, 2, group, src_length=shape[1])  # x2 sharded on 2 again
+    loss = (
+        (y1 * _slice(w1, 2, world, rank)).sum()
+        + (y2 * _slice(w2, 1, world, rank)).sum()
+        + (y1 * z * y3 * _slice(w3, 2, world, rank)).sum()
+    )
+    loss.backward()
+    # single process: L = Σ w1·x1 + Σ w2·x2 + Σ w3·x1·x2·x3
+    torch.testing.assert_close(x1.grad, _slice(w1 + w3 * x2_full * x3_full, 1, world, rank))
+    torch.testing.assert_close(x2.grad, _slice(w2 + w3 * x1_full * x3_full, 2, world, rank))
+    torch.testing.assert_close(x3.grad, _slice(w3 * x1_full * x2_full, 1, world, rank))
+    return 3
+
+
+def _check_double_backward(rank: int, world: int) -> int:
+    """Differentiating a collective's backward raises on every rank and issues no collective.
+
+    ``split`` has no communication and is differentiable twice (checked against the
+    single-process second derivative).
+    """
+    gen = torch.Generator().manual_seed(8)
+    full = torch.randn(2, 6, 5, 3, generator=gen, dtype=torch.float64)
+    weight = torch.randn(2, 6, 5, 3, generator=gen, dtype=torch.float64)
+    checks = 0
+    for op in ("switch", "switch_async", "gather", "local"):
+        x = _slice(full, 1, world, rank).clone().requires_grad_(True)
+        y = _apply(op, x, 1, 2, full.shape[1])
+        w = _slice(weight, 2, world, rank) if op.startswith("switch") else weight / world
+        (g,) = torch.autograd.grad((y * y * w).sum(), x, create_graph=True)
+        # first order under create_graph: d/dx Σ w·x² = 2·w·x
+        torch.testing.assert_close(g, _slice(2 * weight * full, 1, world, rank))
+        with trace_comm() as tracer:
+            with pytest.raises(RuntimeError, match="differentiate twice"):
+                (g * g).sum().backward()
+        assert tracer.count() == 0, f"{op}: double backward issued {tracer.records}"
+        checks += 1
+    # every rank is still in step: nothing stray was issued
+    assert int(_summed(torch.ones(1))) == world
+
+    x = full.clone().requires_grad_(True)
+    y = comm.split(x, 1, dist.group.WORLD)
+    (g,) = torch.autograd.grad((y * y * _slice(weight, 1, world, rank)).sum(), x, create_graph=True)
+    (g * g).sum().backward()
+    # single process: M = Σ (2·w·x)², dM/dx = 8·w²·x
+    torch.testing.assert_close(_summed(x.grad), 8 * weight * weight * full)
+    return checks + 1
+
+
+def _check_switch_bytes(rank: int, world: int) -> int:
+    """Traced bytes: the formula, for the sync and the async switch, forward and backward."""
+    checks = 0
+    for use_async in (False, True):
+        x = torch.randn(2, 2, 12, 5, requires_grad=True)  # [B, T_local, S, C]
+        with trace_comm() as tracer:
+            if use_async:
+                y = comm.switch_async(x, 1, 2, dist.group.WORLD, src_length=2 * world).wait()
+            else:
+                y = comm.switch(x, 1, 2, dist.group.WORLD, src_length=2 * world)
+            y.sum().backward()
+        expected = x.numel() * (world - 1) // world * x.element_size()
+        assert tracer.count("all_to_all", "forward") == 1
+        assert tracer.count("all_to_all", "backward") == 1
+        assert tracer.total_bytes("all_to_all", "forward") == expected
+        assert tracer.total_bytes("all_to_all", "backward") == expected
+        assert tracer.total_bytes() == 2 * expected
+        checks += 1
+    return checks
+
+
+def _check_workspace(rank: int, world: int) -> int:
+    """The CPU send workspace is bounded by its limit and released on request."""
+    group = dist.group.WORLD
+    full = torch.randn(2, 2 * world, 12, 5, generator=torch.Generator().manual_seed(9))
+    x = _slice(full, 1, world, rank)
+    comm.release_workspace()
+    y = comm.switch(x, 1, 2, group)  # leading batch axis: the send buffer needs a copy
+    assert torch.equal(y, _slice(full, 2, world, rank))
+    assert comm.release_workspace() > 0
+    assert comm.release_workspace() == 0
+    previous = comm.set_workspace_limit(64)  # bytes: every send here is larger
+    try:
+        y = comm.switch(x, 1, 2, group)
+        assert torch.equal(y, _slice(full, 2, world, rank))
+        assert comm.release_workspace() == 0
+    finally:
+        comm.set_workspace_limit(previous)
+    return 1
+
+
+def _check_mismatched_switch(rank: int, world: int) -> int:
+    """Debug mode: rank 1 has a different channel count, so every rank raises (no hang)."""
+    comm.set_debug(True)
+    try:
+        x = torch.randn(1, 3, 4, 5 + (rank == 1))
+        with pytest.raises(ValueError, match="disagree"):
+            comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
+    finally:
+        comm.set_debug(False)
+    return 1
+
+
+CHECKS: tuple[Callable[[int, int], int], ...] = (
+    _check_primitives,
+    _check_switch_bytes,
+    _check_low_precision,
+    _check_non_contiguous,
+    _check_short_lengths,
+    _check_in_place,
+    _check_async_out_of_order,
+    _check_double_backward,
+    _check_workspace,
+    _check_mismatched_switch,  # last: it switches debug mode on and off
+)
+
+
+def _check_all(rank: int, world: int) -> dict[str, int]:
+    return {check.__name__: check(rank, world) for check in CHECKS}
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_primitives_match_single_process(world: int) -> None:
-    counts = run_distributed(_check_primitives, world)
-    assert all(c == counts[0] and c > 50 for c in counts)
-
-
-def _check_switch_bytes(rank: int, world: int) -> tuple[int, int]:
-    from dspzoo.core.trace import trace_comm
-
-    x = torch.randn(2, 2, 12, 5, requires_grad=True)  # [B, T_local, S, C]
-    with trace_comm() as tracer:
-        y = comm.switch(x, 1, 2, dist.group.WORLD, src_length=2 * world)
-        y.sum().backward()
-    expected = x.numel() * (world - 1) // world * x.element_size()
-    assert tracer.count("all_to_all", "forward") == 1
-    assert tracer.total_bytes("all_to_all", "forward") == expected
-    assert tracer.total_bytes("all_to_all", "backward") == expected
-    return tracer.total_bytes(), expected
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_switch_bytes_match_formula(world: int) -> None:
-    run_distributed(_check_switch_bytes, world)
-
-
-def _mismatched_switch(rank: int, world: int) -> str:
-    comm.set_debug(True)
-    # rank 1 has a different channel count: must raise on every rank, not hang
-    x = torch.randn(1, 3, 4, 5 + rank)
-    try:
-        comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_mismatched_shapes_raise_not_hang() -> None:
-    messages = run_distributed(_mismatched_switch, 2, timeout=120)
-    assert all("disagree" in m for m in messages), messages
+    counts = run_distributed(_check_all, world)
+    assert all(c == counts[0] for c in counts), counts
+    assert counts[0]["_check_primitives"] > 50
+    assert all(v > 0 for v in counts[0].values()), counts[0]
 
 
 def test_single_process_is_identity() -> None:
     x = torch.randn(2, 3, 4)
     assert comm.split(x, 1, None) is x
     assert comm.gather(x, 1, None) is x
+    assert comm.gather_for_local_use(x, 1, None) is x
     assert comm.switch(x, 1, 2, None) is x
     assert comm.switch_async(x, 1, 2, None).wait() is x
 

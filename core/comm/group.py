@@ -1,0 +1,62 @@
+"""Group queries, argument normalisation, tracing and the small reductions of the SP group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..trace import record_comm
+
+# the single-tensor collectives under their current and older names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: Any) -> int:
+    """Number of ranks in ``group`` (``None`` means a one-rank group)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank inside ``group``."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def norm_dim(x: torch.Tensor, dim: int, what: str) -> int:
+    """``dim`` as a non-negative axis of ``x``; a clear error when it is out of range."""
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}"
+        )
+    return dim % x.dim()
+
+
+def record(
+    op: str, bytes_sent: int, group: Any, x: torch.Tensor, phase: str, region: str | None
+) -> None:
+    """Report one collective to the active tracer (see :mod:`dspzoo.core.trace`)."""
+    record_comm(op, bytes_sent, group_size(group), x, phase=phase, region=region)
+
+
+def resolve_length(x: torch.Tensor, dim: int, group: Any, length: int | None) -> int:
+    """The global length of sharded axis ``dim``: ``length`` if given, else summed over ranks."""
+    if length is not None:
+        return int(length)
+    local = torch.tensor([x.shape[dim]], dtype=torch.long, device=x.device)  # NCCL: CUDA only
+    dist.all_reduce(local, group=group)
+    n = group_size(group)
+    record("size_sync", 8 * 2 * (n - 1) // n, group, local, "forward", None)
+    return int(local.item())
+
+
+def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` (no autograd; for counts and metrics)."""
+    if group_size(group) == 1:
+        return x
+    x = x.detach().clone()
+    dist.all_reduce(x, group=group)
+    n = group_size(group)
+    record("all_reduce", 2 * (n - 1) * x.numel() * x.element_size() // n, group, x, "forward", None)
+    return x
