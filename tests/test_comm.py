@@ -413,3 +413,39 @@ def test_bad_dims_raise() -> None:
     x = torch.randn(2, 3)
     with pytest.raises(ValueError, match="out of range"):
         comm.split(x, 5, None)
+
+
+@pytest.mark.parametrize("sizes", [[3, 3, 2, 2], [2, 2, 2], [1, 0, 0], [0, 0], [4]])
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_pack_unpack_round_trip(sizes: list[int], axis: int) -> None:
+    """pack_blocks → unpack_blocks is the identity, padded or not, for any strides."""
+    from dspzoo.core.comm.blocks import empty_blocks, pack_blocks, unpack_blocks
+
+    shape = [2, 3, 4]
+    shape[axis] = sum(sizes)
+    x = _transposed(torch.randn(shape))
+    for pad_to in (None, max(sizes) + 1):
+        packed = pack_blocks(x, axis, sizes, pad_to=pad_to, reuse=True)
+        buf = empty_blocks(shape, axis, sizes, x, pad_to=pad_to)
+        buf.view(-1).copy_(packed)
+        y = unpack_blocks(buf, axis, sizes, shape, pad_to=pad_to)
+        assert torch.equal(y, x) and y._base is None
+    comm.release_workspace()
+
+
+def test_workspace_limit() -> None:
+    x = _transposed(torch.randn(4, 6, 5))
+    comm.release_workspace()
+    previous = comm.set_workspace_limit(0)
+    try:
+        from dspzoo.core.comm.blocks import pack_blocks
+
+        pack_blocks(x, 1, [3, 3], reuse=True)
+        assert comm.release_workspace() == 0
+        comm.set_workspace_limit(2**20)
+        pack_blocks(x, 1, [3, 3], reuse=True)
+        assert comm.release_workspace() == x.numel() * x.element_size()
+        with pytest.raises(ValueError, match=">= 0"):
+            comm.set_workspace_limit(-1)
+    finally:
+        comm.set_workspace_limit(previous)
