@@ -369,6 +369,11 @@ def _check_mismatched_switch(rank: int, world: int) -> int:
         x = torch.randn(1, 3, 4, 5 + (rank == 1))
         with pytest.raises(ValueError, match="disagree"):
             comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
+        # a dtype mismatch names the dtypes of every rank
+        x = torch.randn(1, 3, 4, 5, dtype=torch.float16 if rank == 1 else torch.float32)
+        with pytest.raises(ValueError, match="rank 1: dtype=float16") as info:
+            comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
+        assert "rank 0: dtype=float32" in str(info.value)
     finally:
         comm.set_debug(False)
     return 1

@@ -27,10 +27,20 @@ _DTYPE_CODES = {
             torch.bfloat16,
             torch.int64,
             torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
             torch.bool,
+            torch.complex64,
+            torch.complex128,
         )
     )
 }
+_DTYPE_NAMES = {code: str(dt).removeprefix("torch.") for dt, code in _DTYPE_CODES.items()}
+
+
+def _dtype_name(code: int) -> str:
+    return _DTYPE_NAMES.get(code, "other")
 
 
 def debug_enabled() -> bool:
@@ -59,7 +69,7 @@ def check_consistent(
     if n == 1:
         return
     shape = [-1 if i in free_axes else s for i, s in enumerate(x.shape)]
-    meta = [x.dim(), *args, *shape, _DTYPE_CODES.get(x.dtype, 99)]
+    meta = [x.dim(), _DTYPE_CODES.get(x.dtype, 99), *args, *shape]
     if len(meta) > 32:
         raise ValueError(f"{what}: too many dims to check ({x.dim()})")
     meta += [0] * (32 - len(meta))
@@ -68,12 +78,15 @@ def check_consistent(
     all_gather_single(everyone, torch.tensor(meta, dtype=torch.long, device=x.device), group=group)
     rows = everyone.view(n, 32).cpu()
     if not bool((rows == rows[0]).all()):
+        a = 2 + len(args)
         detail = "; ".join(
-            f"rank {q}: ndim={int(row[0])} args={row[1 : 1 + len(args)].tolist()} shape={row[1 + len(args) : 1 + len(args) + int(row[0])].tolist()}"
+            f"rank {q}: dtype={_dtype_name(int(row[1]))} ndim={int(row[0])} "
+            f"args={row[2:a].tolist()} shape={row[a : a + int(row[0])].tolist()}"
             for q, row in enumerate(rows)
         )
         raise ValueError(
-            f"{what}: ranks of the SP group disagree on arguments or shapes (-1 = sharded axis): {detail}"
+            f"{what}: ranks of the SP group disagree on dtypes, arguments or shapes "
+            f"(-1 = sharded axis): {detail}"
         )
 
 
