@@ -2,7 +2,7 @@
 
 Launch (2 CPU processes on gloo, or GPUs on NCCL)::
 
-    accelerate launch --multi_gpu --num_processes 2 scripts/bench_comm.py
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py
 
 For each activation size it times, in one run on the same tensors:
 
@@ -76,7 +76,7 @@ def main() -> None:
     n = mesh.world_size
     if n < 2:
         raise SystemExit(
-            "run with at least 2 processes: accelerate launch --multi_gpu --num_processes 2 scripts/bench_comm.py"
+            "run with at least 2 processes: accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py"
         )
     device = accelerator.device
     group = dist.group.WORLD
@@ -134,7 +134,7 @@ def main() -> None:
                 f"{switch_s / bare_s:11.2f}x {naive_s / switch_s:12.2f}x {measured:>13} {ok} {expected}"
             )
         print(
-            "\nreproduce: accelerate launch --multi_gpu --num_processes 2 scripts/bench_comm.py "
+            "\nreproduce: accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "
             + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                 for k, v in vars(args).items()

@@ -1,6 +1,6 @@
 """Video DiT under DSP at every SP size the launch allows, in one run, on the same weights.
 
-    accelerate launch --multi_gpu --num_processes 4 scripts/bench_video.py --model stdit-mini
+    accelerate launch --multi_gpu --num_processes 4 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_video.py --model stdit-mini
 
 For each SP size dividing the number of processes (SP 1 = pure data parallel) it runs a
 training step (forward + backward, fp32) on the same sample and reports per rank: activation
@@ -85,7 +85,7 @@ def main() -> None:
                 f"{format_bytes(layer_bytes):>16} {format_bytes(formula):>12} {step:8.3f} {base_time / step:8.2f}x"
             )
         print(
-            f"\nreproduce: accelerate launch --multi_gpu --num_processes {world} scripts/bench_video.py "
+            f"\nreproduce: accelerate launch --multi_gpu --num_processes {world} --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_video.py "
             f"--model {args.model} --frames {args.frames} --latent {args.latent} --iters {args.iters}"
         )
     accelerator.wait_for_everyone()

@@ -1,6 +1,6 @@
 """Sample videos from a trained video DiT with DSP across the launched processes.
 
-    accelerate launch --multi_gpu --num_processes 2 scripts/sample_video.py \
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/sample_video.py \
         --model-dir outputs/stdit-tiny/final --out outputs/stdit-tiny/samples.gif
 
 The latents stay sharded over the SP group for every denoising step and are gathered once at

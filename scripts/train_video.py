@@ -1,6 +1,6 @@
 r"""Train a video DiT with sequence parallelism (rectified flow on latents).
 
-    accelerate launch --multi_gpu --num_processes 2 scripts/train_video.py --sp 2 \
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/train_video.py --sp 2 \
         --model stdit-tiny --steps 300
 
 Checkpoints go to <output-dir>/checkpoints/step_N (written aside, fsynced, swapped in; the

@@ -17,6 +17,7 @@ from .registry import (
     list_models,
     register_config,
     register_family,
+    resolve_name,
     unregister_family,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "load_weights",
     "register_config",
     "register_family",
+    "resolve_name",
     "save_pretrained",
     "unregister_family",
 ]
