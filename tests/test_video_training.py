@@ -184,3 +184,22 @@ def test_model_init_leaves_the_dp_seeded_rng_alone(tmp_path: Path) -> None:
     b = build_model(cfg, 4, codec)
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from train_video import build_parser, parse_args
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    text = build_parser().format_help()
+    assert "{logit-normal,uniform}" in text and "{raise,skip}" in text and "{no,fp16,bf16}" in text
+    assert "samples per step over all data-parallel groups" in text
+    assert ":func:" not in text and "``" not in text  # no reST markup
+    cfg = parse_args(["--model", "latte-tiny"])
+    assert cfg.output_dir == "outputs/latte-tiny"
+    for bad in (["--timesteps", "cosine"], ["--sp", "0"], ["--class-dropout", "2"]):
+        with pytest.raises(SystemExit) as info:
+            parse_args(bad)
+        assert info.value.code == 2
+    assert "--class-dropout must be in [0, 1]" in capsys.readouterr().err
