@@ -23,7 +23,7 @@ from .registry import (
     resolve_name,
 )
 
-_DOMAIN_MODULES = ("dspzoo.domains.toy", "dspzoo.domains.video")
+_DOMAIN_MODULES = ("dspzoo.domains.toy", "dspzoo.domains.video", "dspzoo.domains.text")
 
 
 def load_domains() -> None:
