@@ -6,10 +6,14 @@ from .blockwise import (
     chunked_attention,
     merge,
 )
+from .lss import lss_attention
+from .ulysses import ulysses_attention
 
 __all__ = [
     "block_attention",
     "block_attention_backward",
     "chunked_attention",
+    "lss_attention",
     "merge",
+    "ulysses_attention",
 ]
