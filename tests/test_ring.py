@@ -15,6 +15,7 @@ import torch
 
 from dspzoo.core.methods import block_attention, block_attention_backward, chunked_attention, merge
 from dspzoo.core.methods.blockwise import attention_delta
+from dspzoo.core.testing import run_distributed
 
 
 def naive_attention(q, k, v, causal=False, q_pos=None, k_pos=None, mask=None, scale=None):
@@ -143,3 +144,175 @@ def test_chunked_attention_saves_only_inputs_and_output():
         out = chunked_attention(q, k, v, causal=True, chunk=8)
     saved = sum(t.numel() * 4 for t in (q, k, v, out)) + 1 * 2 * 64 * 4  # + lse
     assert meter.bytes <= saved + 2 * 64 * 8  # + positions
+
+
+# --------------------------------------------------------------------------------------------
+# distributed: one 4-process spawn for every case
+
+B, H, HKV, D = 2, 4, 2, 4
+
+
+def _full(length, dtype, seed, h=H, hkv=HKV):
+    q, k, v = _qkv(B, length, length, h, hkv, D, dtype=dtype, seed=seed)
+    w = torch.randn(B, length, h, D, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
+    return q, k, v, w
+
+
+def _check_ring_case(group, lengths, layout, causal, dtype, seed):
+    """Ring attention on this rank's shard equals its rows of single-process attention."""
+    import torch.distributed as dist
+
+    from dspzoo.core.comm.group import group_rank, group_size
+    from dspzoo.core.methods.ring import ring_attention, ring_positions
+    from dspzoo.core.trace import trace_comm
+
+    n, r = group_size(group), group_rank(group)
+    length = sum(lengths)
+    q, k, v, w = _full(length, dtype, seed)
+    ref = _grads(lambda a, b, c: naive_attention(a, b, c, causal=causal), q, k, v, w)
+    pos = ring_positions(lengths, r, layout)
+    loc = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
+    with trace_comm() as tracer:
+        out = ring_attention(*loc, group=group, seq_lengths=lengths, causal=causal, layout=layout)
+        (out * w[:, pos]).sum().backward()
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    what = f"n={n} lengths={lengths} {layout} causal={causal} {dtype}"
+    for name, got, want in zip("out dq dk dv".split(), [out.detach()] + [t.grad for t in loc], ref):
+        assert got.dtype == dtype, what
+        torch.testing.assert_close(
+            got, want[:, pos], **tol, msg=lambda m, nm=name: f"{what} {nm}: {m}"
+        )
+    # bytes sent: K and V of the blocks of ranks r, r−1, …, r−N+2 (forward and again in
+    # backward) and the dK/dV accumulators of the blocks of ranks r, …, r−N+1 (backward)
+    item = torch.finfo(dtype).bits // 8
+    per_token = B * HKV * D * item * 2  # K and V
+    kv = sum(lengths[(r - s) % n] for s in range(n - 1)) * per_token
+    dkv = sum(lengths) * B * HKV * D * 8 * 2 if n > 1 else 0  # fp64 or fp32 statistics: below
+    if dtype == torch.float32:
+        dkv = sum(lengths) * B * HKV * D * 4 * 2 if n > 1 else 0
+    assert tracer.total_bytes("p2p", "forward") == kv, what
+    assert tracer.total_bytes("p2p", "backward") == kv + dkv, what
+    assert tracer.count("p2p", "forward") == 2 * (n - 1), what
+    assert tracer.count() == tracer.count("p2p"), what
+    dist.barrier(group)
+    return 1
+
+
+def _check_exchange_and_zigzag(group):
+    import torch.distributed as dist
+
+    from dspzoo.core import comm
+    from dspzoo.core.comm.group import group_rank, group_size
+    from dspzoo.core.layout import shard_sizes
+    from dspzoo.core.methods.ring import zigzag_gather, zigzag_positions, zigzag_split
+    from dspzoo.core.trace import trace_comm
+
+    n, r = group_size(group), group_rank(group)
+    sizes = shard_sizes(2 * n - 1, n)  # uneven: the last rank holds fewer rows
+    for shift in (1, -1, 2, n):
+        x = torch.full((sizes[r], 3), float(r), dtype=torch.float64, requires_grad=True)
+        src, dst = (r - shift) % n, (r + shift) % n
+        with trace_comm() as tracer:
+            y = comm.ring_exchange(x, group, shift=shift, recv_shape=(sizes[src], 3))
+            (y * (r + 1)).sum().backward()
+        assert y.shape == (sizes[src], 3) and (y == src).all(), (shift, y)
+        assert (x.grad == dst + 1).all(), (shift, x.grad)
+        nbytes = x.numel() * 8 if n > 1 else 0
+        if shift % n == 0:
+            nbytes = 0
+        assert tracer.total_bytes("p2p", "forward") == nbytes
+    # zigzag split / gather, values and gradients, lengths not divisible by 2N and shorter than N
+    for length in (7, 11, n - 1):
+        gen = torch.Generator().manual_seed(length)  # the same on every rank
+        full = torch.randn(2, length, 3, dtype=torch.float64, generator=gen)
+        weight = torch.randn(2, length, 3, dtype=torch.float64, generator=gen)
+        pos = zigzag_positions(length, n, r)
+        x = full.clone().requires_grad_(True)
+        y = zigzag_split(x, 1, group)
+        torch.testing.assert_close(y, full[:, pos])
+        (y * weight[:, pos]).sum().backward()
+        g = x.grad.clone()
+        dist.all_reduce(g, group=group)
+        torch.testing.assert_close(g, weight)
+        s = full[:, pos].clone().requires_grad_(True)
+        z = zigzag_gather(s, 1, group, length)
+        torch.testing.assert_close(z, full)
+        ((z * weight).sum() / n).backward()
+        torch.testing.assert_close(s.grad, weight[:, pos])
+    return 1
+
+
+def _check_usp(ulysses, ring, rank):
+    from dspzoo.core.comm.group import group_rank, group_size
+    from dspzoo.core.layout import shard_sizes
+    from dspzoo.core.methods.ring import zigzag_lengths
+    from dspzoo.core.methods.usp import usp_attention, usp_positions
+
+    u_size, u, j = group_size(ulysses), group_rank(ulysses), group_rank(ring)
+    assert rank == j * u_size + u
+    checks = 0
+    for length, layout, causal, hkv in [
+        (11, "contiguous", True, 2),
+        (7, "zigzag", True, 1),  # Hkv < U: keys/values repeated to H heads
+        (9, "zigzag", False, 4),
+        (3, "contiguous", False, 2),  # some ranks hold no token
+    ]:
+        lengths = shard_sizes(length, 2) if layout == "contiguous" else zigzag_lengths(length, 2)
+        q, k, v, w = _full(length, torch.float64, 40 + length, hkv=hkv)
+        ref = _grads(lambda a, b, c, c_=causal: naive_attention(a, b, c, causal=c_), q, k, v, w)
+        pos = usp_positions(lengths, j, u_size, u, layout)
+        loc = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
+        out = usp_attention(
+            *loc,
+            ulysses_group=ulysses,
+            ring_group=ring,
+            seq_lengths=lengths,
+            causal=causal,
+            layout=layout,
+        )
+        (out * w[:, pos]).sum().backward()
+        for got, want in zip([out.detach()] + [t.grad for t in loc], ref):
+            torch.testing.assert_close(got, want[:, pos], rtol=1e-10, atol=1e-12)
+        checks += 1
+    return checks
+
+
+def _distributed_all(rank, world):
+    import torch.distributed as dist
+
+    from dspzoo.core.layout import shard_sizes
+    from dspzoo.core.methods.ring import zigzag_lengths
+
+    torch.manual_seed(0)
+    # every rank creates every group, in the same order
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    triple = dist.new_group([0, 1, 2])
+    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    configs = [(pairs[rank // 2], 2)]
+    if rank < 3:
+        configs.append((triple, 3))
+    configs.append((dist.group.WORLD, 4))
+    custom = {2: [0, 5], 3: [4, 0, 3], 4: [0, 5, 2, 4]}
+    checks = 0
+    for group, n in configs:
+        checks += _check_exchange_and_zigzag(group)
+        for length in (7, 11, n - 1):
+            for layout in ("contiguous", "zigzag"):
+                lengths = (
+                    shard_sizes(length, n) if layout == "contiguous" else zigzag_lengths(length, n)
+                )
+                for causal in (False, True):
+                    checks += _check_ring_case(
+                        group, lengths, layout, causal, torch.float64, length
+                    )
+        checks += _check_ring_case(group, custom[n], "contiguous", True, torch.float64, 3)
+    checks += _check_ring_case(
+        dist.group.WORLD, zigzag_lengths(13, 4), "zigzag", True, torch.float32, 5
+    )
+    checks += _check_usp(pairs[rank // 2], rings[rank % 2], rank)
+    return checks
+
+
+def test_ring_attention_p2p_zigzag_and_usp_at_sp_2_3_4():
+    checks = run_distributed(_distributed_all, 4, timeout=180)
+    assert checks[0] == checks[1] and checks[0] > checks[3] > 20, checks

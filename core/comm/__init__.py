@@ -48,6 +48,7 @@ from .blocks import release_workspace, set_workspace_limit  # noqa: E402
 from .checks import check_consistent, set_debug  # noqa: E402
 from .exchange import SwitchHandle, switch, switch_async  # noqa: E402
 from .group import all_reduce_sum, group_rank, group_size  # noqa: E402
+from .p2p import ring_exchange  # noqa: E402
 from .replicate import gather, gather_for_local_use, split  # noqa: E402
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "release_workspace",
+    "ring_exchange",
     "set_debug",
     "set_workspace_limit",
     "split",

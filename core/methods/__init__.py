@@ -7,7 +7,16 @@ from .blockwise import (
     merge,
 )
 from .lss import lss_attention
+from .ring import (
+    ring_attention,
+    ring_positions,
+    zigzag_gather,
+    zigzag_lengths,
+    zigzag_positions,
+    zigzag_split,
+)
 from .ulysses import ulysses_attention
+from .usp import usp_attention, usp_positions
 
 __all__ = [
     "block_attention",
@@ -15,5 +24,13 @@ __all__ = [
     "chunked_attention",
     "lss_attention",
     "merge",
+    "ring_attention",
+    "ring_positions",
     "ulysses_attention",
+    "usp_attention",
+    "usp_positions",
+    "zigzag_gather",
+    "zigzag_lengths",
+    "zigzag_positions",
+    "zigzag_split",
 ]

@@ -1,0 +1,99 @@
+"""USP (unified sequence parallelism): Ulysses all-to-all inside a group, ring attention across.
+
+Rank layout: the SP group of ``R · U`` ranks is a ``R × U`` grid with the Ulysses dim
+innermost, ``sp_rank = ring_rank · U + ulysses_rank``. ``ulysses_group`` holds the ``U`` ranks
+of one ring slot (consecutive SP ranks), ``ring_group`` the ``R`` ranks with the same Ulysses
+rank (stride ``U``). Every rank must belong to exactly one of each.
+
+Sequence layout: the global sequence is first laid out over the ring ranks as in
+:func:`~dspzoo.core.methods.ring.ring_attention` (``seq_lengths[j]`` tokens on ring slot ``j``,
+``"contiguous"`` or ``"zigzag"``), and ring slot ``j``'s segment is then split balanced and
+contiguous over its ``U`` Ulysses ranks (``shard_sizes(seq_lengths[j], U)``). So SP rank
+``(j, u)`` holds the global positions :func:`usp_positions` returns; the causal mask uses them.
+For the contiguous layout with ``seq_lengths = shard_sizes(L, R)`` this is the plain contiguous
+order of the ``R · U`` shards (their sizes may differ from ``shard_sizes(L, R · U)``).
+
+Steps: :func:`~dspzoo.core.comm.switch` ``q, k, v`` from sequence-sharded to head-sharded
+inside ``ulysses_group`` (each rank then holds its ring slot's whole segment for ``H / U``
+heads), ring attention over ``ring_group``, and the inverse switch of the output. With GQA, when
+``U`` does not divide both ``H`` and ``Hkv``, keys and values are first repeated to ``H`` heads
+so that each rank's query heads find their key/value heads locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm import switch
+from ..comm.group import group_rank, group_size
+from ..layout import shard_offset, shard_sizes
+from .ring import ring_attention, ring_positions
+
+__all__ = ["usp_attention", "usp_positions"]
+
+
+def usp_positions(
+    seq_lengths: list[int],
+    ring_rank: int,
+    ulysses_size: int,
+    ulysses_rank: int,
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """Global positions (int64) held by SP rank ``(ring_rank, ulysses_rank)`` (module doc)."""
+    segment = ring_positions(seq_lengths, ring_rank, layout)
+    length = seq_lengths[ring_rank]
+    start = shard_offset(length, ulysses_size, ulysses_rank)
+    return segment[start : start + shard_sizes(length, ulysses_size)[ulysses_rank]]
+
+
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ulysses_group: Any,
+    ring_group: Any,
+    seq_lengths: list[int],
+    causal: bool,
+    scale: float | None = None,
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """Exact attention with Ulysses inside ``ulysses_group`` and ring across ``ring_group``.
+
+    ``q [Bf, l, H, D]``, ``k``/``v [Bf, l, Hkv, D(v)]``, where ``l`` is this rank's share
+    ``shard_sizes(seq_lengths[j], U)[u]`` of its ring slot's segment → ``[Bf, l, H, Dv]``.
+    ``seq_lengths`` has one entry per *ring* rank. Autograd-correct (all pieces are).
+    """
+    u_size, u_rank = group_size(ulysses_group), group_rank(ulysses_group)
+    seq_lengths = [int(s) for s in seq_lengths]
+    if len(seq_lengths) != group_size(ring_group):
+        raise ValueError(
+            f"usp_attention: {len(seq_lengths)} seq_lengths for a ring of {group_size(ring_group)}"
+        )
+    segment = seq_lengths[group_rank(ring_group)]
+    want = shard_sizes(segment, u_size)[u_rank]
+    if q.shape[1] != want or k.shape[1] != want or v.shape[1] != want:
+        raise ValueError(
+            f"usp_attention: Ulysses rank {u_rank} of a ring segment of {segment} tokens should "
+            f"hold {want}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if u_size > 1 and (heads % u_size or kv_heads % u_size):
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    qh, kh, vh = (switch(t, 1, 2, ulysses_group, src_length=segment) for t in (q, k, v))
+    out = ring_attention(
+        qh,
+        kh,
+        vh,
+        group=ring_group,
+        seq_lengths=seq_lengths,
+        causal=causal,
+        scale=scale,
+        layout=layout,
+    )
+    return switch(out, 2, 1, ulysses_group, src_length=heads)
