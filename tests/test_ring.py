@@ -164,32 +164,43 @@ def _check_ring_case(group, lengths, layout, causal, dtype, seed):
 
     from dspzoo.core.comm.group import group_rank, group_size
     from dspzoo.core.methods.ring import ring_attention, ring_positions
-    from dspzoo.core.trace import trace_comm
+    from dspzoo.core.trace import SavedTensorMeter, trace_comm
 
     n, r = group_size(group), group_rank(group)
     length = sum(lengths)
     q, k, v, w = _full(length, dtype, seed)
-    ref = _grads(lambda a, b, c: naive_attention(a, b, c, causal=causal), q, k, v, w)
+    exact = [t.double() for t in (q, k, v, w)]  # the reference in fp64 on the same values
+    ref = _grads(lambda a, b, c: naive_attention(a, b, c, causal=causal), *exact)
     pos = ring_positions(lengths, r, layout)
     loc = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
     with trace_comm() as tracer:
-        out = ring_attention(*loc, group=group, seq_lengths=lengths, causal=causal, layout=layout)
+        with SavedTensorMeter() as meter:
+            out = ring_attention(
+                *loc, group=group, seq_lengths=lengths, causal=causal, layout=layout
+            )
         (out * w[:, pos]).sum().backward()
-    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    # memory O(L/N): only the local q, k, v, out and the fp32/fp64 lse are saved
+    stat = 8 if dtype == torch.float64 else 4
+    saved = sum(t.numel() * t.element_size() for t in (*loc, out)) + B * H * len(pos) * stat
+    assert meter.bytes == saved, (meter.bytes, saved)
+    tol = {
+        torch.float64: dict(rtol=1e-10, atol=1e-12),
+        torch.float32: dict(rtol=1e-5, atol=1e-5),
+        torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    }[dtype]
     what = f"n={n} lengths={lengths} {layout} causal={causal} {dtype}"
     for name, got, want in zip("out dq dk dv".split(), [out.detach()] + [t.grad for t in loc], ref):
         assert got.dtype == dtype, what
         torch.testing.assert_close(
-            got, want[:, pos], **tol, msg=lambda m, nm=name: f"{what} {nm}: {m}"
+            got.double(), want[:, pos], **tol, msg=lambda m, nm=name: f"{what} {nm}: {m}"
         )
     # bytes sent: K and V of the blocks of ranks r, r−1, …, r−N+2 (forward and again in
     # backward) and the dK/dV accumulators of the blocks of ranks r, …, r−N+1 (backward)
-    item = torch.finfo(dtype).bits // 8
-    per_token = B * HKV * D * item * 2  # K and V
-    kv = sum(lengths[(r - s) % n] for s in range(n - 1)) * per_token
-    dkv = sum(lengths) * B * HKV * D * 8 * 2 if n > 1 else 0  # fp64 or fp32 statistics: below
-    if dtype == torch.float32:
-        dkv = sum(lengths) * B * HKV * D * 4 * 2 if n > 1 else 0
+    per_token = B * HKV * D * 2  # elements of K and V per token
+    kv = (
+        sum(lengths[(r - s) % n] for s in range(n - 1)) * per_token * (torch.finfo(dtype).bits // 8)
+    )
+    dkv = sum(lengths) * per_token * stat  # accumulators in the statistics dtype
     assert tracer.total_bytes("p2p", "forward") == kv, what
     assert tracer.total_bytes("p2p", "backward") == kv + dkv, what
     assert tracer.count("p2p", "forward") == 2 * (n - 1), what
@@ -306,9 +317,10 @@ def _distributed_all(rank, world):
                         group, lengths, layout, causal, torch.float64, length
                     )
         checks += _check_ring_case(group, custom[n], "contiguous", True, torch.float64, 3)
-    checks += _check_ring_case(
-        dist.group.WORLD, zigzag_lengths(13, 4), "zigzag", True, torch.float32, 5
-    )
+    for dtype in (torch.float32, torch.bfloat16):
+        checks += _check_ring_case(
+            dist.group.WORLD, zigzag_lengths(13, 4), "zigzag", True, dtype, 5
+        )
     checks += _check_usp(pairs[rank // 2], rings[rank % 2], rank)
     return checks
 
