@@ -128,12 +128,12 @@ def _check_bytes(tracer, method, n, r, lengths, shape, itemsize):
             assert fwd == (n - 1) * (2 * B * length * kv_heads * D * itemsize) // n
 
 
-def _lss_fallback(q, k, v, **kw):
+def _lss_fallback(q, k, v, chunk=2, **kw):
     """LSS with the blockwise kernel hidden: ``attend`` with masks per query chunk."""
     saved = lss._blockwise_kernel
     lss._blockwise_kernel = lambda: None
     try:
-        return lss.lss_attention(q, k, v, chunk=2, **kw)
+        return lss.lss_attention(q, k, v, chunk=chunk, **kw)
     finally:
         lss._blockwise_kernel = saved
 
@@ -219,3 +219,20 @@ def test_kv_alignment_rule():
     assert kv_heads_aligned(4, 2, 2) and not kv_heads_aligned(4, 2, 3)
     assert not kv_heads_aligned(4, 1, 2) and not kv_heads_aligned(12, 4, 3)
     assert kv_heads_aligned(12, 12, 3) and kv_heads_aligned(12, 4, 2)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lss_saves_no_score_matrix(fallback, causal):
+    """What autograd keeps is O(L·D), far below the L × L scores (blockwise kernel or fallback)."""
+    from dspzoo.core.trace import SavedTensorMeter
+
+    length, heads = 1024, 2
+    q = torch.randn(1, length, heads, 8, requires_grad=True)
+    k, v = (torch.randn(1, length, 1, 8, requires_grad=True) for _ in range(2))
+    method = _lss_fallback if fallback else lss_attention
+    with SavedTensorMeter() as meter:
+        out = method(q, k, v, group=None, seq_lengths=[length], causal=causal, chunk=128)
+    out.sum().backward()
+    assert meter.bytes < length * length * heads * 4 / 16
+    assert q.grad is not None and k.grad is not None

@@ -9,16 +9,18 @@ backward is a reduce-scatter of the [dk|dv] buffer (each rank's queries produce 
 every key; the sums go back to the keys' owners), so the gradients are exact.
 
 The local queries then attend to all keys with causal masking by global offsets (query ``i`` of
-rank ``r`` sits at ``offset_r + i`` and sees keys ``j ≤ offset_r + i``; keys past the segment's
-last query are not even read). GQA/MQA needs no expanded K/V: the ``g = H / Hkv`` query heads
-of a KV group are folded into the query sequence (``[B, seq_r·g, Hkv, D]``, positions repeated),
-so the kernel runs on ``Hkv`` heads.
+rank ``r`` sits at ``offset_r + i`` and sees keys ``j <= offset_r + i``; keys past the segment's
+last query are not even read). GQA/MQA never expands K/V: the gathered buffer has ``Hkv`` heads.
 
-Memory: with :func:`dspzoo.core.methods.blockwise.chunked_attention` available, the scores are
-computed in blocks of ``chunk`` keys/queries with a running log-sum-exp; otherwise the
-fallback loops over query chunks of ``chunk`` rows with :func:`~dspzoo.core.layers.attention.attend`
-and an explicit boolean mask per chunk. Either way no ``seq_r × L`` score matrix is built at once
-(64K tokens at SP 4: a 16K × 64K float32 score matrix per head would be 4 GiB).
+Memory: the kernel is :func:`dspzoo.core.methods.blockwise.chunked_attention` (imported lazily;
+blocks of ``chunk`` queries × ``chunk`` keys with a running log-sum-exp, native GQA, only
+q, k, v, out and the log-sum-exp saved for backward). Without that module the fallback folds
+each KV group's ``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and
+calls :func:`~dspzoo.core.layers.attention.attend`: once without a mask when not causal, else
+per chunk of query rows with an explicit ``[rows, keys]`` boolean mask, each chunk
+checkpointed so that backward recomputes one chunk's scores at a time. Either way no
+``seq_r × L`` score matrix exists at once (64K tokens at SP 4: 16K × 64K float32 scores are
+4 GiB per head and batch element).
 
 Bytes sent per rank (``N`` ranks, ``m = max(seq_lengths)``, ``B·Hkv·2·D`` elements per token):
 forward all-gather ``(N−1)·m·B·Hkv·2D·itemsize`` — when ``N`` divides ``L`` that is
@@ -33,6 +35,7 @@ import importlib
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..comm import gather_for_local_use, group_rank, group_size
 from ..layers.attention import attend
@@ -91,14 +94,27 @@ def _masked_chunks(
     k_pos: torch.Tensor,
     chunk: int,
 ) -> torch.Tensor:
-    """Causal attention by global positions, ``chunk`` query rows at a time, with ``attend``."""
+    """Causal attention by global positions, ``chunk`` query rows at a time, with ``attend``.
+
+    Each chunk builds its own ``[chunk, keys]`` boolean mask and is checkpointed: autograd keeps
+    only q, k, v (views) and the backward recomputes one chunk's scores at a time, whatever
+    the kernel behind ``attend`` would have saved.
+    """
+
+    def one_chunk(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor):
+        mask = k_pos[None, : kc.shape[1]] <= pos[:, None]
+        return attend(qc, kc, vc, mask=mask[None, None])
+
     outs = []
     for start in range(0, q.shape[1], chunk):
         stop = min(start + chunk, q.shape[1])
         pos = q_pos[start:stop]
         keys = int(torch.searchsorted(k_pos, pos.max(), right=True))  # k_pos is increasing
-        mask = k_pos[None, :keys] <= pos[:, None]
-        outs.append(attend(q[:, start:stop], k[:, :keys], v[:, :keys], mask=mask[None, None]))
+        qc, kc, vc = q[:, start:stop], k[:, :keys], v[:, :keys]
+        if torch.is_grad_enabled() and (qc.requires_grad or kc.requires_grad or vc.requires_grad):
+            outs.append(checkpoint(one_chunk, qc, kc, vc, pos, use_reentrant=False))
+        else:
+            outs.append(one_chunk(qc, kc, vc, pos))
     return torch.cat(outs, dim=1)
 
 
