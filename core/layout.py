@@ -36,12 +36,16 @@ class SeqSpec:
         lengths: true global (unsharded) length of each dim.
         first_axis: tensor axis of ``names[0]``; the dims occupy consecutive axes.
         sharded: name of the dim split over the SP group, or ``None`` when replicated.
+        method: how the current stage's attention runs when it mixes the sharded dim
+            (``"local"``: it must not; ``"ulysses"``, ``"ring"``, ``"lss"``, ``"usp"``: that
+            embedded method), set by ``SeqParallel.to_stage`` from the plan.
     """
 
     names: tuple[str, ...]
     lengths: tuple[int, ...]
     first_axis: int = 1
     sharded: str | None = None
+    method: str = "local"
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.lengths):
@@ -95,6 +99,10 @@ class SeqSpec:
         if name is not None:
             self.index(name)
         return replace(self, sharded=name)
+
+    def with_method(self, method: str) -> SeqSpec:
+        """The same activation with ``method`` in force for the current stage."""
+        return replace(self, method=method)
 
     def numel_tokens(self) -> int:
         """Number of (global) tokens: product of all sequence lengths."""

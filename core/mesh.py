@@ -1,8 +1,11 @@
 """The dp × sp process mesh, its groups, and seeding that respects it.
 
-Ranks are laid out with sequence parallelism innermost: SP group ``d`` is the consecutive
-ranks ``[d·sp, …, d·sp + sp − 1]`` (consecutive ranks usually share a node, where the
-all-to-alls of a switch are cheapest), and DP group ``i`` is the ranks with SP rank ``i``.
+Built on :func:`torch.distributed.device_mesh.init_device_mesh`. Ranks are laid out with
+sequence parallelism innermost: SP group ``d`` is the consecutive ranks
+``[d·sp, …, d·sp + sp − 1]`` (consecutive ranks usually share a node, where the all-to-alls of
+a switch are cheapest), and DP group ``i`` is the ranks with SP rank ``i``. For USP the SP
+axis is itself a ``ring × ulysses`` sub-mesh with Ulysses innermost: SP rank
+``= ring_rank · ulysses_size + ulysses_rank``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ class SPMesh:
         dp_rank, sp_rank: this rank's coordinates.
         sp_group: process group of this rank's SP group (``None`` when ``sp_size == 1``).
         dp_group: process group of this rank's DP group (``None`` when ``dp_size == 1``).
+        device_mesh: the ``torch.distributed.DeviceMesh`` with dims ``("dp", "sp")`` (or
+            ``("dp", "ring", "ulysses")`` plus a flattened ``"sp"``), ``None`` on one process.
+        ulysses_size: ranks of the Ulysses axis inside the SP group (USP); the ring axis has
+            ``sp_size // ulysses_size``.
+        ulysses_group, ring_group: the USP sub-groups (``None`` when of size 1 or not built).
     """
 
     world_size: int
@@ -39,6 +47,15 @@ class SPMesh:
     sp_rank: int
     sp_group: Any = None
     dp_group: Any = None
+    device_mesh: Any = None
+    ulysses_size: int = 1
+    ulysses_group: Any = None
+    ring_group: Any = None
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks of the ring axis of the SP group (USP)."""
+        return self.sp_size // self.ulysses_size
 
     @property
     def sp_ranks(self) -> tuple[int, ...]:
@@ -63,13 +80,17 @@ def single_process_mesh() -> SPMesh:
     return SPMesh(world_size=1, rank=0, dp_size=1, sp_size=1, dp_rank=0, sp_rank=0)
 
 
-def build_mesh(sp_size: int, accelerator: Accelerator | None = None) -> SPMesh:
-    """Build the dp × sp mesh over the current world.
+def build_mesh(
+    sp_size: int, accelerator: Accelerator | None = None, *, ulysses_size: int | None = None
+) -> SPMesh:
+    """Build the dp × sp mesh over the current world on a ``DeviceMesh``.
 
     Args:
         sp_size: ranks per sequence-parallel group; must divide the world size.
         accelerator: optional ``accelerate.Accelerator``; only used to make sure the process
             group is initialised (Accelerate does that on construction).
+        ulysses_size: for USP, the Ulysses degree inside the SP group (must divide
+            ``sp_size``); the SP axis becomes a ``ring × ulysses`` sub-mesh.
 
     Must be called on every rank, in the same order, since it creates process groups.
     """
@@ -77,6 +98,13 @@ def build_mesh(sp_size: int, accelerator: Accelerator | None = None) -> SPMesh:
         _ = accelerator.state  # Accelerator() has initialised torch.distributed when launched
     if not isinstance(sp_size, int) or sp_size < 1:
         raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}")
+    if ulysses_size is not None and (
+        not isinstance(ulysses_size, int) or ulysses_size < 1 or sp_size % ulysses_size
+    ):
+        raise ValueError(
+            f"ulysses_size={ulysses_size!r} must be a positive divisor of sp_size={sp_size}; "
+            f"choose among {[d for d in range(1, sp_size + 1) if sp_size % d == 0]}"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         if sp_size != 1:
             raise RuntimeError(
@@ -85,6 +113,8 @@ def build_mesh(sp_size: int, accelerator: Accelerator | None = None) -> SPMesh:
                 f"--nproc_per_node {sp_size} ...` (got a single process)"
             )
         return single_process_mesh()
+    from torch.distributed.device_mesh import init_device_mesh
+
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % sp_size != 0:
         raise ValueError(
@@ -92,15 +122,21 @@ def build_mesh(sp_size: int, accelerator: Accelerator | None = None) -> SPMesh:
             f"{[d for d in range(1, world + 1) if world % d == 0]}"
         )
     dp_size = world // sp_size
-    sp_group = dp_group = None
-    for d in range(dp_size):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(d * sp_size, (d + 1) * sp_size)))
-        if d == rank // sp_size and sp_size > 1:
-            sp_group = group
-    for i in range(sp_size):
-        group = dist.new_group(list(range(i, world, sp_size)))
-        if i == rank % sp_size and dp_size > 1:
-            dp_group = group
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    ulysses = ulysses_size or 1
+    ring_group = ulysses_group = None
+    if ulysses_size is None:
+        mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
+        sp_mesh = mesh["sp"]
+    else:
+        mesh = init_device_mesh(
+            device_type,
+            (dp_size, sp_size // ulysses, ulysses),
+            mesh_dim_names=("dp", "ring", "ulysses"),
+        )
+        sp_mesh = mesh["ring", "ulysses"]._flatten("sp")
+        ring_group = mesh["ring"].get_group() if sp_size // ulysses > 1 else None
+        ulysses_group = mesh["ulysses"].get_group() if ulysses > 1 else None
     return SPMesh(
         world_size=world,
         rank=rank,
@@ -108,8 +144,12 @@ def build_mesh(sp_size: int, accelerator: Accelerator | None = None) -> SPMesh:
         sp_size=sp_size,
         dp_rank=rank // sp_size,
         sp_rank=rank % sp_size,
-        sp_group=sp_group,
-        dp_group=dp_group,
+        sp_group=sp_mesh.get_group() if sp_size > 1 else None,
+        dp_group=mesh["dp"].get_group() if dp_size > 1 else None,
+        device_mesh=mesh,
+        ulysses_size=ulysses,
+        ulysses_group=ulysses_group,
+        ring_group=ring_group,
     )
 
 

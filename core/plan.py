@@ -9,6 +9,19 @@ possible (so a switch sits right before the stage that needs it).
 
 Stages usually repeat (one transformer layer after another): :func:`plan_stages` treats the
 stage list as periodic by default and counts the switch from the last stage back to the first.
+
+A plan says, per stage, the sharded dim **and the method** that runs the stage:
+
+* ``local``: the stage does not mix the sharded dim, so it runs with no communication (DSP);
+* an embedded method (``ulysses``, ``ring``, ``lss``, ``usp``) for a stage whose attention mixes
+  the sharded dim: a stage that mixes *every* dim in an otherwise-DSP model (a *hybrid* plan,
+  the method chosen by communication volume), or every mixing stage under a fixed-dim
+  embedded strategy (:func:`plan_fixed`).
+
+Costs are in units of one switch, ``(M/N)·(N−1)/N`` elements per rank (``M``: the activation's
+global size). Per attention stage an embedded method sends, per rank: Ulysses four all-to-alls
+(q, k, v, output) = 4 units; Ring and LSS receive the other ranks' K and V,
+``2·(N−1)·M/N`` elements = ``2N`` units.
 """
 
 from __future__ import annotations
@@ -20,30 +33,56 @@ UNEVEN_COST = 1e-3  # per stage sharded on a dim N does not divide (imbalanced s
 UNDERFILLED_COST = 100.0  # per stage sharded on a dim shorter than N (idle ranks)
 
 
+EMBEDDED_METHODS = ("ulysses", "ring", "lss", "usp")
+METHODS = ("local", *EMBEDDED_METHODS)
+
+
+def embedded_method_cost(method: str, sp_size: int) -> float:
+    """Forward bytes per rank of one attention stage under ``method``, in switch units."""
+    if method == "local":
+        return 0.0
+    if method == "ulysses":
+        return 4.0
+    if method in ("ring", "lss", "usp"):
+        return 2.0 * sp_size
+    raise ValueError(f"unknown attention method {method!r}; known: {list(METHODS)}")
+
+
 @dataclass(frozen=True)
 class Stage:
     """One computation stage: ``name`` mixes tokens along the dims in ``mixes``.
 
     ``mixes=()`` is a token-wise stage (MLP, cross-attention to replicated conditioning).
+    ``method`` forces the embedded method of a stage that mixes every dim (default: the
+    planner's choice); ``heads`` (its attention heads, if known) lets the planner avoid
+    Ulysses where heads are fewer than ranks.
     """
 
     name: str
     mixes: tuple[str, ...] = ()
+    method: str | None = None
+    heads: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.mixes, str):
             object.__setattr__(self, "mixes", (self.mixes,))
+        if self.method is not None and self.method not in EMBEDDED_METHODS:
+            raise ValueError(
+                f"stage {self.name!r}: method must be one of {list(EMBEDDED_METHODS)}, got "
+                f"{self.method!r}"
+            )
 
 
 @dataclass(frozen=True)
 class PlanStep:
-    """The sharded dim during one stage, and the switch (if any) that precedes it."""
+    """The sharded dim during one stage, the method that runs it, and the switch before it."""
 
     stage: str
     mixes: tuple[str, ...]
     sharded: str
     switch_from: str | None = None
     note: str = ""
+    method: str = "local"
 
 
 @dataclass(frozen=True)
@@ -55,14 +94,16 @@ class Plan:
     sp_size: int
     periodic: bool
     steps: tuple[PlanStep, ...]
-    _by_stage: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    strategy: str = "dsp"
+    _by_stage: dict[str, PlanStep] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for step in self.steps:
-            seen = self._by_stage.setdefault(step.stage, step.sharded)
-            if seen != step.sharded:
+            seen = self._by_stage.setdefault(step.stage, step)
+            if (seen.sharded, seen.method) != (step.sharded, step.method):
                 raise ValueError(
-                    f"stage name {step.stage!r} is planned on two dims; give repeated stages distinct names"
+                    f"stage name {step.stage!r} is planned twice differently; give repeated "
+                    f"stages distinct names"
                 )
 
     @property
@@ -75,14 +116,27 @@ class Plan:
         """Switches per period (per layer for periodic plans)."""
         return sum(step.switch_from is not None for step in self.steps)
 
-    def sharded_for(self, stage: str) -> str:
-        """The dim that must be sharded while ``stage`` runs."""
+    @property
+    def methods(self) -> dict[str, str]:
+        """The method of every stage, ``{stage: method}``."""
+        return {step.stage: step.method for step in self.steps}
+
+    def step_for(self, stage: str) -> PlanStep:
+        """The :class:`PlanStep` of ``stage``."""
         try:
             return self._by_stage[stage]
         except KeyError:
             raise ValueError(
                 f"stage {stage!r} is not in the plan; planned stages: {list(self._by_stage)}"
             ) from None
+
+    def sharded_for(self, stage: str) -> str:
+        """The dim that must be sharded while ``stage`` runs."""
+        return self.step_for(stage).sharded
+
+    def method_for(self, stage: str) -> str:
+        """The method that runs ``stage`` (``"local"``: no communication inside it)."""
+        return self.step_for(stage).method
 
     def switch_bytes_per_period(self, global_elements: int, itemsize: int) -> float:
         """Bytes each rank sends per period: switches · (M/N) · (N−1)/N · itemsize."""
@@ -91,16 +145,22 @@ class Plan:
 
     def __str__(self) -> str:
         dims = ", ".join(f"{d}={n}" for d, n in zip(self.dims, self.lengths))
+        embedded = sorted({s.method for s in self.steps if s.method != "local"})
+        kind = self.strategy.upper() if self.strategy != "dsp" else "DSP"
+        if self.strategy == "dsp" and embedded:
+            kind = f"Hybrid DSP + {'/'.join(embedded)}"
         lines = [
-            f"DSP plan over ({dims}) at SP size {self.sp_size}: "
+            f"{kind} plan over ({dims}) at SP size {self.sp_size}: "
             f"{self.switches_per_period} switch(es) per {'layer' if self.periodic else 'pass'}, entry split on {self.entry!r}",
-            f"  {'stage':<20} {'mixes':<12} {'sharded':<8} switch",
+            f"  {'stage':<20} {'mixes':<12} {'sharded':<8} {'method':<8} switch",
         ]
         for step in self.steps:
             mixes = ",".join(step.mixes) or "-"
             sw = f"{step.switch_from} -> {step.sharded}" if step.switch_from else ""
             note = f"  ({step.note})" if step.note else ""
-            lines.append(f"  {step.stage:<20} {mixes:<12} {step.sharded:<8} {sw}{note}")
+            lines.append(
+                f"  {step.stage:<20} {mixes:<12} {step.sharded:<8} {step.method:<8} {sw}{note}"
+            )
         return "\n".join(lines)
 
 
@@ -108,6 +168,19 @@ def _stage_cost(dim: str, length: int, sp_size: int) -> float:
     if length < sp_size:
         return UNDERFILLED_COST
     return UNEVEN_COST if length % sp_size else 0.0
+
+
+def choose_method(stage: Stage, sp_size: int) -> str:
+    """The embedded method for a stage that mixes every dim: the cheapest that fits.
+
+    Ulysses (4 units) unless the stage's heads are fewer than the ranks (then some ranks would
+    hold no head and idle); otherwise Ring (``2N`` units, no head constraint).
+    """
+    if stage.method is not None:
+        return stage.method
+    if stage.heads is not None and stage.heads < sp_size:
+        return "ring"
+    return min(("ulysses", "ring"), key=lambda m: embedded_method_cost(m, sp_size))
 
 
 def plan_stages(
@@ -126,8 +199,9 @@ def plan_stages(
         sp_size: ranks in the SP group.
         periodic: the stages repeat, so the last stage is followed by the first.
 
-    Raises ``ValueError`` for unknown dims and for stages that mix every dim (those need an
-    embedded strategy such as Ulysses or ring attention for that stage: a hybrid plan).
+    A stage that mixes every dim cannot keep any dim whole-free: it gets an embedded method
+    (:func:`choose_method`; ``Stage.method`` forces one) on whichever dim is cheapest, and the
+    plan becomes a hybrid. Raises ``ValueError`` for unknown dims.
     """
     dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
     if len(dims) != len(lengths):
@@ -143,13 +217,12 @@ def plan_stages(
                 f"stage {stage.name!r} mixes unknown dim(s) {unknown}; the sequence dims are {dims}"
             )
         free = [d for d in dims if d not in stage.mixes]
-        if not free:
-            raise ValueError(
-                f"stage {stage.name!r} mixes every sequence dim {dims}, so DSP cannot keep any dim sharded "
-                f"through it; run it with an embedded strategy (ulysses/ring) in a hybrid plan, or split it "
-                f"into axial stages"
-            )
-        options.append(free)
+        options.append(free or list(dims))  # every dim mixed: an embedded method, any dim
+    methods = [
+        "local" if any(d not in st.mixes for d in dims) else choose_method(st, sp_size)
+        for st in stages
+    ]
+    method_cost = [embedded_method_cost(m, sp_size) for m in methods]
 
     k = len(stages)
 
@@ -158,7 +231,7 @@ def plan_stages(
         table: list[dict[str, float]] = [{} for _ in range(k)]
         for i in reversed(range(k)):
             for d in options[i]:
-                here = _stage_cost(d, length_of[d], sp_size)
+                here = _stage_cost(d, length_of[d], sp_size) + method_cost[i]
                 if i == k - 1:
                     tail = SWITCH_COST if (start is not None and d != start) else 0.0
                 else:
@@ -175,7 +248,11 @@ def plan_stages(
         choice = [first]
         for i in range(1, k):
             prev = choice[-1]
-            remaining = table[i - 1][prev] - _stage_cost(prev, length_of[prev], sp_size)
+            remaining = (
+                table[i - 1][prev]
+                - _stage_cost(prev, length_of[prev], sp_size)
+                - method_cost[i - 1]
+            )
             stay_ok = prev in table[i] and abs(table[i][prev] - remaining) < 1e-9
             choice.append(
                 prev
@@ -197,6 +274,71 @@ def plan_stages(
         elif length_of[dim] % sp_size:
             note = f"{dim}={length_of[dim]} not divisible by {sp_size}: uneven shards"
         steps.append(
-            PlanStep(stage.name, stage.mixes, dim, prev if prev not in (None, dim) else None, note)
+            PlanStep(
+                stage.name,
+                stage.mixes,
+                dim,
+                prev if prev not in (None, dim) else None,
+                note,
+                methods[i],
+            )
         )
     return Plan(dims=dims, lengths=lengths, sp_size=sp_size, periodic=periodic, steps=tuple(steps))
+
+
+def plan_fixed(
+    dims: tuple[str, ...],
+    lengths: tuple[int, ...],
+    stages: tuple[Stage, ...] | list[Stage],
+    sp_size: int,
+    method: str,
+    dim: str | None = None,
+    periodic: bool = True,
+) -> Plan:
+    """The plan of a fixed-dim embedded strategy: one dim sharded throughout, no switches.
+
+    Every stage that mixes the sharded ``dim`` runs with ``method``; the others run locally.
+    ``dim`` defaults to the longest dim (ties: the first), the most balanced choice.
+    """
+    if method not in EMBEDDED_METHODS:
+        raise ValueError(f"method must be one of {list(EMBEDDED_METHODS)}, got {method!r}")
+    dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
+    if len(dims) != len(lengths):
+        raise ValueError(f"{len(dims)} dims {dims} but {len(lengths)} lengths {lengths}")
+    if not stages:
+        raise ValueError("plan_fixed needs at least one stage")
+    length_of = dict(zip(dims, lengths))
+    if dim is None:
+        dim = max(dims, key=lambda d: (length_of[d], -dims.index(d)))
+    if dim not in length_of:
+        raise ValueError(f"cannot shard unknown dim {dim!r}; the sequence dims are {dims}")
+    for stage in stages:
+        unknown = [d for d in stage.mixes if d not in length_of]
+        if unknown:
+            raise ValueError(
+                f"stage {stage.name!r} mixes unknown dim(s) {unknown}; the sequence dims are {dims}"
+            )
+    note = ""
+    if length_of[dim] < sp_size:
+        note = f"{dim}={length_of[dim]} < SP size {sp_size}: some ranks idle"
+    elif length_of[dim] % sp_size:
+        note = f"{dim}={length_of[dim]} not divisible by {sp_size}: uneven shards"
+    steps = tuple(
+        PlanStep(
+            stage.name,
+            stage.mixes,
+            dim,
+            None,
+            note,
+            method if dim in stage.mixes else "local",
+        )
+        for stage in stages
+    )
+    return Plan(
+        dims=dims,
+        lengths=lengths,
+        sp_size=sp_size,
+        periodic=periodic,
+        steps=steps,
+        strategy=method,
+    )

@@ -10,9 +10,11 @@ A model is written once, as if on one device, in terms of stages::
     out = sp.exit(act)                                   # gather (or keep sharded for the loss)
 
 :class:`SeqTensor` carries the local tensor together with its :class:`~dspzoo.core.layout.SeqSpec`
-(names, true lengths, sharded dim) and the plan, so the sharding state is explicit and travels
-with the data. The strategy (``dsp`` here; embedded ones plug into the same two hooks,
-:meth:`Strategy.to_stage` and :meth:`Strategy.attention`) is a runtime choice.
+(names, true lengths, sharded dim, the method in force) and the plan, so the sharding state is
+explicit and travels with the data. The strategy is a planning policy chosen at run time
+(``dsp``, ``ulysses``, ``ring``, ``lss``, ``usp``): the plan names, per stage, the sharded dim
+and the method, and this runtime executes any plan the same way — ``to_stage`` switches and
+sets the method, ``attention`` runs locally or through the method.
 """
 
 from __future__ import annotations
@@ -66,17 +68,24 @@ class SeqParallel:
 
     Args:
         mesh: the dp × sp mesh (or ``None`` for a single process).
-        strategy: ``"dsp"`` or a :class:`Strategy` instance.
+        strategy: a name from :data:`dspzoo.core.strategies.STRATEGIES` (``"dsp"``,
+            ``"ulysses"``, ``"ring"``, ``"lss"``, ``"usp"``) or a :class:`Strategy` instance.
+        dim: for an embedded strategy, the sequence dim to shard (default: the longest).
     """
 
-    def __init__(self, mesh: SPMesh | None = None, strategy: str | Strategy = "dsp") -> None:
+    def __init__(
+        self,
+        mesh: SPMesh | None = None,
+        strategy: str | Strategy = "dsp",
+        dim: str | None = None,
+    ) -> None:
         from .strategies import get_strategy
 
         self.mesh = mesh
         self.group: Any = None if mesh is None else mesh.sp_group
         self.size = comm.group_size(self.group)
         self.rank = comm.group_rank(self.group)
-        self.strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
+        self.strategy = get_strategy(strategy, dim) if isinstance(strategy, str) else strategy
         self._plans: dict[tuple, Plan] = {}
 
     def __repr__(self) -> str:
@@ -138,11 +147,18 @@ class SeqParallel:
         )
         return SeqTensor(out, act.spec.with_sharded(dim), act.plan)
 
-    # -- strategy hooks ---------------------------------------------------------------------
+    # -- stages and attention ---------------------------------------------------------------
     def to_stage(self, act: SeqTensor, stage: str) -> SeqTensor:
-        """Make ``act`` ready for ``stage`` (DSP: switch to the planned sharded dim)."""
+        """Make ``act`` ready for ``stage``: switch to the planned sharded dim (if it differs)
+        and put the planned method in force for the stage's attention."""
+        if act.plan is None:
+            raise ValueError(
+                "to_stage: the activation has no plan; create it with sp.enter(..., stages=...)"
+            )
+        step = act.plan.step_for(stage)
         with comm_region(stage):
-            return self.strategy.to_stage(self, act, stage)
+            act = self.switch(act, step.sharded)
+        return replace(act, spec=act.spec.with_method(step.method))
 
     def attention(
         self,
@@ -150,16 +166,21 @@ class SeqParallel:
         k: torch.Tensor,
         v: torch.Tensor,
         spec: SeqSpec,
-        over: str,
+        over: str | tuple[str, ...],
         mask: torch.Tensor | None = None,
         causal: bool = False,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """Self-attention along sequence dim ``over``.
+        """Self-attention along sequence dim(s) ``over`` (several dims: attended jointly).
 
-        ``q, k, v``: ``[B, *seq_local, H, D]`` laid out as ``spec`` (heads and head dim last).
-        Every other sequence dim acts as a batch dim. Returns ``[B, *seq_local, H, D]``.
+        ``q, k, v``: ``[B, *seq_local, H, D]`` laid out as ``spec`` (heads and head dim last;
+        ``k``/``v`` may have fewer heads: GQA). The other sequence dims act as batch dims.
+        Local when the sharded dim is not attended over; otherwise the plan's method
+        (Ulysses, Ring, LSS, USP) communicates. Returns ``[B, *seq_local, H, D]``.
         """
-        return self.strategy.attention(self, q, k, v, spec, over, mask, causal)
+        from .strategies.dispatch import sharded_attention
+
+        return sharded_attention(self, q, k, v, spec, over, mask, causal, scale)
 
     # -- lockstep helpers -------------------------------------------------------------------
     def shard_like(

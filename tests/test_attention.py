@@ -116,7 +116,7 @@ def test_flash_gets_nlhd_and_its_result_is_returned_unchanged(causal: bool) -> N
     assert out is result
     ((args, kwargs),) = calls
     assert len(args) == 3 and all(a is b for a, b in zip(args, (q, k, v)))  # no transposes
-    assert kwargs == {"dropout_p": 0.1, "causal": causal}
+    assert kwargs == {"dropout_p": 0.1, "causal": causal, "softmax_scale": None}
 
 
 def test_flash_chosen_but_mask_given_falls_back_to_sdpa() -> None:

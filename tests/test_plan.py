@@ -51,11 +51,61 @@ def test_dims_too_short_to_shard_are_avoided_or_flagged() -> None:
     assert all(s.sharded != "t" for s in plan3.steps)
 
 
-def test_unknown_dim_and_global_stage_raise() -> None:
+def test_unknown_dim_raises() -> None:
     with pytest.raises(ValueError, match="unknown dim"):
         plan_stages(("t", "s"), (4, 4), (Stage("x", ("z",)),), sp_size=2)
-    with pytest.raises(ValueError, match="embedded strategy"):
-        plan_stages(("t", "s"), (4, 4), (Stage("full", ("t", "s")),), sp_size=2)
+    with pytest.raises(ValueError, match="method must be one of"):
+        Stage("full", ("t", "s"), method="magic")
+
+
+HYBRID = (
+    Stage("spatial", ("s",)),
+    Stage("temporal", ("t",)),
+    Stage("mlp"),
+    Stage("full", ("t", "s")),
+    Stage("mlp2"),
+)
+
+
+def test_hybrid_places_an_embedded_method_exactly_on_all_dim_stages() -> None:
+    plan = plan_stages(("t", "s"), (16, 256), HYBRID, sp_size=4)
+    assert plan.methods == {
+        "spatial": "local",
+        "temporal": "local",
+        "mlp": "local",
+        "full": "ulysses",  # 4 switch units beat ring's 2N = 8
+        "mlp2": "local",
+    }
+    # the all-dim stage stays on the dim the axial stages left sharded: no extra switch
+    assert plan.switches_per_period == 2
+    assert "Hybrid DSP + ulysses" in str(plan)
+    # fewer heads than ranks: ring; a forced method wins
+    few_heads = (*HYBRID[:3], Stage("full", ("t", "s"), heads=2), HYBRID[4])
+    assert plan_stages(("t", "s"), (16, 256), few_heads, sp_size=4).method_for("full") == "ring"
+    forced = (*HYBRID[:3], Stage("full", ("t", "s"), method="lss"), HYBRID[4])
+    assert plan_stages(("t", "s"), (16, 256), forced, sp_size=4).method_for("full") == "lss"
+
+
+def test_one_dim_model_under_dsp_is_all_embedded() -> None:
+    plan = plan_stages(("l",), (100,), (Stage("attn", ("l",)), Stage("mlp")), sp_size=4)
+    assert plan.methods == {"attn": "ulysses", "mlp": "local"} and plan.switches_per_period == 0
+
+
+def test_fixed_dim_strategies_shard_one_dim_throughout() -> None:
+    from dspzoo.core.plan import plan_fixed
+
+    plan = plan_fixed(("t", "s"), (16, 256), STDIT, sp_size=4, method="ring")
+    assert {s.sharded for s in plan.steps} == {"s"} and plan.switches_per_period == 0
+    assert plan.methods == {
+        "spatial": "ring",
+        "temporal": "local",
+        "cross": "local",
+        "mlp": "local",
+    }
+    plan_t = plan_fixed(("t", "s"), (16, 256), STDIT, sp_size=4, method="ulysses", dim="t")
+    assert plan_t.method_for("temporal") == "ulysses" and plan_t.method_for("spatial") == "local"
+    with pytest.raises(ValueError, match="unknown dim"):
+        plan_fixed(("t", "s"), (16, 256), STDIT, sp_size=4, method="ring", dim="h")
 
 
 def test_non_periodic_plan_has_no_wraparound_switch() -> None:

@@ -42,13 +42,28 @@ def attend(
     mask: torch.Tensor | None = None,
     causal: bool = False,
     dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention on ``[N, L, H, D]`` tensors → ``[N, Lq, H, D]``.
 
-    ``mask`` (boolean, True = attend) broadcasts to ``[N, H, Lq, Lk]``.
+    ``mask`` (boolean, True = attend) broadcasts to ``[N, H, Lq, Lk]``. ``causal`` aligns the
+    triangle top-left (query ``i`` sees keys ``j <= i``) on every path. ``k``/``v`` may have
+    fewer heads than ``q`` (GQA/MQA: ``H % Hkv == 0``). ``scale`` defaults to ``1/√D``.
     """
-    if can_use_flash(q, mask):
-        return flash_attn_func()(q, k, v, dropout_p=dropout_p, causal=causal)
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if heads % max(kv_heads, 1):
+        raise ValueError(f"query heads {heads} are not a multiple of key/value heads {kv_heads}")
+    same_length = q.shape[1] == k.shape[1]
+    if can_use_flash(q, mask) and (same_length or not causal):
+        return flash_attn_func()(q, k, v, dropout_p=dropout_p, causal=causal, softmax_scale=scale)
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=-2)
+        v = v.repeat_interleave(heads // kv_heads, dim=-2)
+    if causal and (mask is not None or not same_length):
+        # one explicit mask: SDPA versions differ on is_causal with a mask or Lq != Lk
+        tri = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        mask = tri if mask is None else (mask & tri)
+        causal = False
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -56,6 +71,7 @@ def attend(
         attn_mask=mask,
         dropout_p=dropout_p,
         is_causal=causal,
+        scale=scale,
     )
     return out.transpose(1, 2)
 

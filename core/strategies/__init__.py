@@ -1,19 +1,41 @@
-"""Sequence-parallel strategies, chosen at run time by name."""
+"""Sequence-parallel strategies, chosen at run time by name (``SeqParallel(mesh, strategy=…)``).
+
+A strategy is a planning policy; the runtime executes any plan the same way.
+
+=============  ============================================================================
+``dsp``        switch the sharded dim between stages (hybrid: an embedded method only on
+               stages that mix every dim)
+``ulysses``    one dim sharded; attention over it: all-to-all to heads and back
+``ring``       one dim sharded; attention over it: K/V blocks passed around a ring
+``lss``        one dim sharded; attention over it: one fused all-gather of K and V
+``usp``        one dim sharded; Ulysses inside ring groups (``build_mesh(ulysses_size=…)``)
+=============  ============================================================================
+"""
 
 from __future__ import annotations
 
 from .base import Strategy, local_attention
 from .dsp import DSP
+from .embedded import Embedded
 
-STRATEGIES: dict[str, type[Strategy]] = {"dsp": DSP}
+STRATEGIES: dict[str, str] = {
+    "dsp": "Dynamic Sequence Parallelism (switch between stages; hybrid for all-dim stages)",
+    "ulysses": "DeepSpeed-Ulysses (sequence ↔ head all-to-all around attention)",
+    "ring": "Ring attention (K/V blocks around the ring, online softmax)",
+    "lss": "Long-Short-Sequence distributed attention (one fused K/V all-gather)",
+    "usp": "Unified SP: Ulysses inside, ring across (2-D SP sub-mesh)",
+}
 
 
-def get_strategy(name: str) -> Strategy:
-    """Instantiate the strategy called ``name``."""
-    try:
-        return STRATEGIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; available: {sorted(STRATEGIES)}") from None
+def get_strategy(name: str, dim: str | None = None) -> Strategy:
+    """Instantiate the strategy called ``name``; ``dim`` fixes an embedded strategy's dim."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; available: {sorted(STRATEGIES)}")
+    if name == "dsp":
+        if dim is not None:
+            raise ValueError("the dsp strategy plans its sharded dims itself; do not pass dim")
+        return DSP()
+    return Embedded(name, dim)
 
 
-__all__ = ["DSP", "STRATEGIES", "Strategy", "get_strategy", "local_attention"]
+__all__ = ["DSP", "STRATEGIES", "Embedded", "Strategy", "get_strategy", "local_attention"]

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from ..plan import Plan, Stage, plan_stages
 from .base import Strategy
-
-if TYPE_CHECKING:
-    from ..runtime import SeqParallel, SeqTensor
 
 
 class DSP(Strategy):
-    """Before each stage, re-shard onto the dim the plan chose (one all-to-all if it changed).
-
-    Every stage then mixes only whole, local dims: attention needs no communication at all.
-    """
+    """Before each stage, re-shard onto a dim the stage does not mix (one all-to-all if it
+    changed), so attention needs no communication; a stage that mixes *every* dim runs with
+    the cheapest embedded method (a hybrid plan, see :func:`~dspzoo.core.plan.plan_stages`)."""
 
     name = "dsp"
 
-    def to_stage(self, sp: SeqParallel, act: SeqTensor, stage: str) -> SeqTensor:
-        if act.plan is None:
-            raise ValueError(
-                "to_stage: the activation has no plan; create it with sp.enter(..., stages=...)"
-            )
-        return sp.switch(act, act.plan.sharded_for(stage))
+    def plan(
+        self,
+        names: tuple[str, ...],
+        lengths: tuple[int, ...],
+        stages: tuple[Stage, ...],
+        sp_size: int,
+    ) -> Plan:
+        return plan_stages(names, lengths, stages, sp_size)
