@@ -1,0 +1,459 @@
+"""Byte-level language-model training under sequence parallelism, for ``accelerate launch``.
+
+Each SP group holds one share of the global batch of ``seq_len``-byte windows. ``sp.enter``
+splits every window's bytes over the group; the strategy (``--sp-strategy``: ``lss``,
+``ring``, ``ulysses``, ...) decides what causal attention over the sharded sequence
+communicates; each rank takes the cross-entropy of its own bytes (:func:`lm_loss`, the
+gradient contract), and DDP averages gradients over dp × sp.
+
+The only randomness of a run is the data order, a function of ``(seed, epoch)``
+(:class:`dspzoo.core.data.SPBatchSampler`), and the initial weights, a function of ``seed``:
+so the loss sequence is the same at every dp × sp layout with the same ``--global-batch``, and
+a run resumed from a checkpoint (at any layout) continues exactly. Losses are reported in bits
+per byte (cross-entropy / ln 2); ``--eval-every`` measures bits per byte on held-out windows
+(the last 5 % of the data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from dspzoo.core import SavedTensorMeter, seed_everything, sp_dataloader
+from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.checkpoint import latest_checkpoint, read_progress, save_checkpoint
+from dspzoo.core.loss import world_report
+from dspzoo.core.rng import mix_key
+from dspzoo.core.trace import format_bytes
+
+from .data import ByteWindows, resolve_data
+from .model import lm_loss
+
+logger = logging.getLogger("dspzoo.text.train")
+LN2 = math.log(2.0)
+
+
+def _flag(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    """A config field that is also a command-line flag with a description and choices."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TextTrainConfig:
+    """Everything a training run needs; every field is a command-line flag."""
+
+    model: str = _flag("bytelm-small", "zoo model name (see `dspzoo list`)")
+    sp: int = _flag(2, "ranks per sequence-parallel group; must divide the number of processes")
+    sp_strategy: str = _flag(
+        "lss",
+        "sequence-parallel strategy that runs causal attention over the sharded sequence "
+        "(a name registered in dspzoo.core.strategies, e.g. lss, ring, ulysses)",
+    )
+    seq_len: int = _flag(512, "bytes per training window (the model's sequence length)")
+    steps: int = _flag(
+        1000,
+        "total optimisation steps, counted from the start of training (a resumed run goes on to it)",
+    )
+    global_batch: int = _flag(
+        8,
+        "windows per step over all data-parallel groups; each DP group takes global_batch / dp. "
+        "Keep it fixed to get the same run at any dp × sp layout",
+    )
+    lr: float = _flag(1e-3, "peak AdamW learning rate")
+    weight_decay: float = _flag(0.1, "AdamW weight decay (matrices only, not norms or biases)")
+    warmup: int = _flag(50, "linear warm-up steps, then cosine decay to 10%% of the peak")
+    grad_clip: float = _flag(1.0, "clip the global gradient norm to this value (0: off)")
+    mixed_precision: str = _flag("no", "autocast precision", ("no", "fp16", "bf16"))
+    activation_checkpointing: bool = _flag(
+        False, "recompute every block in the backward pass instead of keeping its activations"
+    )
+    seed: int = _flag(0, "seed of the initial weights and the data order")
+    data: str = _flag(
+        "stdlib",
+        "'stdlib' (the Python standard library's sources, built and cached at first use) or "
+        "the path of a raw byte file such as enwik8",
+    )
+    val_fraction: float = _flag(0.05, "share of the data, at its end, held out for validation")
+    eval_every: int = _flag(100, "measure validation bits per byte every n steps (0: off)")
+    eval_windows: int = _flag(32, "held-out windows per validation (the first ones)")
+    num_workers: int = _flag(0, "dataloader worker processes per rank")
+    output_dir: str | None = _flag(None, "where checkpoints, logs and the final model go")
+    save_every: int = _flag(200, "save a checkpoint every n steps (0: only at --stop-after)")
+    keep_checkpoints: int = _flag(3, "keep the newest n checkpoints (0: keep all)")
+    log_every: int = _flag(10, "log (and average the reported loss over) every n steps")
+    resume: str | None = _flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")
+    stop_after: int | None = _flag(
+        None, "end this session after n steps with a checkpoint (for time-limited jobs)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = f"outputs/{self.model}"
+
+    def validate(self) -> None:
+        """Raise a clear ``ValueError`` for values no run can use."""
+        for f in self.__dataclass_fields__.values():
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"--{f.name.replace('_', '-')} must be one of {list(choices)}, "
+                    f"got {getattr(self, f.name)!r}"
+                )
+        for name in ("sp", "seq_len", "steps", "global_batch", "log_every", "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        for name in ("save_every", "keep_checkpoints", "num_workers", "warmup", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
+                )
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
+
+
+@dataclass
+class TrainingRun:
+    """The live objects of one training session."""
+
+    cfg: TextTrainConfig
+    accelerator: Any
+    mesh: Any
+    sp: Any
+    model: torch.nn.Module
+    raw_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any
+    val_data: ByteWindows
+    output_dir: Path
+
+    @property
+    def batch_per_dp(self) -> int:
+        return self.cfg.global_batch // self.mesh.dp_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.global_batch * self.cfg.seq_len
+
+
+def build_model(cfg: TextTrainConfig) -> torch.nn.Module:
+    """The zoo model; its initial weights depend on ``cfg.seed`` only (global RNG untouched)."""
+    from dspzoo.zoo import create_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = create_model(cfg.model, checkpoint=cfg.activation_checkpointing)
+    mc = model.config
+    if mc.position == "learned" and cfg.seq_len > mc.max_len:
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s learned position table "
+            f"(max_len={mc.max_len}); pick a rotary model or a shorter --seq-len"
+        )
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TextTrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices (linear and embedding weights) only."""
+    params = {id(p): p for p in model.parameters()}.values()  # a tied weight counts once
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+
+
+def _lr_lambda(cfg: TextTrainConfig):
+    def fn(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return fn
+
+
+def setup_run(cfg: TextTrainConfig) -> TrainingRun:
+    """Accelerator, mesh, SP context, data, model, optimizer and schedule for ``cfg``."""
+    cfg.validate()
+    accelerator, mesh, sp = setup_accelerate(
+        cfg.sp, seed=cfg.seed, strategy=cfg.sp_strategy, mixed_precision=cfg.mixed_precision
+    )
+    if cfg.global_batch % mesh.dp_size:
+        raise ValueError(
+            f"--global-batch {cfg.global_batch} is not divisible by the {mesh.dp_size} "
+            f"data-parallel groups ({mesh.world_size} processes / SP {cfg.sp}); choose a "
+            f"multiple of {mesh.dp_size}"
+        )
+    output_dir = Path(cfg.output_dir)
+    if mesh.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    path = resolve_data(cfg.data)
+    train_data = ByteWindows(path, cfg.seq_len, "train", cfg.val_fraction)
+    val_data = ByteWindows(path, cfg.seq_len, "val", cfg.val_fraction)
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    loader = sp_dataloader(
+        train_data,
+        mesh,
+        cfg.global_batch // mesh.dp_size,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        device=accelerator.device,
+    )
+    return TrainingRun(
+        cfg=cfg,
+        accelerator=accelerator,
+        mesh=mesh,
+        sp=sp,
+        model=model,
+        raw_model=accelerator.unwrap_model(model),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        val_data=val_data,
+        output_dir=output_dir,
+    )
+
+
+def _layout(run: TrainingRun) -> dict[str, int]:
+    return {"world": run.mesh.world_size, "dp": run.mesh.dp_size, "sp": run.mesh.sp_size}
+
+
+def restore(run: TrainingRun) -> tuple[int, list[float], list[list[float]]]:
+    """Load ``--resume``'s checkpoint (from any layout); returns ``(step, loss history,
+    validation history)`` up to that step."""
+    cfg = run.cfg
+    ckpt_dir = run.output_dir / "checkpoints"
+    ckpt = latest_checkpoint(ckpt_dir) if cfg.resume == "latest" else Path(cfg.resume)
+    if ckpt is None or not ckpt.exists():
+        raise FileNotFoundError(
+            f"--resume {cfg.resume}: no checkpoint found (looked in {ckpt_dir})"
+        )
+    progress = read_progress(ckpt)
+    run.accelerator.load_state(str(ckpt))
+    step = int(progress["step"])
+    seed_everything(run.mesh, mix_key(cfg.seed, step, "global-rng"))
+    if run.mesh.is_main:
+        saved, now = progress.get("layout"), _layout(run)
+        logger.info("resumed from %s at step %d", ckpt, step)
+        if saved is not None and saved != now:
+            logger.warning(
+                "resuming a checkpoint saved at dp %d × sp %d (%d processes) at dp %d × sp %d "
+                "(%d processes): the data order is keyed by (seed, step), so the run continues "
+                "as it would have at the old layout",
+                saved["dp"], saved["sp"], saved["world"], now["dp"], now["sp"], now["world"],
+            )  # fmt: skip
+        for key in ("global_batch", "seq_len", "seed"):
+            if progress.get(key, getattr(cfg, key)) != getattr(cfg, key):
+                logger.warning(
+                    "the checkpoint was trained with --%s %s, this run uses %s: the loss "
+                    "sequence will differ from an uninterrupted run",
+                    key.replace("_", "-"),
+                    progress.get(key),
+                    getattr(cfg, key),
+                )
+    evals = [e for e in progress.get("evals", []) if e[0] <= step]
+    return step, list(progress.get("loss_history", []))[:step], evals
+
+
+def training_step(
+    run: TrainingRun, batch: dict[str, torch.Tensor], meter: SavedTensorMeter | None
+) -> float:
+    """One optimisation step on this rank's share; returns the global batch's bits per byte."""
+    run.model.train()
+    with run.accelerator.autocast():
+        with meter if meter is not None else contextlib.nullcontext():
+            logits = run.model(batch["tokens"], sp=run.sp, gather_output=False)
+        loss = lm_loss(logits, batch["targets"], run.sp)
+    run.accelerator.backward(loss)
+    if run.cfg.grad_clip:
+        run.accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return world_report(loss) / LN2
+
+
+@torch.no_grad()
+def evaluate(run: TrainingRun) -> float:
+    """Bits per byte on the first ``--eval-windows`` held-out windows.
+
+    DP group ``d`` scores windows ``d, d + dp, …``; inside an SP group every rank scores its
+    own bytes of each window, and one all-reduce over the world adds up the nats and bytes.
+    """
+    cfg, model, sp = run.cfg, run.raw_model, run.sp
+    windows = list(range(min(cfg.eval_windows, len(run.val_data))))[
+        run.mesh.dp_rank :: run.mesh.dp_size
+    ]
+    totals = torch.zeros(2, dtype=torch.float64)
+    model.eval()
+    for first in range(0, len(windows), run.batch_per_dp):
+        items = [run.val_data[i] for i in windows[first : first + run.batch_per_dp]]
+        tokens = torch.stack([it["tokens"] for it in items]).to(run.accelerator.device)
+        targets = torch.stack([it["targets"] for it in items]).to(run.accelerator.device)
+        with run.accelerator.autocast():
+            logits = model(tokens, sp=sp, gather_output=False)
+        mine = sp.shard_like(targets, logits)
+        nats = F.cross_entropy(
+            logits.tensor.flatten(0, -2).float(), mine.flatten(), reduction="sum"
+        )
+        totals += torch.stack([nats.double().cpu(), torch.tensor(float(mine.numel()))])
+    model.train()
+    if dist.is_available() and dist.is_initialized():
+        device = run.accelerator.device
+        totals = totals.to(device)
+        dist.all_reduce(totals)
+        totals = totals.cpu()
+    return float(totals[0] / totals[1]) / LN2
+
+
+def mean_step_time(timings: list[float], last: int | None = None) -> float:
+    """Mean of the ``last`` step times, leaving out the session's first (warm-up) step when
+    there are others."""
+    rest = timings[1:] if len(timings) > 1 else timings
+    rest = rest[-last:] if last else rest
+    return sum(rest) / len(rest) if rest else float("nan")
+
+
+def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
+    """Save a resumable checkpoint at ``step`` with the layout and the loss histories."""
+    progress = {
+        "seed": run.cfg.seed,
+        "global_batch": run.cfg.global_batch,
+        "seq_len": run.cfg.seq_len,
+        "model": run.cfg.model,
+        "layout": _layout(run),
+        "loss_history": history,
+        "evals": evals,
+    }
+    save_checkpoint(
+        run.accelerator,
+        run.output_dir / "checkpoints",
+        step,
+        progress,
+        keep=run.cfg.keep_checkpoints,
+    )
+
+
+def finish(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
+    """Save the final model when the run is complete; write the loss histories."""
+    run.accelerator.wait_for_everyone()
+    if not run.mesh.is_main:
+        return
+    if step >= run.cfg.steps:
+        from dspzoo.zoo import save_pretrained
+
+        training = {
+            "seq_len": run.cfg.seq_len,
+            "data": run.cfg.data,
+            "steps": step,
+            "train_bpb": history[-1] if history else None,
+            "val_bpb": evals[-1][1] if evals else None,
+        }
+        save_pretrained(run.raw_model, run.output_dir / "final", extra={"training": training})
+    (run.output_dir / "losses.json").write_text(
+        json.dumps({"train_bpb": history, "val_bpb": evals})
+    )
+
+
+def train(cfg: TextTrainConfig) -> dict:
+    """Run (or resume) training. Returns on every rank::
+
+    {"losses": this session's bits per byte, "loss_history": all of them from step 1,
+     "evals": [[step, validation bits per byte], ...], "tokens_per_s": ...,
+     "activation_bytes": ..., "output_dir": ..., "is_main": ...}
+    """
+    run = setup_run(cfg)
+    step, history, evals = restore(run) if cfg.resume else (0, [], [])
+    start_step = step
+    losses: list[float] = []
+    timings: list[float] = []
+    window = cfg.log_every
+    progress = tqdm(
+        total=cfg.steps,
+        initial=step,
+        desc="train",
+        disable=not run.mesh.is_main,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stderr.isatty() else 30,  # keep logs of non-interactive runs short
+    )
+    meter_bytes = 0
+    session_over = False
+    while step < cfg.steps and not session_over:
+        run.loader.set_step(step)
+        for batch in run.loader:
+            start = time.perf_counter()
+            meter = SavedTensorMeter(run.model.parameters()) if step == start_step else None
+            loss = training_step(run, batch, meter)
+            if meter is not None:
+                meter_bytes = meter.bytes
+            step += 1
+            losses.append(loss)
+            timings.append(time.perf_counter() - start)
+            progress.update(1)
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                evals.append([step, evaluate(run)])
+                if run.mesh.is_main:
+                    logger.info("step %d validation %.4f bits/byte", step, evals[-1][1])
+            if step % window == 0 or step == cfg.steps:
+                avg = sum(losses[-window:]) / len(losses[-window:])
+                tps = run.tokens_per_step / mean_step_time(timings, window)
+                progress.set_postfix({f"bpb(avg{window})": f"{avg:.3f}", "tok/s": f"{tps:.0f}"})
+                if run.mesh.is_main:
+                    logger.info(
+                        "step %d bits/byte(avg%d) %.4f step_time %.3fs tokens/s %.0f lr %.2e",
+                        step,
+                        window,
+                        avg,
+                        mean_step_time(timings, window),
+                        tps,
+                        run.scheduler.get_last_lr()[0],
+                    )
+            session_over = cfg.stop_after is not None and step - start_step >= cfg.stop_after
+            periodic = cfg.save_every and step % cfg.save_every == 0
+            if step < cfg.steps and (periodic or session_over):
+                checkpoint(run, step, history + losses, evals)
+            if session_over or step >= cfg.steps:
+                break
+    progress.close()
+    history = history + losses
+    finish(run, step, history, evals)
+    tps = run.tokens_per_step / mean_step_time(timings)
+    if run.mesh.is_main:
+        logger.info(
+            "done: %d steps, %.0f tokens/s, activation memory/rank %s (SP %d, %s)",
+            step,
+            tps,
+            format_bytes(meter_bytes),
+            run.mesh.sp_size,
+            cfg.sp_strategy,
+        )
+    return {
+        "losses": losses,
+        "loss_history": history,
+        "evals": evals,
+        "tokens_per_s": tps,
+        "activation_bytes": meter_bytes,
+        "output_dir": str(run.output_dir),
+        "is_main": run.mesh.is_main,
+    }
