@@ -23,7 +23,8 @@ from dspzoo.domains.text.training import TextTrainConfig, train
 from dspzoo.zoo import count_parameters, create_model, from_pretrained, load_extra
 
 REPO = Path(__file__).resolve().parents[1]
-STRATEGY = "dsp"  # the default strategy for now; extend to lss / ring / ulysses as they land
+STRATEGY = "dsp"  # SP 1 cases: every strategy is the same computation at one rank
+SP_STRATEGIES = ("dsp", "lss", "ring", "ulysses")  # dsp: hybrid plan, embedded method on attn
 
 
 def _model(**overrides) -> torch.nn.Module:
@@ -176,14 +177,13 @@ def test_generation_is_deterministic_with_a_seeded_generator() -> None:
 # -- SP 2 and 3 against one process ------------------------------------------------------------
 
 
-def _compare_with_one_process(rank: int, world: int) -> list[tuple[int, int]]:
-    """Loss, gathered logits and every gradient at SP 3 (all ranks) and SP 2 (ranks 0, 1)
-    equal one process, for lengths 12 (even at SP 2 and 3) and 11 (uneven at both)."""
+def _compare_with_one_process(rank: int, world: int) -> list[tuple[str, int, int]]:
+    """Per strategy: loss, gathered logits and every gradient at SP 3 (all ranks) and SP 2
+    (ranks 0, 1) equal one process, for lengths 12 (even at SP 2 and 3) and 11 (uneven), with
+    grouped-query attention (4 query heads, 2 K/V heads)."""
+    mesh3 = build_mesh(world)
     group2 = dist.new_group([0, 1])  # every rank takes part in creating it
-    contexts = {3: SeqParallel(build_mesh(world), strategy=STRATEGY)}
-    if rank < 2:
-        mesh2 = SPMesh(world, rank, dp_size=1, sp_size=2, dp_rank=0, sp_rank=rank, sp_group=group2)
-        contexts[2] = SeqParallel(mesh2, strategy=STRATEGY)
+    mesh2 = SPMesh(world, rank, dp_size=1, sp_size=2, dp_rank=0, sp_rank=rank, sp_group=group2)
     checked = []
     for length in (12, 11):
         data = _tokens(length=length)
@@ -194,20 +194,31 @@ def _compare_with_one_process(rank: int, world: int) -> list[tuple[int, int]]:
         ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         with torch.no_grad():
             ref_logits = model(tokens)
-        for size, sp in contexts.items():
-            model.zero_grad()
-            loss = model.loss(tokens, targets, sp)
-            loss.backward()
-            report = loss.detach().clone()
-            dist.all_reduce(report, group=sp.group)
-            torch.testing.assert_close(report / size, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-            for name, p in model.named_parameters():  # the SP-group mean is the reference
-                grad = p.grad.clone()
-                dist.all_reduce(grad, group=sp.group)
-                torch.testing.assert_close(grad / size, ref_grads[name], rtol=1e-4, atol=1e-6)
-            with torch.no_grad():
-                torch.testing.assert_close(model(tokens, sp), ref_logits, rtol=1e-5, atol=1e-5)
-            checked.append((size, length))
+        for strategy in SP_STRATEGIES:
+            for size, mesh in ((3, mesh3), (2, mesh2)):
+                if rank >= size:
+                    continue
+                sp = SeqParallel(mesh, strategy=strategy)
+                model.zero_grad()
+                loss = model.loss(tokens, targets, sp)
+                loss.backward()
+                report = loss.detach().clone()
+                dist.all_reduce(report, group=sp.group)
+                what = f"{strategy} at SP {size}, L={length}"
+                torch.testing.assert_close(
+                    report / size, ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=what
+                )
+                for name, p in model.named_parameters():  # the SP-group mean is the reference
+                    grad = p.grad.clone()
+                    dist.all_reduce(grad, group=sp.group)
+                    torch.testing.assert_close(
+                        grad / size, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{what}: {name}"
+                    )
+                with torch.no_grad():
+                    torch.testing.assert_close(
+                        model(tokens, sp), ref_logits, rtol=1e-5, atol=1e-5, msg=what
+                    )
+                checked.append((strategy, size, length))
     return checked
 
 
@@ -230,7 +241,7 @@ def _sp_worker(rank: int, world: int) -> dict:
 
 
 def test_sp2_and_sp3_equal_one_process() -> None:
-    """Also: a bad byte on one rank raises the same validation error on every rank."""
+    """Under dsp, lss, ring and ulysses. Also: a bad byte on one rank raises the same validation error on every rank."""
     results = run_distributed(_sp_worker, 3, timeout=200)
     for rank, r in enumerate(results):
         assert "ByteLM inputs rejected on SP rank(s) [1] of 3" in r["validation"], r
@@ -240,8 +251,9 @@ def test_sp2_and_sp3_equal_one_process() -> None:
             "the core cannot yet run a stage that mixes the only sequence dim at SP > 1 "
             f"(hybrid plans with ulysses / ring / lss attention): {results[0].get('unsupported')}"
         )
-    assert results[0]["checked"] == results[1]["checked"] == [(3, 12), (2, 12), (3, 11), (2, 11)]
-    assert results[2]["checked"] == [(3, 12), (3, 11)]
+    everything = [(s, n, length) for length in (12, 11) for s in SP_STRATEGIES for n in (3, 2)]
+    assert results[0]["checked"] == results[1]["checked"] == everything
+    assert results[2]["checked"] == [case for case in everything if case[1] == 3]
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -374,12 +386,14 @@ def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) ->
     cfg = parse_args(["--model", "bytelm-tiny", "--activation-checkpointing", "yes"])
     assert cfg.output_dir == "outputs/bytelm-tiny" and cfg.activation_checkpointing is True
     assert cfg.sp_strategy == "lss" and cfg.data == "stdlib"
+    assert "{dsp,ulysses,ring,lss,usp}" in text
     assert parse_args(["--activation-checkpointing", "false"]).activation_checkpointing is False
     for bad in (
         ["--mixed-precision", "fp8"],
         ["--seq-len", "0"],
         ["--val-fraction", "1.5"],
         ["--activation-checkpointing", "maybe"],
+        ["--sp-strategy", "megatron"],
     ):
         with pytest.raises(SystemExit) as info:
             parse_args(bad)

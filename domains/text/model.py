@@ -138,18 +138,14 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         return q, k, v
 
-    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """``[..., H_kv, D]`` → ``[..., H, D]``: each K/V head serves ``H / H_kv`` query heads."""
-        group = self.heads // self.kv_heads
-        return t if group == 1 else t.repeat_interleave(group, dim=-2)
-
     def forward(self, act: SeqTensor, rope: torch.Tensor | None, sp: SeqParallel) -> SeqTensor:
         """``act``: the sharded residual stream; ``rope``: the *full* ``[L, D]`` table or None."""
         x = act.tensor
         if rope is not None:  # this rank's rows of the global table, in the current layout
             rope = sp.shard_like(rope, act, axes={"l": 0})
         q, k, v = self.project(x, rope)
-        out = sp.attention(q, self.expand_kv(k), self.expand_kv(v), act.spec, over="l", causal=True)
+        # K/V keep their H_kv heads: the strategy moves (and LSS gathers) H/H_kv times less
+        out = sp.attention(q, k, v, act.spec, over="l", causal=True)
         return act.with_tensor(x + self.proj(out.flatten(-2)))
 
     def decode(
@@ -162,7 +158,7 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError("decode: after the prompt, feed one token at a time")
             k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
         cache["k"], cache["v"] = k, v
-        out = attend(q, self.expand_kv(k), self.expand_kv(v), causal=q.shape[1] > 1)
+        out = attend(q, k, v, causal=q.shape[1] > 1)  # one new token sees the whole cache
         return x + self.proj(out.flatten(-2))
 
 

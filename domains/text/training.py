@@ -36,6 +36,7 @@ from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.checkpoint import latest_checkpoint, read_progress, save_checkpoint
 from dspzoo.core.loss import world_report
 from dspzoo.core.rng import mix_key
+from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.trace import format_bytes
 
 from .data import ByteWindows, resolve_data
@@ -58,8 +59,9 @@ class TextTrainConfig:
     sp: int = _flag(2, "ranks per sequence-parallel group; must divide the number of processes")
     sp_strategy: str = _flag(
         "lss",
-        "sequence-parallel strategy that runs causal attention over the sharded sequence "
-        "(a name registered in dspzoo.core.strategies, e.g. lss, ring, ulysses)",
+        "sequence-parallel strategy, i.e. how causal attention over the sharded sequence "
+        "communicates (dsp plans a hybrid with an embedded method for this 1-D model)",
+        tuple(STRATEGIES),
     )
     seq_len: int = _flag(512, "bytes per training window (the model's sequence length)")
     steps: int = _flag(
