@@ -379,7 +379,29 @@ def _check_mismatched_switch(rank: int, world: int) -> int:
     return 1
 
 
+def _check_explicit_sizes(rank: int, world: int) -> int:
+    """A switch between arbitrary contiguous partitions (``src_sizes`` / ``dst_sizes``)."""
+    group = dist.group.WORLD
+    src_sizes = [0, 3, *([1] * (world - 2))]  # rank 0 empty, rank 1 three rows
+    dst_sizes = [*([1] * (world - 1)), 2]
+    length_src, length_dst = sum(src_sizes), sum(dst_sizes)
+    torch.manual_seed(0)
+    full = torch.randn(2, length_src, length_dst, 3, dtype=torch.float64)
+    weight = torch.randn(full.shape, dtype=torch.float64)
+    start = sum(src_sizes[:rank])
+    x = full[:, start : start + src_sizes[rank]].clone().requires_grad_(True)
+    y = comm.switch(x, 1, 2, group, src_sizes=src_sizes, dst_sizes=dst_sizes)
+    d0 = sum(dst_sizes[:rank])
+    torch.testing.assert_close(y, full[:, :, d0 : d0 + dst_sizes[rank]])
+    (y * weight[:, :, d0 : d0 + dst_sizes[rank]]).sum().backward()
+    torch.testing.assert_close(x.grad, weight[:, start : start + src_sizes[rank]])
+    with pytest.raises(ValueError, match="src_sizes"):
+        comm.switch(x.detach(), 1, 2, group, src_sizes=[1] * (world + 1))
+    return 1
+
+
 CHECKS: tuple[Callable[[int, int], int], ...] = (
+    _check_explicit_sizes,
     _check_primitives,
     _check_switch_bytes,
     _check_low_precision,

@@ -40,10 +40,30 @@ class _SwitchMeta:
 
     @classmethod
     def build(
-        cls, x: torch.Tensor, src: int, dst: int, src_length: int, n: int, r: int
+        cls,
+        x: torch.Tensor,
+        src: int,
+        dst: int,
+        src_length: int,
+        n: int,
+        r: int,
+        src_sizes: list[int] | None = None,
+        dst_sizes: list[int] | None = None,
     ) -> _SwitchMeta:
-        src_sizes = shard_sizes(src_length, n)
-        dst_sizes = shard_sizes(x.shape[dst], n)
+        if src_sizes is None:
+            src_sizes = shard_sizes(src_length, n)
+        elif len(src_sizes) != n or sum(src_sizes) != src_length or min(src_sizes) < 0:
+            raise ValueError(
+                f"switch: src_sizes {list(src_sizes)} must give each of the {n} ranks a "
+                f"non-negative share of the length {src_length}"
+            )
+        if dst_sizes is None:
+            dst_sizes = shard_sizes(x.shape[dst], n)
+        elif len(dst_sizes) != n or sum(dst_sizes) != x.shape[dst] or min(dst_sizes) < 0:
+            raise ValueError(
+                f"switch: dst_sizes {list(dst_sizes)} must give each of the {n} ranks a "
+                f"non-negative share of the length {x.shape[dst]} of dim {dst}"
+            )
         if x.shape[src] != src_sizes[r]:
             raise ValueError(
                 f"switch: rank {r} holds {x.shape[src]} rows of source dim {src}, but a global "
@@ -177,16 +197,30 @@ class _Switch(torch.autograd.Function):
 
 
 def _start(
-    x: torch.Tensor, src: int, dst: int, group: Any, src_length: int | None, async_op: bool
+    x: torch.Tensor,
+    src: int,
+    dst: int,
+    group: Any,
+    src_length: int | None,
+    async_op: bool,
+    src_sizes: list[int] | None = None,
+    dst_sizes: list[int] | None = None,
 ) -> SwitchHandle:
     """Check the arguments, launch the forward exchange and return its handle."""
     src, dst = norm_dim(x, src, "switch"), norm_dim(x, dst, "switch")
     if src == dst:
         raise ValueError(f"switch: source and destination dims are both {src}; nothing to switch")
+    if src_sizes is not None:
+        src_sizes = [int(s) for s in src_sizes]
+        src_length = sum(src_sizes) if src_length is None else src_length
+    if dst_sizes is not None:
+        dst_sizes = [int(s) for s in dst_sizes]
     src_length = resolve_length(x, src, group, src_length)
     meta, error = None, None
     try:
-        meta = _SwitchMeta.build(x, src, dst, src_length, group_size(group), group_rank(group))
+        meta = _SwitchMeta.build(
+            x, src, dst, src_length, group_size(group), group_rank(group), src_sizes, dst_sizes
+        )
     except ValueError as exc:
         error = exc
     debug_check(x, group, "switch", (src, dst, src_length), (src,), error)
@@ -200,18 +234,28 @@ def _start(
 
 
 def switch(
-    x: torch.Tensor, src: int, dst: int, group: Any, src_length: int | None = None
+    x: torch.Tensor,
+    src: int,
+    dst: int,
+    group: Any,
+    src_length: int | None = None,
+    src_sizes: list[int] | None = None,
+    dst_sizes: list[int] | None = None,
 ) -> torch.Tensor:
     """Sharded on axis ``src`` → sharded on axis ``dst`` with one ``all_to_all_single``.
 
     Shape ``[.., a_r, .., L_dst, ..]`` → ``[.., L_src, .., b_r, ..]`` where ``a_r`` and ``b_r``
     are this rank's balanced shards of the global ``src_length`` and of ``L_dst``. Each rank
     sends ``(local elements)·(N−1)/N`` when lengths divide evenly. Backward is the reverse
-    switch. If ``src_length`` is omitted it is found with one tiny all-reduce.
+    switch. If ``src_length`` is omitted it is found with one tiny all-reduce. ``src_sizes`` /
+    ``dst_sizes`` (rows per rank, in rank order) replace the balanced split of the source /
+    destination dim when the sharding is some other contiguous partition.
     """
     if group_size(group) == 1:
         return x
-    return _start(x, src, dst, group, src_length, async_op=False).wait()
+    return _start(
+        x, src, dst, group, src_length, async_op=False, src_sizes=src_sizes, dst_sizes=dst_sizes
+    ).wait()
 
 
 def switch_async(

@@ -59,8 +59,13 @@ def usp_attention(
     causal: bool,
     scale: float | None = None,
     layout: str = "contiguous",
+    ulysses_lengths: list[int] | None = None,
 ) -> torch.Tensor:
     """Exact attention with Ulysses inside ``ulysses_group`` and ring across ``ring_group``.
+
+    ``ulysses_lengths`` (tokens of each Ulysses rank of this ring slot) replaces the balanced
+    split of the segment, for contiguous layouts that are not balanced within a segment (the
+    runtime's flattening of several attended dims). Causal masking assumes the balanced split.
 
     ``q [Bf, l, H, D]``, ``k``/``v [Bf, l, Hkv, D(v)]``, where ``l`` is this rank's share
     ``shard_sizes(seq_lengths[j], U)[u]`` of its ring slot's segment → ``[Bf, l, H, Dv]``.
@@ -68,12 +73,22 @@ def usp_attention(
     """
     u_size, u_rank = group_size(ulysses_group), group_rank(ulysses_group)
     seq_lengths = [int(s) for s in seq_lengths]
+    if ulysses_lengths is not None:
+        ulysses_lengths = [int(s) for s in ulysses_lengths]
     if len(seq_lengths) != group_size(ring_group):
         raise ValueError(
             f"usp_attention: {len(seq_lengths)} seq_lengths for a ring of {group_size(ring_group)}"
         )
     segment = seq_lengths[group_rank(ring_group)]
-    want = shard_sizes(segment, u_size)[u_rank]
+    if ulysses_lengths is not None and (
+        len(ulysses_lengths) != u_size or sum(ulysses_lengths) != segment
+    ):
+        raise ValueError(
+            f"usp_attention: ulysses_lengths {ulysses_lengths} must split the ring segment of "
+            f"{segment} tokens over the {u_size} Ulysses ranks"
+        )
+    split = ulysses_lengths or shard_sizes(segment, u_size)
+    want = split[u_rank]
     if q.shape[1] != want or k.shape[1] != want or v.shape[1] != want:
         raise ValueError(
             f"usp_attention: Ulysses rank {u_rank} of a ring segment of {segment} tokens should "
@@ -85,7 +100,7 @@ def usp_attention(
         v = v.repeat_interleave(heads // kv_heads, dim=2)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    qh, kh, vh = (switch(t, 1, 2, ulysses_group, src_length=segment) for t in (q, k, v))
+    qh, kh, vh = (switch(t, 1, 2, ulysses_group, src_sizes=split) for t in (q, k, v))
     out = ring_attention(
         qh,
         kh,
@@ -96,4 +111,4 @@ def usp_attention(
         scale=scale,
         layout=layout,
     )
-    return switch(out, 2, 1, ulysses_group, src_length=heads)
+    return switch(out, 2, 1, ulysses_group, src_length=heads, dst_sizes=split)

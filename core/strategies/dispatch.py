@@ -22,16 +22,11 @@ if TYPE_CHECKING:
     from ..runtime import SeqParallel
 
 
-def _usp_lengths(seq_lengths: list[int], ulysses: int) -> list[int]:
-    """Per-ring-rank segments of a balanced SP split, checked against USP's convention."""
+def _usp_split(seq_lengths: list[int], ulysses: int, sp_rank: int) -> tuple[list[int], list[int]]:
+    """USP's view of an SP split: per-ring-slot segments, and this slot's per-Ulysses-rank split."""
     segments = [sum(seq_lengths[j : j + ulysses]) for j in range(0, len(seq_lengths), ulysses)]
-    for j, segment in enumerate(segments):
-        if shard_sizes(segment, ulysses) != seq_lengths[j * ulysses : (j + 1) * ulysses]:
-            raise ValueError(
-                f"usp: the shards {seq_lengths} do not split each ring segment evenly over "
-                f"{ulysses} Ulysses ranks; attend over a single sequence dim under usp"
-            )
-    return segments
+    slot = sp_rank // ulysses
+    return segments, seq_lengths[slot * ulysses : (slot + 1) * ulysses]
 
 
 def run_method(
@@ -62,15 +57,19 @@ def run_method(
     if method == "usp":
         mesh = sp.mesh
         ulysses = 1 if mesh is None else mesh.ulysses_size
+        segments, split = _usp_split(seq_lengths, ulysses, sp.rank)
+        if causal and split != shard_sizes(sum(split), ulysses):
+            raise ValueError(f"usp: causal attention needs a balanced split, got {split}")
         return methods.usp_attention(
             q,
             k,
             v,
             ulysses_group=None if mesh is None else mesh.ulysses_group,
             ring_group=sp.group if ulysses == 1 else mesh.ring_group,
-            seq_lengths=_usp_lengths(seq_lengths, ulysses),
+            seq_lengths=segments,
             causal=causal,
             scale=scale,
+            ulysses_lengths=split,
         )
     raise ValueError(f"unknown attention method {method!r}")
 

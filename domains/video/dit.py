@@ -31,6 +31,9 @@ class VideoDiTConfig:
     ``max_frames`` bounds the temporal position embedding (in latent frames); the spatial
     tables are built for the actual latent size, ``input_size`` is the default (H, W).
     ``learn_sigma`` doubles the output channels: ``[prediction, variance]`` (DiT/IDDPM style).
+    ``full_attention_every = k > 0`` makes every ``k``-th layer attend over all of ``t`` and
+    ``s`` at once (full 3-D attention, as full-attention video DiTs do) instead of axially;
+    under DSP that stage runs with an embedded method (a hybrid plan). STDiT only.
     """
 
     in_channels: int = 12
@@ -45,6 +48,7 @@ class VideoDiTConfig:
     class_dropout_prob: float = 0.1
     cond_dim: int = 0
     learn_sigma: bool = False
+    full_attention_every: int = 0
 
     @property
     def out_channels(self) -> int:

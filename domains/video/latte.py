@@ -79,6 +79,11 @@ class Latte(VideoDiT):
             raise ValueError(
                 f"Latte alternates spatial and temporal blocks: depth must be even, got {config.depth}"
             )
+        if config.full_attention_every:
+            raise ValueError(
+                "full_attention_every is an STDiT option; Latte alternates spatial and temporal "
+                "blocks"
+            )
         super().__init__(config)
         self.blocks = nn.ModuleList(
             LatteBlock(config, "s" if i % 2 == 0 else "t") for i in range(config.depth)

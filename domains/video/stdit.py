@@ -20,15 +20,33 @@ from dspzoo.core.layers.mlp import Mlp, gated, modulate
 from .dit import VideoDiT, VideoDiTConfig, frame_local
 
 
-class STDiTBlock(nn.Module):
-    """One STDiT layer over ``[B, T, S, C]`` activations."""
+def layer_stages(full: bool, tag: str = "") -> tuple[Stage, ...]:
+    """The stages of one layer: axial (spatial, temporal) or full (``t`` and ``s`` at once).
 
-    def __init__(self, config: VideoDiTConfig) -> None:
+    ``tag`` distinguishes the layers of a period of different layers (``"@0"``, ``"@1"``…).
+    """
+    attention = (
+        (Stage(f"full{tag}", ("t", "s")),)
+        if full
+        else (Stage(f"spatial{tag}", ("s",)), Stage(f"temporal{tag}", ("t",)))
+    )
+    return (*attention, Stage(f"cross{tag}"), Stage(f"mlp{tag}"))
+
+
+class STDiTBlock(nn.Module):
+    """One STDiT layer over ``[B, T, S, C]`` activations.
+
+    Axial (spatial then temporal self-attention) or, with ``full=True``, one self-attention
+    over all ``T·S`` tokens; ``tag`` suffixes its stage names (see :func:`layer_stages`).
+    """
+
+    def __init__(self, config: VideoDiTConfig, full: bool = False, tag: str = "") -> None:
         super().__init__()
         h = config.hidden
+        self.full, self.tag = full, tag
         self.norm1 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
-        self.spatial = SeqSelfAttention(h, config.heads, over="s")
-        self.temporal = SeqSelfAttention(h, config.heads, over="t")
+        self.spatial = SeqSelfAttention(h, config.heads, over=("t", "s") if full else "s")
+        self.temporal = None if full else SeqSelfAttention(h, config.heads, over="t")
         self.cross = CrossAttention(h, config.heads) if config.cond_dim else None
         self.norm2 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(h, config.mlp_ratio)
@@ -52,24 +70,26 @@ class STDiTBlock(nn.Module):
         """``mod``: shared modulation for this layer, ``[B, 6, C]`` or per frame ``[B, T', 1, 6, C]``."""
         mods = (mod + self.table).unbind(-2)
 
-        act = sp.to_stage(act, "spatial")
+        tag = self.tag
+        act = sp.to_stage(act, f"full{tag}" if self.full else f"spatial{tag}")
         x = act.tensor
         shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
         x = x + gated(self.spatial(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a)
 
-        act = sp.to_stage(act.with_tensor(x), "temporal")
-        x = act.tensor
-        shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
-        x = x + gated(
-            self.temporal(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a
-        )
+        if self.temporal is not None:
+            act = sp.to_stage(act.with_tensor(x), f"temporal{tag}")
+            x = act.tensor
+            shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
+            x = x + gated(
+                self.temporal(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a
+            )
 
-        act = sp.to_stage(act.with_tensor(x), "cross")
+        act = sp.to_stage(act.with_tensor(x), f"cross{tag}")
         x = act.tensor
         if self.cross is not None and context is not None:
             x = x + self.cross(x, context, context_mask)
 
-        act = sp.to_stage(act.with_tensor(x), "mlp")
+        act = sp.to_stage(act.with_tensor(x), f"mlp{tag}")
         x = act.tensor
         shift_m, scale_m, gate_m = (frame_local(m, act, sp) for m in mods[3:])
         x = x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
@@ -79,12 +99,22 @@ class STDiTBlock(nn.Module):
 class STDiT(VideoDiT):
     """Spatial-temporal DiT; see the module docstring."""
 
-    STAGES = (Stage("spatial", ("s",)), Stage("temporal", ("t",)), Stage("cross"), Stage("mlp"))
+    STAGES = layer_stages(full=False)
 
     def __init__(self, config: VideoDiTConfig) -> None:
         super().__init__(config)
         self.mod = nn.Sequential(nn.SiLU(), nn.Linear(config.hidden, 6 * config.hidden))
-        self.blocks = nn.ModuleList(STDiTBlock(config) for _ in range(config.depth))
+        k = config.full_attention_every
+        if k < 0:
+            raise ValueError(f"full_attention_every must be >= 0, got {k}")
+        if k:  # a period of k layers, the last of them full: one plan step per (layer, stage)
+            self.STAGES = tuple(
+                stage for j in range(k) for stage in layer_stages(j == k - 1, f"@{j}")
+            )
+            blocks = (STDiTBlock(config, i % k == k - 1, f"@{i % k}") for i in range(config.depth))
+        else:
+            blocks = (STDiTBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(blocks)
         self.initialize_weights()
         nn.init.zeros_(self.mod[-1].weight)
         nn.init.zeros_(self.mod[-1].bias)

@@ -1,0 +1,110 @@
+"""Every strategy on the same model equals one process: forward and all parameter gradients.
+
+STDiT-tiny with a full spatio-temporal attention layer (so DSP's plan is a hybrid) on a latent
+whose token grid (T' = 5, S = 9) no SP size divides, heads = 4 (not divisible by 3), at SP 2,
+3 and 4, under dsp, ulysses, ring, lss and usp (2 × 2 at SP 4) — all in one 4-process spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dspzoo.domains.video  # noqa: F401  (registers the families)
+from dspzoo.core import SeqParallel, build_mesh, trace_comm
+from dspzoo.core.mesh import SPMesh
+from dspzoo.core.testing import run_distributed
+from dspzoo.zoo import create_model
+
+STRATEGIES = ("dsp", "ulysses", "ring", "lss", "usp")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = create_model(
+        "stdit-tiny", hidden=32, heads=4, depth=2, full_attention_every=2, num_classes=3, cond_dim=0
+    ).double()
+    with torch.no_grad():  # leave adaLN-Zero's identity start: every gradient non-trivial
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+def _inputs() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "x": torch.randn(2, 12, 5, 6, 6, generator=g, dtype=torch.float64),
+        "timestep": torch.rand(2, generator=g, dtype=torch.float64) * 1000,
+        "y": torch.tensor([0, 2]),
+    }
+
+
+def _step(sp: SeqParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model, inputs = _model(), _inputs()
+    weight = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(9)).double()
+    out = model(**inputs, sp=sp)
+    ((out - weight) ** 2).mean().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _sub_mesh(ranks: list[int]) -> tuple[SPMesh | None, object]:
+    """An SP group over ``ranks`` (created on every rank, in the same order)."""
+    group = dist.new_group(ranks)
+    rank = dist.get_rank()
+    if rank not in ranks:
+        return None, group
+    mesh = SPMesh(
+        world_size=dist.get_world_size(),
+        rank=rank,
+        dp_size=1,
+        sp_size=len(ranks),
+        dp_rank=0,
+        sp_rank=ranks.index(rank),
+        sp_group=group,
+    )
+    return mesh, group
+
+
+def _all_strategies(rank: int, world: int) -> dict[str, dict[str, int]]:
+    ref_out, ref_grads = _step(SeqParallel())
+    meshes = {2: build_mesh(2), 4: build_mesh(4)}
+    meshes[3], _ = _sub_mesh([0, 1, 2])
+    usp_mesh = build_mesh(4, ulysses_size=2)
+    plans: dict[str, dict[str, int]] = {}
+    for size in (2, 3, 4):
+        mesh = meshes[size]
+        for strategy in STRATEGIES:
+            for dim in (None, "t") if strategy in ("ulysses", "ring") else (None,):
+                if mesh is None:
+                    continue
+                use = usp_mesh if strategy == "usp" and size == 4 else mesh
+                sp = SeqParallel(use, strategy, dim=dim)
+                what = f"SP{size} {strategy} dim={dim}"
+                with trace_comm() as tracer:
+                    out, grads = _step(sp)
+                torch.testing.assert_close(out, ref_out, rtol=1e-7, atol=1e-9, msg=what)
+                for name, grad in grads.items():
+                    total = grad.clone()
+                    dist.all_reduce(total, group=sp.group)
+                    torch.testing.assert_close(
+                        total / sp.size, ref_grads[name], rtol=1e-7, atol=1e-9, msg=f"{what} {name}"
+                    )
+                plan = sp.plan(("t", "s"), (5, 9), _model().STAGES)
+                plans[what] = {
+                    "embedded": sum(s.method != "local" for s in plan.steps),
+                    "switches": tracer.count("all_to_all", "forward"),
+                }
+    return plans
+
+
+@pytest.mark.timeout(300)
+def test_every_strategy_matches_one_process_at_sp_2_3_4() -> None:
+    plans = run_distributed(_all_strategies, 4, timeout=280)[0]
+    # DSP is a hybrid: exactly the full-attention stage runs embedded, the rest local
+    assert plans["SP4 dsp dim=None"]["embedded"] == 1
+    assert plans["SP3 dsp dim=None"]["embedded"] == 1
+    # an embedded strategy sharding s runs spatial and full attention through its method
+    assert plans["SP4 ring dim=None"]["embedded"] == 2
+    assert plans["SP4 ulysses dim=t"]["embedded"] == 2  # temporal and full
+    assert plans["SP4 lss dim=None"]["switches"] == 0  # no all-to-all at all
