@@ -1,9 +1,14 @@
 """DeepSpeed-Ulysses sequence-parallel attention, exact for uneven sequences and heads.
 
-Each rank holds a contiguous slice of the sequence with every head. One all-to-all per tensor
-(:func:`dspzoo.core.comm.switch`) turns q, k and v into "whole sequence, a slice of the heads";
+Each rank holds a contiguous slice of the sequence with every head. All-to-alls
+(:func:`dspzoo.core.comm.switch`) turn q, k and v into "whole sequence, a slice of the heads";
 attention is then purely local (ordinary aligned causal masking, since the whole sequence is
 present), and one more all-to-all turns the output back into "sequence slice, every head".
+
+Fused exchange: tensors that share a head split travel in one all-to-all, concatenated along
+the last axis — ``[q|k|v]`` (``[B, seq_r, H, 3·D]``) when k and v have (or are expanded to) the
+query heads, else q alone and ``[k|v]`` together. That is 2 all-to-alls forward (3 for
+KV-aligned GQA) instead of 4, with the same bytes; the backward mirrors them.
 
 Splits (``N`` ranks, global length ``L``, ``H`` query heads, ``Hkv`` key/value heads):
 
@@ -23,7 +28,7 @@ Splits (``N`` ranks, global length ``L``, ``H`` query heads, ``Hkv`` key/value h
 Bytes sent per rank (forward; the backward sends the same in the reverse switches), with
 ``E = B·(L/N)·H·D·itemsize`` the bytes of this rank's local q when ``N`` divides ``L`` and ``H``:
 
-* ``Hkv == H``, or k/v expanded: ``4·E·(N−1)/N`` (q, k, v and the output).
+* ``Hkv == H``, or k/v expanded: ``4·E·(N−1)/N`` (``[q|k|v]``: 3·E, the output: E).
 * KV-aligned GQA: ``(2·E + 2·E·Hkv/H)·(N−1)/N``.
 * uneven: the switch to rank ``d`` carries ``seq_lengths[r]·heads[d]·B·D`` elements per tensor
   and the output switch ``heads[r]·seq_lengths[d]·B·D`` (``d ≠ r``); a non-balanced sequence
@@ -181,8 +186,9 @@ def ulysses_attention(
         this rank's output ``[B, seq_lengths[r], H, D]``. Every rank must backpropagate
         through its output (an empty one included): the backward issues collectives.
 
-    Four all-to-alls forward (q, k, v, output) and four backward; see the module docstring for
-    the splits and the bytes.
+    Forward: one all-to-all of ``[q|k|v]`` (or q and ``[k|v]`` for KV-aligned GQA) and one of
+    the output; the backward runs the reverse switches. See the module docstring for the splits
+    and the bytes.
     """
     n, r = group_size(group), group_rank(group)
     check_attention_args(q, k, v, seq_lengths, n, r, "ulysses_attention")
@@ -190,11 +196,18 @@ def ulysses_attention(
         return _local_attention(q, k, v, causal, scale)
     heads, kv_heads = q.shape[2], k.shape[2]
     layout = _SeqLayout(seq_lengths, n, r, q.device)
+    d = q.shape[3]
     with comm_region("ulysses"):
-        if not kv_heads_aligned(heads, kv_heads, n):
-            k, v = expand_kv(k, heads // kv_heads), expand_kv(v, heads // kv_heads)
-        q_h = layout.to_heads(q, group)
-        k_h = layout.to_heads(k, group)
-        v_h = layout.to_heads(v, group)
+        if kv_heads_aligned(heads, kv_heads, n) and kv_heads != heads:
+            # KV-aligned GQA: q on its own, [k|v] with the KV heads' split
+            q_h = layout.to_heads(q, group)
+            kv_h = layout.to_heads(torch.cat([k, v], dim=-1), group)
+            k_h, v_h = kv_h[..., :d], kv_h[..., d:]
+        else:
+            # one head split for all three: a single switch of [q|k|v]
+            if kv_heads != heads:
+                k, v = expand_kv(k, heads // kv_heads), expand_kv(v, heads // kv_heads)
+            qkv_h = layout.to_heads(torch.cat([q, k, v], dim=-1), group)
+            q_h, k_h, v_h = qkv_h[..., :d], qkv_h[..., d : 2 * d], qkv_h[..., 2 * d :]
         out = _local_attention(q_h, k_h, v_h, causal, scale)
         return layout.to_sequence(out, heads, group)
