@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import dspzoo.domains.text  # noqa: F401  (registers bytelm)
 from dspzoo.core import SeqParallel, build_mesh
 from dspzoo.core.mesh import SPMesh
+from dspzoo.core.plan import plan_stages
 from dspzoo.core.testing import run_distributed
 from dspzoo.core.validate import InputValidationError
 from dspzoo.domains.text.data import ByteWindows, stdlib_corpus
@@ -58,6 +59,19 @@ def test_configs_and_parameter_counts() -> None:
     assert count_parameters(untied) == counts["tiny"] + 256 * 64
     learned = create_model("bytelm-tiny", position="learned", device="meta")
     assert count_parameters(learned) == counts["tiny"] + 512 * 64
+
+
+def test_dsp_plans_an_embedded_method_for_the_attention_stage() -> None:
+    """A 1-D model has nothing to switch to: DSP's hybrid plan keeps ``l`` sharded and runs
+    attention with an embedded method, Ulysses unless there are fewer heads than ranks."""
+    model = create_model("bytelm-small", device="meta")  # 4 heads
+    for size, method in ((2, "ulysses"), (4, "ulysses"), (8, "ring")):
+        plan = plan_stages(("l",), (4096,), model.stages, size)
+        assert plan.switches_per_period == 0 and plan.entry == "l"
+        assert [(step.sharded, step.method) for step in plan.steps] == [
+            ("l", method),
+            ("l", "local"),
+        ]
 
 
 @pytest.mark.parametrize("position", ["rope", "learned"])

@@ -19,7 +19,7 @@ Generation (:meth:`ByteLM.generate`) runs in one process with a KV cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from dspzoo.core.layers.attention import attend
 from dspzoo.core.validate import validate_collectively
 
 SEQ_DIMS = ("l",)
-STAGES = (Stage("attn", ("l",)), Stage("mlp"))
+STAGES = (Stage("attn", ("l",)), Stage("mlp"))  # ByteLM.stages adds the attention's head count
 POSITIONS = ("rope", "learned")
 
 
@@ -199,6 +199,8 @@ class ByteLM(nn.Module):
     def __init__(self, config: ByteLMConfig) -> None:
         super().__init__()
         self.config = config
+        # the head count lets a planner avoid Ulysses when there are fewer heads than ranks
+        self.stages = (replace(STAGES[0], heads=config.heads), STAGES[1])
         self.embed = nn.Embedding(config.vocab_size, config.hidden)
         self.pos = (
             nn.Embedding(config.max_len, config.hidden) if config.position == "learned" else None
@@ -267,7 +269,7 @@ class ByteLM(nn.Module):
         self, tokens: torch.Tensor, sp: SeqParallel, gather_output: bool
     ) -> torch.Tensor | SeqTensor:
         length = tokens.shape[1]
-        act = sp.enter(tokens.long(), SEQ_DIMS, STAGES)  # [B, L_local] bytes of this rank
+        act = sp.enter(tokens.long(), SEQ_DIMS, self.stages)  # [B, L_local] bytes of this rank
         x = self.embed(act.tensor)
         if self.pos is not None:
             x = x + sp.shard_like(self.pos.weight[:length], act, axes={"l": 0})
