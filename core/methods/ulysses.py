@@ -25,14 +25,18 @@ Splits (``N`` ranks, global length ``L``, ``H`` query heads, ``Hkv`` key/value h
   rank's query heads locally. Otherwise k and v are first expanded to ``H`` heads
   (``repeat_interleave``, whose backward sums the group's gradients) and switched like q.
 
-Bytes sent per rank (forward; the backward sends the same in the reverse switches), with
-``E = B·(L/N)·H·D·itemsize`` the bytes of this rank's local q when ``N`` divides ``L`` and ``H``:
+Bytes sent per rank (forward; the backward's reverse switches send what the forward received,
+the same amount when ``N`` divides ``L`` and ``H``), with ``E = B·(L/N)·H·D·itemsize`` the bytes
+of this rank's local q:
 
-* ``Hkv == H``, or k/v expanded: ``4·E·(N−1)/N`` (``[q|k|v]``: 3·E, the output: E).
+* ``Hkv == H``, or k/v expanded: ``4·E·(N−1)/N`` (``[q|k|v]``: 3·E, the output: E). Expanding
+  costs k and v ``H/Hkv`` times their own size: the price of head splits that cut KV groups
+  (e.g. MQA, or ``H = 4, Hkv = 2`` at ``N = 3``).
 * KV-aligned GQA: ``(2·E + 2·E·Hkv/H)·(N−1)/N``.
-* uneven: the switch to rank ``d`` carries ``seq_lengths[r]·heads[d]·B·D`` elements per tensor
-  and the output switch ``heads[r]·seq_lengths[d]·B·D`` (``d ≠ r``); a non-balanced sequence
-  split counts ``max(seq_lengths)`` for every rank instead.
+* uneven: to each rank ``d ≠ r`` the input switch carries ``seq_lengths[r]·heads[d]·B·D``
+  elements per tensor (``heads`` the balanced split of the tensor's head count) and the output
+  switch ``heads_q[r]·seq_lengths[d]·B·D``; a non-balanced sequence split counts
+  ``max(seq_lengths)`` for every rank instead.
 """
 
 from __future__ import annotations
