@@ -7,6 +7,8 @@ extra names it). On gloo, after ``deepspeed.init_distributed(dist_backend="gloo"
   DeepSpeed's outputs and dq, dk, dv equal :func:`ulysses_attention`'s (fp64, tight);
 * heads not divisible by N (DeepSpeed reads the SP rank from ``deepspeed.utils.groups.mpu``,
   set here to a small adapter): equal as well;
+* fewer heads than ranks (3 heads at SP 4): DeepSpeed asserts "at least the sequence parallel
+  size"; ours runs with idle ranks (checked in :mod:`tests.test_ulysses_lss`);
 * a sequence length N does not divide (balanced shards 4 + 3): DeepSpeed's equal-split
   all-to-all does not apply — its gloo exchange aborts a worker ("Received data size doesn't
   match expected size") — while ours is exact on the same shards
