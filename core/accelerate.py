@@ -57,6 +57,8 @@ def setup_accelerate(
     *,
     seed: int = 0,
     strategy: str = "dsp",
+    sp_dim: str | None = None,
+    ulysses_size: int | None = None,
     mixed_precision: str = "no",
     cpu: bool | None = None,
     keep_freed_memory: bool = True,
@@ -67,7 +69,10 @@ def setup_accelerate(
     Args:
         sp_size: ranks per SP group; must divide the number of launched processes.
         seed: base seed; RNG is identical inside an SP group, distinct across DP groups.
-        strategy: sequence-parallel strategy name.
+        strategy: sequence-parallel strategy name (``dspzoo.core.strategies.STRATEGIES``).
+        sp_dim: the dim an embedded strategy shards (default: the longest).
+        ulysses_size: for ``usp``, the Ulysses degree inside the SP group (default:
+            :func:`default_ulysses_size`).
         mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` (GPU), passed to Accelerate.
         cpu: force CPU; default: CPU when CUDA is unavailable.
         keep_freed_memory: on CPU, call :func:`dspzoo.core.perf.keep_freed_memory`.
@@ -85,9 +90,17 @@ def setup_accelerate(
     if cpu:
         _maybe_keep_freed_memory(keep_freed_memory)
     accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, **accelerator_kwargs)
-    mesh = build_mesh(sp_size, accelerator)
+    if strategy == "usp" and ulysses_size is None:
+        ulysses_size = default_ulysses_size(sp_size)
+    mesh = build_mesh(sp_size, accelerator, ulysses_size=ulysses_size)
     seed_everything(mesh, seed)
-    return accelerator, mesh, SeqParallel(mesh, strategy)
+    return accelerator, mesh, SeqParallel(mesh, strategy, dim=sp_dim)
+
+
+def default_ulysses_size(sp_size: int) -> int:
+    """The Ulysses degree of a USP group: the smallest divisor ``u ≥ √N`` of ``N``, so the
+    2-D group is as square as possible with Ulysses (4 units per stage) the larger factor."""
+    return min(d for d in range(1, sp_size + 1) if sp_size % d == 0 and d * d >= sp_size)
 
 
 def _maybe_keep_freed_memory(requested: bool) -> None:

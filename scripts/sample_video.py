@@ -16,6 +16,7 @@ import torch
 
 import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.strategies import STRATEGIES
 from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.io import save_frame_strip_png, video_grid, write_video
 from dspzoo.domains.video.sampling import sample_video
@@ -31,6 +32,12 @@ def main() -> None:
         "--out", default=None, help="output .gif or .mp4 (default: <model-dir>/../samples.gif)"
     )
     parser.add_argument("--sp", type=int, default=None, help="SP size (default: all processes)")
+    parser.add_argument(
+        "--sp-strategy",
+        default="dsp",
+        choices=sorted(STRATEGIES),
+        help="sequence-parallel strategy (default: dsp)",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--guidance", type=float, default=2.0)
     parser.add_argument("--per-class", type=int, default=2, help="clips per class label")
@@ -53,7 +60,9 @@ def main() -> None:
         if dist.is_initialized()
         else int(__import__("os").environ.get("WORLD_SIZE", 1))
     )
-    accelerator, mesh, sp = setup_accelerate(sp_size=args.sp or world, seed=args.seed)
+    accelerator, mesh, sp = setup_accelerate(
+        sp_size=args.sp or world, seed=args.seed, strategy=args.sp_strategy
+    )
     model_dir = Path(args.model_dir)
     settings = load_extra(model_dir).get("sampling", {})
     if not settings and (args.frames is None or args.size is None):

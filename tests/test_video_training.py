@@ -81,16 +81,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], Pa
 
 
 def test_resume_at_another_layout_continues_the_run(reference, tmp_path: Path) -> None:
-    """SP 2 on 2 processes for 3 steps, then resumed as SP 3 on 3 processes: the losses, the
-    step-3 weights and the final (EMA) weights are those of the uninterrupted one-process run."""
+    """SP 2 under Ulysses on 2 processes for 3 steps, then resumed as SP 3 under ring attention
+    on 3 processes: the losses, the step-3 weights and the final (EMA) weights are those of the
+    uninterrupted one-process run (strategy and layout change nothing but the communication)."""
     ref, ref_dir = reference
     out = tmp_path / "run"
-    first, _ = _launch(2, out, "--sp=2", "--stop-after=3")
+    first, _ = _launch(2, out, "--sp=2", "--stop-after=3", "--sp-strategy=ulysses")
     assert first == pytest.approx(ref[:3], rel=1e-4), (ref, first)
     _assert_same_weights(ref_dir / "checkpoints" / "step_3", out / "checkpoints" / "step_3")
     progress = json.loads((out / "checkpoints" / "step_3" / "progress.json").read_text())
     assert progress["layout"] == {"world": 2, "dp": 1, "sp": 2} and progress["step"] == 3
-    history, log = _launch(3, out, "--sp=3", "--resume=latest")
+    history, log = _launch(3, out, "--sp=3", "--resume=latest", "--sp-strategy=ring")
     assert "saved at dp 1 × sp 2 (2 processes) at dp 1 × sp 3 (3 processes)" in log
     assert history == pytest.approx(ref, rel=1e-4), (ref, history)  # whole history kept
     _assert_same_weights(ref_dir / "final", out / "final")

@@ -32,6 +32,7 @@ from dspzoo.core.checkpoint import latest_checkpoint, read_progress, save_checkp
 from dspzoo.core.ema import EMA
 from dspzoo.core.loss import world_report
 from dspzoo.core.rng import SampleRandom, mix_key
+from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.trace import format_bytes
 
 from .codec import PixelUnshuffleCodec
@@ -51,6 +52,12 @@ class VideoTrainConfig:
 
     model: str = _flag("stdit-tiny", "zoo model name (see `dspzoo list`)")
     sp: int = _flag(2, "ranks per sequence-parallel group; must divide the number of processes")
+    sp_strategy: str = _flag(
+        "dsp",
+        "how the SP group runs the model: dsp switches the sharded dim between stages; the "
+        "embedded methods shard one dim and communicate inside attention",
+        tuple(STRATEGIES),
+    )
     steps: int = _flag(
         300,
         "total optimisation steps, counted from the start of training (a resumed run goes on to it)",
@@ -230,7 +237,7 @@ def setup_run(cfg: VideoTrainConfig) -> TrainingRun:
     """Accelerator, mesh, data, model, optimizer, schedule and EMA for ``cfg``."""
     cfg.validate()
     accelerator, mesh, sp = setup_accelerate(
-        cfg.sp, seed=cfg.seed, mixed_precision=cfg.mixed_precision
+        cfg.sp, seed=cfg.seed, strategy=cfg.sp_strategy, mixed_precision=cfg.mixed_precision
     )
     if cfg.global_batch % mesh.dp_size:
         raise ValueError(
