@@ -16,6 +16,7 @@ import dspzoo.domains.text  # noqa: F401  (registers bytelm)
 from dspzoo.core import SeqParallel, build_mesh
 from dspzoo.core.mesh import SPMesh
 from dspzoo.core.plan import plan_stages
+from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.testing import run_distributed
 from dspzoo.core.validate import InputValidationError
 from dspzoo.domains.text.data import ByteWindows, stdlib_corpus
@@ -25,7 +26,8 @@ from dspzoo.zoo import count_parameters, create_model, from_pretrained, load_ext
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGY = "dsp"  # SP 1 cases: every strategy is the same computation at one rank
-SP_STRATEGIES = ("dsp", "lss", "ring", "ulysses")  # dsp: hybrid plan, embedded method on attn
+# dsp: the hybrid plan (an embedded method on attn); ring_zigzag: positions out of order
+SP_STRATEGIES = ("dsp", "lss", "ring", "ring_zigzag", "ulysses")
 
 
 def _model(**overrides) -> torch.nn.Module:
@@ -255,7 +257,7 @@ def _sp_worker(rank: int, world: int) -> dict:
 
 
 def test_sp2_and_sp3_equal_one_process() -> None:
-    """Under dsp, lss, ring and ulysses. Also: a bad byte on one rank raises the same validation error on every rank."""
+    """Under dsp, lss, ring (contiguous and zigzag) and ulysses. Also: a bad byte on one rank raises the same validation error on every rank."""
     results = run_distributed(_sp_worker, 3, timeout=200)
     for rank, r in enumerate(results):
         assert "ByteLM inputs rejected on SP rank(s) [1] of 3" in r["validation"], r
@@ -400,7 +402,7 @@ def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) ->
     cfg = parse_args(["--model", "bytelm-tiny", "--activation-checkpointing", "yes"])
     assert cfg.output_dir == "outputs/bytelm-tiny" and cfg.activation_checkpointing is True
     assert cfg.sp_strategy == "lss" and cfg.data == "stdlib"
-    assert "{dsp,ulysses,ring,lss,usp}" in text
+    assert "{" + ",".join(STRATEGIES) + "}" in text  # the registry's names are the choices
     assert parse_args(["--activation-checkpointing", "false"]).activation_checkpointing is False
     for bad in (
         ["--mixed-precision", "fp8"],
@@ -413,3 +415,7 @@ def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) ->
             parse_args(bad)
         assert info.value.code == 2
     assert "--val-fraction must be in (0, 1)" in capsys.readouterr().err
+    if "megatron_sp" in STRATEGIES:
+        with pytest.raises(SystemExit):
+            parse_args(["--sp-strategy", "megatron_sp"])
+        assert "parallelize_megatron" in capsys.readouterr().err
