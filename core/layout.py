@@ -39,6 +39,9 @@ class SeqSpec:
         method: how the current stage's attention runs when it mixes the sharded dim
             (``"local"``: it must not; ``"ulysses"``, ``"ring"``, ``"lss"``, ``"usp"``: that
             embedded method), set by ``SeqParallel.to_stage`` from the plan.
+        layout: how the sharded dim is cut: ``"contiguous"`` (balanced consecutive shards) or
+            ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2N−1−r`` of ``2N``: causal load
+            balancing for ring attention).
     """
 
     names: tuple[str, ...]
@@ -46,6 +49,7 @@ class SeqSpec:
     first_axis: int = 1
     sharded: str | None = None
     method: str = "local"
+    layout: str = "contiguous"
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.lengths):
@@ -56,6 +60,10 @@ class SeqSpec:
             raise ValueError(f"SeqSpec: duplicate dim names in {self.names}")
         if self.sharded is not None and self.sharded not in self.names:
             raise ValueError(f"SeqSpec: sharded dim {self.sharded!r} is not one of {self.names}")
+        if self.layout not in ("contiguous", "zigzag"):
+            raise ValueError(
+                f"SeqSpec: layout must be 'contiguous' or 'zigzag', got {self.layout!r}"
+            )
 
     @classmethod
     def of(cls, x: torch.Tensor, names: tuple[str, ...], first_axis: int = 1) -> SeqSpec:
@@ -85,10 +93,19 @@ class SeqSpec:
         """True global length of dim ``name``."""
         return self.lengths[self.index(name)]
 
+    def shard_lengths(self, name: str, world: int) -> list[int]:
+        """Rows of dim ``name`` on each rank of a ``world``-sized group (whole if not sharded)."""
+        full = self.length(name)
+        if name != self.sharded:
+            return [full] * world
+        if self.layout == "zigzag":
+            chunks = shard_sizes(full, 2 * world)
+            return [chunks[r] + chunks[2 * world - 1 - r] for r in range(world)]
+        return shard_sizes(full, world)
+
     def local_length(self, name: str, rank: int, world: int) -> int:
         """Length of dim ``name`` held by ``rank`` of a ``world``-sized SP group."""
-        full = self.length(name)
-        return shard_sizes(full, world)[rank] if name == self.sharded else full
+        return self.shard_lengths(name, world)[rank]
 
     def local_shape(self, rank: int, world: int) -> tuple[int, ...]:
         """Local lengths of all sequence dims on ``rank``."""

@@ -21,7 +21,10 @@ A plan says, per stage, the sharded dim **and the method** that runs the stage:
 Costs are in units of one switch, ``(M/N)·(N−1)/N`` elements per rank (``M``: the activation's
 global size). Per attention stage an embedded method sends, per rank: Ulysses four all-to-alls
 (q, k, v, output) = 4 units; Ring and LSS receive the other ranks' K and V,
-``2·(N−1)·M/N`` elements = ``2N`` units.
+``2·(N−1)·M/N`` elements = ``2N`` units. Megatron-SP (``megatron_sp``, tensor parallelism
+over the SP group) all-gathers the sequence before each column-parallel linear and
+reduce-scatters after its row-parallel partner: ``2·(N−1)·M/N`` elements = ``2N`` units per
+linear pair, on every stage.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ UNDERFILLED_COST = 100.0  # per stage sharded on a dim shorter than N (idle rank
 
 
 EMBEDDED_METHODS = ("ulysses", "ring", "lss", "usp")
-METHODS = ("local", *EMBEDDED_METHODS)
+# tensor-parallel methods: every stage runs with them (the MLPs are sharded too), never chosen
+# per stage by the DSP planner
+TENSOR_PARALLEL_METHODS = ("megatron_sp",)
+METHODS = ("local", *EMBEDDED_METHODS, *TENSOR_PARALLEL_METHODS)
 
 
 def embedded_method_cost(method: str, sp_size: int) -> float:
@@ -44,6 +50,8 @@ def embedded_method_cost(method: str, sp_size: int) -> float:
     if method == "ulysses":
         return 4.0
     if method in ("ring", "lss", "usp"):
+        return 2.0 * sp_size
+    if method == "megatron_sp":  # per linear pair: all-gather + reduce-scatter of M
         return 2.0 * sp_size
     raise ValueError(f"unknown attention method {method!r}; known: {list(METHODS)}")
 
@@ -95,6 +103,7 @@ class Plan:
     periodic: bool
     steps: tuple[PlanStep, ...]
     strategy: str = "dsp"
+    layout: str = "contiguous"
     _by_stage: dict[str, PlanStep] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -294,14 +303,23 @@ def plan_fixed(
     method: str,
     dim: str | None = None,
     periodic: bool = True,
+    layout: str = "contiguous",
 ) -> Plan:
     """The plan of a fixed-dim embedded strategy: one dim sharded throughout, no switches.
 
     Every stage that mixes the sharded ``dim`` runs with ``method``; the others run locally.
+    A tensor-parallel ``method`` (``megatron_sp``) is put in force on *every* stage: its
+    linears (attention and MLP alike) gather the sequence and shard heads / hidden units.
     ``dim`` defaults to the longest dim (ties: the first), the most balanced choice.
+    ``layout="zigzag"`` (ring only) cuts the dim into ``2N`` chunks, rank ``r`` holding chunks
+    ``r`` and ``2N−1−r``, which balances causal attention's work over the ring.
     """
-    if method not in EMBEDDED_METHODS:
-        raise ValueError(f"method must be one of {list(EMBEDDED_METHODS)}, got {method!r}")
+    known = (*EMBEDDED_METHODS, *TENSOR_PARALLEL_METHODS)
+    if method not in known:
+        raise ValueError(f"method must be one of {list(known)}, got {method!r}")
+    every_stage = method in TENSOR_PARALLEL_METHODS
+    if layout not in ("contiguous", "zigzag") or (layout == "zigzag" and method != "ring"):
+        raise ValueError(f"layout {layout!r} is not available with method {method!r}")
     dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
     if len(dims) != len(lengths):
         raise ValueError(f"{len(dims)} dims {dims} but {len(lengths)} lengths {lengths}")
@@ -330,7 +348,7 @@ def plan_fixed(
             dim,
             None,
             note,
-            method if dim in stage.mixes else "local",
+            method if every_stage or dim in stage.mixes else "local",
         )
         for stage in stages
     )
@@ -340,5 +358,6 @@ def plan_fixed(
         sp_size=sp_size,
         periodic=periodic,
         steps=steps,
-        strategy=method,
+        strategy=method if layout == "contiguous" else f"{method}_{layout}",
+        layout=layout,
     )

@@ -119,21 +119,30 @@ class SeqParallel:
     def shard(
         self, x: torch.Tensor, spec: SeqSpec, dim: str, plan: Plan | None = None
     ) -> SeqTensor:
-        """Replicated ``x`` described by ``spec`` → sharded on ``dim``."""
-        local = comm.split(x, spec.axis(dim), self.group)
-        return SeqTensor(local, spec.with_sharded(dim), plan)
+        """Replicated ``x`` described by ``spec`` → sharded on ``dim`` (in the plan's layout)."""
+        layout = "contiguous" if plan is None else plan.layout
+        spec = replace(spec.with_sharded(dim), layout=layout)
+        return SeqTensor(self._split(x, spec.axis(dim), layout), spec, plan)
+
+    def _split(self, t: torch.Tensor, axis: int, layout: str) -> torch.Tensor:
+        if layout == "zigzag" and self.size > 1:
+            from .methods.ring import zigzag_split
+
+            return zigzag_split(t, axis, self.group)
+        return comm.split(t, axis, self.group)
 
     def exit(self, act: SeqTensor) -> torch.Tensor:
         """Sharded :class:`SeqTensor` → replicated tensor (identical use on every rank)."""
-        if act.spec.sharded is None:
+        spec = act.spec
+        if spec.sharded is None:
             return act.tensor
+        axis, length = spec.axis(spec.sharded), spec.length(spec.sharded)
         with comm_region("exit"):
-            return comm.gather(
-                act.tensor,
-                act.spec.axis(act.spec.sharded),
-                self.group,
-                act.spec.length(act.spec.sharded),
-            )
+            if spec.layout == "zigzag" and self.size > 1:
+                from .methods.ring import zigzag_gather
+
+                return zigzag_gather(act.tensor, axis, self.group, length)
+            return comm.gather(act.tensor, axis, self.group, length)
 
     def switch(self, act: SeqTensor, dim: str) -> SeqTensor:
         """Re-shard ``act`` on ``dim`` with one all-to-all (no-op if already sharded there)."""
@@ -142,6 +151,11 @@ class SeqParallel:
             return act
         if src is None:
             raise ValueError("switch: the activation is replicated; use shard() to split it")
+        if act.spec.layout != "contiguous":
+            raise ValueError(
+                f"switch: the activation is sharded in the {act.spec.layout!r} layout, which "
+                f"only fixed-dim plans use; it cannot switch from {src!r} to {dim!r}"
+            )
         out = comm.switch(
             act.tensor, act.spec.axis(src), act.spec.axis(dim), self.group, act.spec.length(src)
         )
@@ -208,7 +222,7 @@ class SeqParallel:
                 f"shard_like: axis {axis} of a tensor of shape {tuple(t.shape)} has size {size}, but sequence "
                 f"dim {dim!r} has length {full} (or 1 to broadcast)"
             )
-        return comm.split(t, axis, self.group)
+        return self._split(t, axis, spec.layout)
 
     # -- randomness on sharded activations --------------------------------------------------
     def dropout(
@@ -231,3 +245,30 @@ class SeqParallel:
         from .sharded_rng import seq_dropout
 
         return seq_dropout(self, act, p, key, shared_along, training, batch_offset)
+
+    # -- tensor parallelism (megatron_sp) ---------------------------------------------------
+    def tp_enter(self, x: torch.Tensor, spec: SeqSpec) -> tuple[torch.Tensor, SeqSpec]:
+        """Before a block's column-parallel input linear(s): the full sequence, if needed.
+
+        Under ``megatron_sp`` (``spec.method``) ``x``, sharded on ``spec.sharded``, is
+        all-gathered (backward: reduce-scatter) and returned with a replicated spec, so the
+        block's attention over any dim runs locally on its local heads. Otherwise ``(x, spec)``.
+        """
+        if spec.method != "megatron_sp" or self.size == 1:
+            return x, spec
+        from .methods.megatron import gather_sequence
+
+        return gather_sequence(x, spec, self.group)
+
+    def tp_exit(self, linear: torch.nn.Module, y: torch.Tensor, spec: SeqSpec) -> torch.Tensor:
+        """``linear(y)`` laid out as ``spec``: a block's output linear after :meth:`tp_enter`.
+
+        Under ``megatron_sp`` ``linear`` is row-parallel: the partial sums of the local
+        heads / hidden units are reduce-scattered onto ``spec``'s sharded dim (backward:
+        all-gather) and the bias is added once, after the reduction. Otherwise ``linear(y)``.
+        """
+        if spec.method != "megatron_sp" or self.size == 1:
+            return linear(y)
+        from .methods.megatron import row_parallel_output
+
+        return row_parallel_output(linear, y, spec, self.group)

@@ -1,8 +1,9 @@
 """Every strategy on the same model equals one process: forward and all parameter gradients.
 
 STDiT-tiny with a full spatio-temporal attention layer (so DSP's plan is a hybrid) on a latent
-whose token grid (T' = 5, S = 9) no SP size divides, heads = 4 (not divisible by 3), at SP 2,
-3 and 4, under dsp, ulysses, ring, lss and usp (2 × 2 at SP 4) — all in one 4-process spawn.
+whose token grid (T' = 5, S = 9) no SP size divides, heads = 4 (not divisible by 3), and a 1-D
+causal attention model (L = 11, 3 heads, GQA with one key/value head), at SP 2, 3 and 4, under
+dsp, ulysses, ring, ring_zigzag, lss and usp (2 × 2 at SP 4) — all in one 4-process spawn.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 import dspzoo.domains.video  # noqa: F401  (registers the families)
-from dspzoo.core import SeqParallel, build_mesh, trace_comm
+from dspzoo.core import SeqParallel, Stage, build_mesh, trace_comm
 from dspzoo.core.mesh import SPMesh
 from dspzoo.core.testing import run_distributed
 from dspzoo.zoo import create_model
 
-STRATEGIES = ("dsp", "ulysses", "ring", "lss", "usp")
+STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "usp")
 
 
 def _model() -> torch.nn.Module:
@@ -48,6 +49,53 @@ def _step(sp: SeqParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return out.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+class CausalLM(torch.nn.Module):
+    """A 1-D causal attention + MLP block over ``[B, L, C]`` (the text setting), GQA heads."""
+
+    STAGES = (Stage("attn", ("l",)), Stage("mlp"))
+
+    def __init__(self, hidden: int = 12, heads: int = 3, kv_heads: int = 3) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q = torch.nn.Linear(hidden, hidden)
+        self.kv = torch.nn.Linear(hidden, 2 * kv_heads * self.head_dim)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU())
+        self.out = torch.nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor, sp: SeqParallel) -> torch.Tensor:
+        act = sp.enter(x, ("l",), self.STAGES)
+        act = sp.to_stage(act, "attn")
+        h = act.tensor
+        q = self.q(h).unflatten(-1, (self.heads, self.head_dim))
+        k, v = self.kv(h).unflatten(-1, (2, self.kv_heads, self.head_dim)).unbind(-3)
+        y = sp.attention(q, k, v, act.spec, over="l", causal=True).flatten(-2)
+        act = sp.to_stage(act.with_tensor(h + self.proj(y)), "mlp")
+        act = act.with_tensor(act.tensor + self.out(self.mlp(act.tensor)))
+        return sp.exit(act)
+
+
+def _causal_step(sp: SeqParallel, kv_heads: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = CausalLM(kv_heads=kv_heads).double()
+    x = torch.randn(2, 11, 12, generator=torch.Generator().manual_seed(3)).double()
+    out = model(x, sp)
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_step(sp: SeqParallel, got, ref, what: str) -> None:
+    out, grads = got
+    ref_out, ref_grads = ref
+    torch.testing.assert_close(out, ref_out, rtol=1e-7, atol=1e-9, msg=what)
+    for name, grad in grads.items():
+        total = grad.clone()
+        dist.all_reduce(total, group=sp.group)
+        torch.testing.assert_close(
+            total / sp.size, ref_grads[name], rtol=1e-7, atol=1e-9, msg=f"{what} {name}"
+        )
+
+
 def _sub_mesh(ranks: list[int]) -> tuple[SPMesh | None, object]:
     """An SP group over ``ranks`` (created on every rank, in the same order)."""
     group = dist.new_group(ranks)
@@ -67,7 +115,7 @@ def _sub_mesh(ranks: list[int]) -> tuple[SPMesh | None, object]:
 
 
 def _all_strategies(rank: int, world: int) -> dict[str, dict[str, int]]:
-    ref_out, ref_grads = _step(SeqParallel())
+    reference = _step(SeqParallel())
     meshes = {2: build_mesh(2), 4: build_mesh(4)}
     meshes[3], _ = _sub_mesh([0, 1, 2])
     usp_mesh = build_mesh(4, ulysses_size=2)
@@ -82,19 +130,18 @@ def _all_strategies(rank: int, world: int) -> dict[str, dict[str, int]]:
                 sp = SeqParallel(use, strategy, dim=dim)
                 what = f"SP{size} {strategy} dim={dim}"
                 with trace_comm() as tracer:
-                    out, grads = _step(sp)
-                torch.testing.assert_close(out, ref_out, rtol=1e-7, atol=1e-9, msg=what)
-                for name, grad in grads.items():
-                    total = grad.clone()
-                    dist.all_reduce(total, group=sp.group)
-                    torch.testing.assert_close(
-                        total / sp.size, ref_grads[name], rtol=1e-7, atol=1e-9, msg=f"{what} {name}"
-                    )
+                    got = _step(sp)
+                _assert_step(sp, got, reference, what)
                 plan = sp.plan(("t", "s"), (5, 9), _model().STAGES)
                 plans[what] = {
                     "embedded": sum(s.method != "local" for s in plan.steps),
                     "switches": tracer.count("all_to_all", "forward"),
                 }
+                if dim is None:  # the causal 1-D model (L = 11), MHA and GQA
+                    for kv_heads in (3, 1):
+                        ref = _causal_step(SeqParallel(), kv_heads)
+                        got = _causal_step(sp, kv_heads)
+                        _assert_step(sp, got, ref, f"causal {what} kv_heads={kv_heads}")
     return plans
 
 

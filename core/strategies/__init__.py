@@ -7,8 +7,12 @@ A strategy is a planning policy; the runtime executes any plan the same way.
                stages that mix every dim)
 ``ulysses``    one dim sharded; attention over it: all-to-all to heads and back
 ``ring``       one dim sharded; attention over it: K/V blocks passed around a ring
+``ring_zigzag``  ring with the dim cut in 2N chunks, rank r holding r and 2N−1−r (causal
+               load balancing)
 ``lss``        one dim sharded; attention over it: one fused all-gather of K and V
 ``usp``        one dim sharded; Ulysses inside ring groups (``build_mesh(ulysses_size=…)``)
+``megatron_sp`` Megatron-LM tensor parallelism + sequence parallelism over the SP group:
+               needs ``parallelize_megatron(model, group)`` (:mod:`dspzoo.core.methods.megatron`)
 =============  ============================================================================
 """
 
@@ -22,8 +26,10 @@ STRATEGIES: dict[str, str] = {
     "dsp": "Dynamic Sequence Parallelism (switch between stages; hybrid for all-dim stages)",
     "ulysses": "DeepSpeed-Ulysses (sequence ↔ head all-to-all around attention)",
     "ring": "Ring attention (K/V blocks around the ring, online softmax)",
+    "ring_zigzag": "Ring attention on a zigzag layout (balanced causal work)",
     "lss": "Long-Short-Sequence distributed attention (one fused K/V all-gather)",
     "usp": "Unified SP: Ulysses inside, ring across (2-D SP sub-mesh)",
+    "megatron_sp": "Megatron-LM tensor parallelism with sequence parallelism (heads/hidden sharded)",
 }
 
 
@@ -35,6 +41,8 @@ def get_strategy(name: str, dim: str | None = None) -> Strategy:
         if dim is not None:
             raise ValueError("the dsp strategy plans its sharded dims itself; do not pass dim")
         return DSP()
+    if name == "ring_zigzag":
+        return Embedded("ring", dim, layout="zigzag")
     return Embedded(name, dim)
 
 

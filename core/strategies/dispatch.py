@@ -38,6 +38,7 @@ def run_method(
     seq_lengths: list[int],
     causal: bool,
     scale: float | None,
+    layout: str = "contiguous",
 ) -> torch.Tensor:
     """Call the embedded attention method ``method`` on folded ``[Bf, L_local, H, D]`` tensors."""
     from .. import methods
@@ -48,7 +49,14 @@ def run_method(
         )
     if method == "ring":
         return methods.ring_attention(
-            q, k, v, group=sp.group, seq_lengths=seq_lengths, causal=causal, scale=scale
+            q,
+            k,
+            v,
+            group=sp.group,
+            seq_lengths=seq_lengths,
+            causal=causal,
+            scale=scale,
+            layout=layout,
         )
     if method == "lss":
         return methods.lss_attention(
@@ -109,9 +117,12 @@ def sharded_attention(
         raise ValueError(f"causal attention over several dims {over} is not defined")
     order = (sharded, *[d for d in over if d != sharded])
     rest = math.prod(spec.length(d) for d in order[1:])
-    seq_lengths = [s * rest for s in shard_sizes(spec.length(sharded), sp.size)]
+    seq_lengths = [s * rest for s in spec.shard_lengths(sharded, sp.size)]
+    # the zigzag positions describe one dim; several dims are attended without a mask, where
+    # any consistent order of the keys gives the same result
+    layout = spec.layout if len(order) == 1 else "contiguous"
     qf, moved = fold_attention_dims(q, spec, order)
     kf, _ = fold_attention_dims(k, spec, order)
     vf, _ = fold_attention_dims(v, spec, order)
-    out = run_method(method, sp, qf, kf, vf, seq_lengths, causal, scale)
+    out = run_method(method, sp, qf, kf, vf, seq_lengths, causal, scale, layout)
     return unfold_attention_dims(out, moved, spec, order)

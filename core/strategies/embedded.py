@@ -12,12 +12,14 @@ class Embedded(Strategy):
     Args:
         method: ``"ulysses"``, ``"ring"``, ``"lss"`` or ``"usp"``.
         dim: the sharded sequence dim (default: the longest).
+        layout: ``"contiguous"``, or ``"zigzag"`` for ring (causal load balancing).
     """
 
-    def __init__(self, method: str, dim: str | None = None) -> None:
-        self.name = method
+    def __init__(self, method: str, dim: str | None = None, layout: str = "contiguous") -> None:
+        self.name = method if layout == "contiguous" else f"{method}_{layout}"
         self.method = method
         self.dim = dim
+        self.layout = layout
 
     def plan(
         self,
@@ -26,7 +28,9 @@ class Embedded(Strategy):
         stages: tuple[Stage, ...],
         sp_size: int,
     ) -> Plan:
-        return plan_fixed(names, lengths, stages, sp_size, self.method, self.dim)
+        return plan_fixed(
+            names, lengths, stages, sp_size, self.method, self.dim, layout=self.layout
+        )
 
     def __repr__(self) -> str:
-        return f"Embedded({self.method!r}, dim={self.dim!r})"
+        return f"Embedded({self.method!r}, dim={self.dim!r}, layout={self.layout!r})"
