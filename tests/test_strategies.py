@@ -75,10 +75,12 @@ class CausalLM(torch.nn.Module):
         return sp.exit(act)
 
 
-def _causal_step(sp: SeqParallel, kv_heads: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _causal_step(
+    sp: SeqParallel, kv_heads: int, data_seed: int = 3
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = CausalLM(kv_heads=kv_heads).double()
-    x = torch.randn(2, 11, 12, generator=torch.Generator().manual_seed(3)).double()
+    x = torch.randn(2, 11, 12, generator=torch.Generator().manual_seed(data_seed)).double()
     out = model(x, sp)
     (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
     return out.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -142,7 +144,22 @@ def _all_strategies(rank: int, world: int) -> dict[str, dict[str, int]]:
                         ref = _causal_step(SeqParallel(), kv_heads)
                         got = _causal_step(sp, kv_heads)
                         _assert_step(sp, got, ref, f"causal {what} kv_heads={kv_heads}")
+    _check_double_gradient_averaging(meshes[2])
     return plans
+
+
+def _check_double_gradient_averaging(mesh: SPMesh) -> None:
+    """LSS's "double gradient averaging" at dp 2 × sp 2: one all-reduce of the gradients over
+    the whole dp × sp world (what DDP does) gives the mean of the two DP groups' one-process
+    gradients — the SP and the DP averaging in one step, under the gradient contract."""
+    sp = SeqParallel(mesh, "lss")
+    _, grads = _causal_step(sp, 3, data_seed=10 + mesh.dp_rank)  # DP groups: different data
+    refs = [_causal_step(SeqParallel(), 3, data_seed=10 + d)[1] for d in range(mesh.dp_size)]
+    for name, grad in grads.items():
+        total = grad.clone()
+        dist.all_reduce(total)  # the world: dp × sp
+        want = sum(ref[name] for ref in refs) / mesh.dp_size
+        torch.testing.assert_close(total / mesh.world_size, want, rtol=1e-7, atol=1e-9, msg=name)
 
 
 @pytest.mark.timeout(300)
