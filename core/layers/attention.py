@@ -80,22 +80,31 @@ class SeqSelfAttention(torch.nn.Module):
     """Multi-head self-attention along one named sequence dim of ``[B, *seq, C]``.
 
     The other sequence dims act as batch dims; the SP context decides what (if anything)
-    must be communicated: nothing under DSP, whose plan keeps ``over`` whole.
+    must be communicated: nothing under DSP, whose plan keeps ``over`` whole. ``TP_PLAN``
+    declares the linears for tensor parallelism (``megatron_sp``): ``qkv`` column-parallel
+    with q, k, v stacked (each third sharded by heads), ``proj`` row-parallel; the
+    ``sp.tp_enter``/``sp.tp_exit`` hooks around them do nothing under other strategies, and
+    the head count is read from ``qkv``'s weight (fewer local heads when it is sharded).
     """
+
+    TP_PLAN = {"qkv": ("column", 3), "proj": "row"}
 
     def __init__(self, hidden: int, heads: int, over: str, qkv_bias: bool = True) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads")
-        self.heads, self.over = heads, over
+        self.heads, self.head_dim, self.over = heads, hidden // heads, over
         self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=qkv_bias)
         self.proj = torch.nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor, spec: Any, sp: Any) -> torch.Tensor:
         """``x``: local ``[B, *seq_local, C]`` laid out as ``spec`` → same shape."""
-        q, k, v = rearrange(self.qkv(x), "... (three h d) -> three ... h d", three=3, h=self.heads)
-        out = sp.attention(q, k, v, spec, over=self.over)
-        return self.proj(rearrange(out, "... h d -> ... (h d)"))
+        x, inner = sp.tp_enter(x, spec)
+        q, k, v = rearrange(
+            self.qkv(x), "... (three h d) -> three ... h d", three=3, d=self.head_dim
+        )
+        out = sp.attention(q, k, v, inner, over=self.over)
+        return sp.tp_exit(self.proj, rearrange(out, "... h d -> ... (h d)"), spec)
 
 
 class CrossAttention(torch.nn.Module):

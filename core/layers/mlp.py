@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 
 class Mlp(nn.Module):
-    """``[..., C]`` → ``[..., C]`` with a GELU (tanh) hidden layer of ``ratio · C``."""
+    """``[..., C]`` → ``[..., C]`` with a GELU (tanh) hidden layer of ``ratio · C``.
+
+    ``TP_PLAN``: under tensor parallelism (``megatron_sp``) ``fc1`` is column-parallel and
+    ``fc2`` row-parallel (hidden units sharded); pass the activation's ``spec`` and the SP
+    context so the ``sp.tp_enter``/``sp.tp_exit`` hooks can act (without them: plain MLP).
+    """
+
+    TP_PLAN = {"fc1": "column", "fc2": "row"}
 
     def __init__(self, hidden: int, ratio: float = 4.0) -> None:
         super().__init__()
@@ -16,8 +25,11 @@ class Mlp(nn.Module):
         self.act = nn.GELU(approximate="tanh")
         self.fc2 = nn.Linear(width, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+    def forward(self, x: torch.Tensor, spec: Any = None, sp: Any = None) -> torch.Tensor:
+        if sp is None:
+            return self.fc2(self.act(self.fc1(x)))
+        h, _ = sp.tp_enter(x, spec)
+        return sp.tp_exit(self.fc2, self.act(self.fc1(h)), spec)
 
 
 def _per_token(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -31,22 +31,51 @@ class Toy2DConfig:
 
 
 class AxialAttention(nn.Module):
-    """Self-attention along one sequence dim of ``[B, *seq, C]``."""
+    """Self-attention along one sequence dim of ``[B, *seq, C]``.
+
+    ``TP_PLAN`` declares its linears for tensor parallelism (``megatron_sp``): ``qkv``
+    column-parallel (q, k, v stacked, each sharded by heads), ``proj`` row-parallel. The
+    ``sp.tp_enter``/``sp.tp_exit`` hooks do nothing under other strategies.
+    """
+
+    TP_PLAN = {"qkv": ("column", 3), "proj": "row"}
 
     def __init__(self, hidden: int, heads: int, over: str) -> None:
         super().__init__()
-        self.heads, self.over = heads, over
+        self.heads, self.head_dim, self.over = heads, hidden // heads, over
         self.norm = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
     def forward(self, act: SeqTensor, sp: SeqParallel) -> SeqTensor:
         x = act.tensor
+        h, inner = sp.tp_enter(self.norm(x), act.spec)
         q, k, v = rearrange(
-            self.qkv(self.norm(x)), "... (three h d) -> three ... h d", three=3, h=self.heads
+            self.qkv(h), "... (three h d) -> three ... h d", three=3, d=self.head_dim
         )
-        out = sp.attention(q, k, v, act.spec, over=self.over)
-        return act.with_tensor(x + self.proj(rearrange(out, "... h d -> ... (h d)")))
+        out = sp.attention(q, k, v, inner, over=self.over)
+        return act.with_tensor(
+            x + sp.tp_exit(self.proj, rearrange(out, "... h d -> ... (h d)"), act.spec)
+        )
+
+
+class ToyMlp(nn.Sequential):
+    """LayerNorm, linear, GELU, linear (a ``Sequential``: parameter names ``0``…``3``).
+
+    ``TP_PLAN``: the first linear column-parallel, the second row-parallel (``megatron_sp``).
+    """
+
+    TP_PLAN = {"1": "column", "3": "row"}
+
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__(
+            nn.LayerNorm(hidden), nn.Linear(hidden, width), nn.GELU(), nn.Linear(width, hidden)
+        )
+
+    def forward(self, act: SeqTensor, sp: SeqParallel) -> torch.Tensor:
+        norm, fc1, gelu, fc2 = self
+        h, _ = sp.tp_enter(norm(act.tensor), act.spec)
+        return sp.tp_exit(fc2, gelu(fc1(h)), act.spec)
 
 
 class Block(nn.Module):
@@ -54,19 +83,13 @@ class Block(nn.Module):
         super().__init__()
         self.spatial = AxialAttention(cfg.hidden, cfg.heads, "s")
         self.temporal = AxialAttention(cfg.hidden, cfg.heads, "t")
-        width = int(cfg.hidden * cfg.mlp_ratio)
-        self.mlp = nn.Sequential(
-            nn.LayerNorm(cfg.hidden),
-            nn.Linear(cfg.hidden, width),
-            nn.GELU(),
-            nn.Linear(width, cfg.hidden),
-        )
+        self.mlp = ToyMlp(cfg.hidden, int(cfg.hidden * cfg.mlp_ratio))
 
     def forward(self, act: SeqTensor, sp: SeqParallel) -> SeqTensor:
         act = self.spatial(sp.to_stage(act, "spatial"), sp)
         act = self.temporal(sp.to_stage(act, "temporal"), sp)
         act = sp.to_stage(act, "mlp")
-        return act.with_tensor(act.tensor + self.mlp(act.tensor))
+        return act.with_tensor(act.tensor + self.mlp(act, sp))
 
 
 class Toy2DTransformer(nn.Module):

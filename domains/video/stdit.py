@@ -92,7 +92,7 @@ class STDiTBlock(nn.Module):
         act = sp.to_stage(act.with_tensor(x), f"mlp{tag}")
         x = act.tensor
         shift_m, scale_m, gate_m = (frame_local(m, act, sp) for m in mods[3:])
-        x = x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
+        x = x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m), act.spec, sp), gate_m)
         return act.with_tensor(x)
 
 
