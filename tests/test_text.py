@@ -21,7 +21,7 @@ from dspzoo.core.testing import run_distributed
 from dspzoo.core.validate import InputValidationError
 from dspzoo.domains.text.data import ByteWindows, stdlib_corpus
 from dspzoo.domains.text.model import apply_rotary, rotary_table
-from dspzoo.domains.text.training import TextTrainConfig, train
+from dspzoo.domains.text.training import NOT_WIRED, TextTrainConfig, train
 from dspzoo.zoo import count_parameters, create_model, from_pretrained, load_extra
 
 REPO = Path(__file__).resolve().parents[1]
@@ -419,3 +419,33 @@ def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) ->
         with pytest.raises(SystemExit):
             parse_args(["--sp-strategy", "megatron_sp"])
         assert "parallelize_megatron" in capsys.readouterr().err
+
+
+def test_five_training_steps_at_sp2_repeat_sp1_under_every_strategy(
+    tmp_path: Path, byte_file: Path
+) -> None:
+    """One 2-process launch trains 5 steps under each strategy; every loss sequence equals the
+    one-process run's."""
+    import os
+    import subprocess
+
+    reference = train(_config(tmp_path / "sp1", byte_file, eval_every=0))["losses"]
+    strategies = [s for s in STRATEGIES if s not in NOT_WIRED]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests" / "text_strategies_driver.py"),
+        str(byte_file),
+        str(tmp_path),
+        *strategies,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert sorted(losses) == sorted(strategies)
+    for strategy, got in losses.items():
+        assert got == pytest.approx(reference, rel=1e-5), (strategy, reference, got)
