@@ -15,56 +15,22 @@ layout.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import typing
 
+from dspzoo.core import configflags
 from dspzoo.domains.text.training import TextTrainConfig, train
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _boolean(text: str) -> bool:
-    """``true/false``, ``yes/no``, ``on/off`` or ``1/0`` (any case)."""
-    value = text.strip().lower()
-    if value in _TRUE or value in _FALSE:
-        return value in _TRUE
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+SHOWN_DEFAULTS = {"output_dir": "default: outputs/<model>"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per :class:`TextTrainConfig` field, with its description and choices."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    hints = typing.get_type_hints(TextTrainConfig)
-    for f in dataclasses.fields(TextTrainConfig):
-        kind = hints[f.name]
-        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        choices = f.metadata.get("choices")
-        default = "optional" if f.default is None else f"default: {f.default}"
-        if f.name == "output_dir":
-            default = "default: outputs/<model>"
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            type=_boolean if base is bool else base,
-            default=f.default,
-            choices=choices,
-            metavar="{true,false}" if base is bool else (None if choices else f.name.upper()),
-            help=f"{f.metadata.get('help', '')} ({default})",
-        )
-    return parser
+    return configflags.build_parser(TextTrainConfig, __doc__, SHOWN_DEFAULTS)
 
 
 def parse_args(argv: list[str] | None = None) -> TextTrainConfig:
     """Build a validated :class:`TextTrainConfig` from ``--field-name value`` flags."""
-    parser = build_parser()
-    cfg = TextTrainConfig(**vars(parser.parse_args(argv)))
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        parser.error(str(exc))
-    return cfg
+    return configflags.parse_config(TextTrainConfig, argv, __doc__, SHOWN_DEFAULTS)
 
 
 def main() -> None:

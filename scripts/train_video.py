@@ -13,46 +13,22 @@ continues it exactly, at any layout.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import typing
 
+from dspzoo.core import configflags
 from dspzoo.domains.video.training import VideoTrainConfig, train
+
+SHOWN_DEFAULTS = {"output_dir": "default: outputs/<model>"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per :class:`VideoTrainConfig` field, with its description and choices."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    hints = typing.get_type_hints(VideoTrainConfig)
-    for f in dataclasses.fields(VideoTrainConfig):
-        kind = hints[f.name]
-        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        choices = f.metadata.get("choices")
-        default = "optional" if f.default is None else f"default: {f.default}"
-        if f.name == "output_dir":
-            default = "default: outputs/<model>"
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            type=base,
-            default=f.default,
-            choices=choices,
-            metavar=None if choices else f.name.upper(),
-            help=f"{f.metadata.get('help', '')} ({default})",
-        )
-    return parser
+    return configflags.build_parser(VideoTrainConfig, __doc__, SHOWN_DEFAULTS)
 
 
 def parse_args(argv: list[str] | None = None) -> VideoTrainConfig:
     """Build a validated :class:`VideoTrainConfig` from ``--field-name value`` flags."""
-    parser = build_parser()
-    cfg = VideoTrainConfig(**vars(parser.parse_args(argv)))
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        parser.error(str(exc))
-    return cfg
+    return configflags.parse_config(VideoTrainConfig, argv, __doc__, SHOWN_DEFAULTS)
 
 
 def main() -> None:

@@ -20,22 +20,21 @@ import contextlib
 import json
 import logging
 import math
-import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from dspzoo.core import SavedTensorMeter, seed_everything, sp_dataloader
+from dspzoo.core import SavedTensorMeter, sp_dataloader
 from dspzoo.core.accelerate import setup_accelerate
-from dspzoo.core.checkpoint import latest_checkpoint, read_progress, save_checkpoint
+from dspzoo.core.checkpoint import save_checkpoint
+from dspzoo.core.configflags import check_values, flag
+from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
-from dspzoo.core.rng import mix_key
+from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.trace import format_bytes
 
@@ -47,57 +46,52 @@ LN2 = math.log(2.0)
 NOT_WIRED = ("megatron_sp",)  # tensor parallelism: the model would have to be parallelized
 
 
-def _flag(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    """A config field that is also a command-line flag with a description and choices."""
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
 @dataclass
 class TextTrainConfig:
     """Everything a training run needs; every field is a command-line flag."""
 
-    model: str = _flag("bytelm-small", "zoo model name (see `dspzoo list`)")
-    sp: int = _flag(2, "ranks per sequence-parallel group; must divide the number of processes")
-    sp_strategy: str = _flag(
+    model: str = flag("bytelm-small", "zoo model name (see `dspzoo list`)")
+    sp: int = flag(2, "ranks per sequence-parallel group; must divide the number of processes")
+    sp_strategy: str = flag(
         "lss",
         "sequence-parallel strategy, i.e. how causal attention over the sharded sequence "
         "communicates (dsp plans a hybrid with an embedded method for this 1-D model)",
         tuple(STRATEGIES),
     )
-    seq_len: int = _flag(512, "bytes per training window (the model's sequence length)")
-    steps: int = _flag(
+    seq_len: int = flag(512, "bytes per training window (the model's sequence length)")
+    steps: int = flag(
         1000,
         "total optimisation steps, counted from the start of training (a resumed run goes on to it)",
     )
-    global_batch: int = _flag(
+    global_batch: int = flag(
         8,
         "windows per step over all data-parallel groups; each DP group takes global_batch / dp. "
         "Keep it fixed to get the same run at any dp × sp layout",
     )
-    lr: float = _flag(1e-3, "peak AdamW learning rate")
-    weight_decay: float = _flag(0.1, "AdamW weight decay (matrices only, not norms or biases)")
-    warmup: int = _flag(50, "linear warm-up steps, then cosine decay to 10%% of the peak")
-    grad_clip: float = _flag(1.0, "clip the global gradient norm to this value (0: off)")
-    mixed_precision: str = _flag("no", "autocast precision", ("no", "fp16", "bf16"))
-    activation_checkpointing: bool = _flag(
+    lr: float = flag(1e-3, "peak AdamW learning rate")
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices only, not norms or biases)")
+    warmup: int = flag(50, "linear warm-up steps, then cosine decay to 10%% of the peak")
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this value (0: off)")
+    mixed_precision: str = flag("no", "autocast precision", ("no", "fp16", "bf16"))
+    activation_checkpointing: bool = flag(
         False, "recompute every block in the backward pass instead of keeping its activations"
     )
-    seed: int = _flag(0, "seed of the initial weights and the data order")
-    data: str = _flag(
+    seed: int = flag(0, "seed of the initial weights and the data order")
+    data: str = flag(
         "stdlib",
         "'stdlib' (the Python standard library's sources, built and cached at first use) or "
         "the path of a raw byte file such as enwik8",
     )
-    val_fraction: float = _flag(0.05, "share of the data, at its end, held out for validation")
-    eval_every: int = _flag(100, "measure validation bits per byte every n steps (0: off)")
-    eval_windows: int = _flag(32, "held-out windows per validation (the first ones)")
-    num_workers: int = _flag(0, "dataloader worker processes per rank")
-    output_dir: str | None = _flag(None, "where checkpoints, logs and the final model go")
-    save_every: int = _flag(200, "save a checkpoint every n steps (0: only at --stop-after)")
-    keep_checkpoints: int = _flag(3, "keep the newest n checkpoints (0: keep all)")
-    log_every: int = _flag(10, "log (and average the reported loss over) every n steps")
-    resume: str | None = _flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")
-    stop_after: int | None = _flag(
+    val_fraction: float = flag(0.05, "share of the data, at its end, held out for validation")
+    eval_every: int = flag(100, "measure validation bits per byte every n steps (0: off)")
+    eval_windows: int = flag(32, "held-out windows per validation (the first ones)")
+    num_workers: int = flag(0, "dataloader worker processes per rank")
+    output_dir: str | None = flag(None, "where checkpoints, logs and the final model go")
+    save_every: int = flag(200, "save a checkpoint every n steps (0: only at --stop-after)")
+    keep_checkpoints: int = flag(3, "keep the newest n checkpoints (0: keep all)")
+    log_every: int = flag(10, "log (and average the reported loss over) every n steps")
+    resume: str | None = flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")
+    stop_after: int | None = flag(
         None, "end this session after n steps with a checkpoint (for time-limited jobs)"
     )
 
@@ -107,23 +101,11 @@ class TextTrainConfig:
 
     def validate(self) -> None:
         """Raise a clear ``ValueError`` for values no run can use."""
-        for f in self.__dataclass_fields__.values():
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(
-                    f"--{f.name.replace('_', '-')} must be one of {list(choices)}, "
-                    f"got {getattr(self, f.name)!r}"
-                )
-        for name in ("sp", "seq_len", "steps", "global_batch", "log_every", "eval_windows"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        for name in ("save_every", "keep_checkpoints", "num_workers", "warmup", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
-                )
+        check_values(
+            self,
+            positive=("sp", "seq_len", "steps", "global_batch", "log_every", "eval_windows"),
+            non_negative=("save_every", "keep_checkpoints", "num_workers", "warmup", "eval_every"),
+        )
         if self.sp_strategy in NOT_WIRED:
             raise ValueError(
                 f"--sp-strategy {self.sp_strategy} shards the model's weights and needs "
@@ -244,43 +226,19 @@ def setup_run(cfg: TextTrainConfig) -> TrainingRun:
     )
 
 
-def _layout(run: TrainingRun) -> dict[str, int]:
-    return {"world": run.mesh.world_size, "dp": run.mesh.dp_size, "sp": run.mesh.sp_size}
-
-
 def restore(run: TrainingRun) -> tuple[int, list[float], list[list[float]]]:
     """Load ``--resume``'s checkpoint (from any layout); returns ``(step, loss history,
     validation history)`` up to that step."""
     cfg = run.cfg
-    ckpt_dir = run.output_dir / "checkpoints"
-    ckpt = latest_checkpoint(ckpt_dir) if cfg.resume == "latest" else Path(cfg.resume)
-    if ckpt is None or not ckpt.exists():
-        raise FileNotFoundError(
-            f"--resume {cfg.resume}: no checkpoint found (looked in {ckpt_dir})"
-        )
-    progress = read_progress(ckpt)
-    run.accelerator.load_state(str(ckpt))
+    progress = resume_from(
+        run.accelerator,
+        run.mesh,
+        cfg.resume,
+        run.output_dir / "checkpoints",
+        cfg.seed,
+        {key: getattr(cfg, key) for key in ("global_batch", "seq_len", "seed")},
+    )
     step = int(progress["step"])
-    seed_everything(run.mesh, mix_key(cfg.seed, step, "global-rng"))
-    if run.mesh.is_main:
-        saved, now = progress.get("layout"), _layout(run)
-        logger.info("resumed from %s at step %d", ckpt, step)
-        if saved is not None and saved != now:
-            logger.warning(
-                "resuming a checkpoint saved at dp %d × sp %d (%d processes) at dp %d × sp %d "
-                "(%d processes): the data order is keyed by (seed, step), so the run continues "
-                "as it would have at the old layout",
-                saved["dp"], saved["sp"], saved["world"], now["dp"], now["sp"], now["world"],
-            )  # fmt: skip
-        for key in ("global_batch", "seq_len", "seed"):
-            if progress.get(key, getattr(cfg, key)) != getattr(cfg, key):
-                logger.warning(
-                    "the checkpoint was trained with --%s %s, this run uses %s: the loss "
-                    "sequence will differ from an uninterrupted run",
-                    key.replace("_", "-"),
-                    progress.get(key),
-                    getattr(cfg, key),
-                )
     evals = [e for e in progress.get("evals", []) if e[0] <= step]
     return step, list(progress.get("loss_history", []))[:step], evals
 
@@ -336,14 +294,6 @@ def evaluate(run: TrainingRun) -> float:
     return float(totals[0] / totals[1]) / LN2
 
 
-def mean_step_time(timings: list[float], last: int | None = None) -> float:
-    """Mean of the ``last`` step times, leaving out the session's first (warm-up) step when
-    there are others."""
-    rest = timings[1:] if len(timings) > 1 else timings
-    rest = rest[-last:] if last else rest
-    return sum(rest) / len(rest) if rest else float("nan")
-
-
 def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
     """Save a resumable checkpoint at ``step`` with the layout and the loss histories."""
     progress = {
@@ -351,7 +301,7 @@ def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -
         "global_batch": run.cfg.global_batch,
         "seq_len": run.cfg.seq_len,
         "model": run.cfg.model,
-        "layout": _layout(run),
+        "layout": layout_of(run.mesh),
         "loss_history": history,
         "evals": evals,
     }
@@ -393,61 +343,39 @@ def train(cfg: TextTrainConfig) -> dict:
      "activation_bytes": ..., "output_dir": ..., "is_main": ...}
     """
     run = setup_run(cfg)
-    step, history, evals = restore(run) if cfg.resume else (0, [], [])
-    start_step = step
-    losses: list[float] = []
-    timings: list[float] = []
-    window = cfg.log_every
-    progress = tqdm(
-        total=cfg.steps,
-        initial=step,
-        desc="train",
-        disable=not run.mesh.is_main,
-        dynamic_ncols=True,
-        mininterval=0.5 if sys.stderr.isatty() else 30,  # keep logs of non-interactive runs short
+    start_step, history, evals = restore(run) if cfg.resume else (0, [], [])
+
+    def evaluate_now(step: int) -> None:
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            evals.append([step, evaluate(run)])
+            if run.mesh.is_main:
+                logger.info("step %d validation %.4f bits/byte", step, evals[-1][1])
+
+    settings = LoopSettings(
+        steps=cfg.steps,
+        start_step=start_step,
+        stop_after=cfg.stop_after,
+        log_every=cfg.log_every,
+        save_every=cfg.save_every,
+        tokens_per_step=run.tokens_per_step,
+        loss_name="bits/byte",
     )
-    meter_bytes = 0
-    session_over = False
-    while step < cfg.steps and not session_over:
-        run.loader.set_step(step)
-        for batch in run.loader:
-            start = time.perf_counter()
-            meter = SavedTensorMeter(run.model.parameters()) if step == start_step else None
-            loss = training_step(run, batch, meter)
-            if meter is not None:
-                meter_bytes = meter.bytes
-            step += 1
-            losses.append(loss)
-            timings.append(time.perf_counter() - start)
-            progress.update(1)
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                evals.append([step, evaluate(run)])
-                if run.mesh.is_main:
-                    logger.info("step %d validation %.4f bits/byte", step, evals[-1][1])
-            if step % window == 0 or step == cfg.steps:
-                avg = sum(losses[-window:]) / len(losses[-window:])
-                tps = run.tokens_per_step / mean_step_time(timings, window)
-                progress.set_postfix({f"bpb(avg{window})": f"{avg:.3f}", "tok/s": f"{tps:.0f}"})
-                if run.mesh.is_main:
-                    logger.info(
-                        "step %d bits/byte(avg%d) %.4f step_time %.3fs tokens/s %.0f lr %.2e",
-                        step,
-                        window,
-                        avg,
-                        mean_step_time(timings, window),
-                        tps,
-                        run.scheduler.get_last_lr()[0],
-                    )
-            session_over = cfg.stop_after is not None and step - start_step >= cfg.stop_after
-            periodic = cfg.save_every and step % cfg.save_every == 0
-            if step < cfg.steps and (periodic or session_over):
-                checkpoint(run, step, history + losses, evals)
-            if session_over or step >= cfg.steps:
-                break
-    progress.close()
+    session = run_training_loop(
+        settings,
+        run.loader,
+        lambda batch, step, meter: training_step(run, batch, meter),
+        lambda step, losses: checkpoint(run, step, losses, evals),
+        run.model.parameters,
+        history,
+        run.mesh.is_main,
+        logger,
+        lambda: run.scheduler.get_last_lr()[0],
+        after_step=evaluate_now,
+    )
+    losses, step, meter_bytes = session.losses, session.step, session.activation_bytes
     history = history + losses
     finish(run, step, history, evals)
-    tps = run.tokens_per_step / mean_step_time(timings)
+    tps = run.tokens_per_step / mean_step_time(session.timings)
     if run.mesh.is_main:
         logger.info(
             "done: %d steps, %.0f tokens/s, activation memory/rank %s (SP %d, %s)",

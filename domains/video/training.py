@@ -17,21 +17,21 @@ import contextlib
 import json
 import logging
 import math
-import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from dspzoo.core import SavedTensorMeter, seed_everything, sp_dataloader, sp_mse
+from dspzoo.core import SavedTensorMeter, sp_dataloader, sp_mse
 from dspzoo.core.accelerate import setup_accelerate
-from dspzoo.core.checkpoint import latest_checkpoint, read_progress, save_checkpoint
+from dspzoo.core.checkpoint import save_checkpoint
+from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.ema import EMA
+from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
-from dspzoo.core.rng import SampleRandom, mix_key
+from dspzoo.core.resume import layout_of, mean_step_time, resume_from
+from dspzoo.core.rng import SampleRandom
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.trace import format_bytes
 
@@ -41,65 +41,60 @@ from .diffusion import TIMESTEP_SCALE, FlowConfig, keyed_t, noisy_pair
 logger = logging.getLogger("dspzoo.video.train")
 
 
-def _flag(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    """A config field that is also a command-line flag with a description and choices."""
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
 @dataclass
 class VideoTrainConfig:
     """Everything a training run needs; every field is a command-line flag."""
 
-    model: str = _flag("stdit-tiny", "zoo model name (see `dspzoo list`)")
-    sp: int = _flag(2, "ranks per sequence-parallel group; must divide the number of processes")
-    sp_strategy: str = _flag(
+    model: str = flag("stdit-tiny", "zoo model name (see `dspzoo list`)")
+    sp: int = flag(2, "ranks per sequence-parallel group; must divide the number of processes")
+    sp_strategy: str = flag(
         "dsp",
         "how the SP group runs the model: dsp switches the sharded dim between stages; the "
         "embedded methods shard one dim and communicate inside attention",
         tuple(STRATEGIES),
     )
-    steps: int = _flag(
+    steps: int = flag(
         300,
         "total optimisation steps, counted from the start of training (a resumed run goes on to it)",
     )
-    global_batch: int = _flag(
+    global_batch: int = flag(
         4,
         "samples per step over all data-parallel groups; each DP group takes global_batch / dp. "
         "Keep it fixed to get the same run at any dp × sp layout",
     )
-    lr: float = _flag(3e-4, "peak AdamW learning rate")
-    weight_decay: float = _flag(0.0, "AdamW weight decay")
-    warmup: int = _flag(20, "linear warm-up steps, then cosine decay to 10%% of the peak")
-    grad_clip: float = _flag(1.0, "clip the global gradient norm to this value (0: off)")
-    ema: float = _flag(0.999, "decay of the parameter average saved as the final model (0: no EMA)")
-    mixed_precision: str = _flag("no", "autocast precision (GPU)", ("no", "fp16", "bf16"))
-    seed: int = _flag(0, "seed of the weights, data order, noise, timesteps and label dropout")
-    data: str = _flag(
+    lr: float = flag(3e-4, "peak AdamW learning rate")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    warmup: int = flag(20, "linear warm-up steps, then cosine decay to 10%% of the peak")
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this value (0: off)")
+    ema: float = flag(0.999, "decay of the parameter average saved as the final model (0: no EMA)")
+    mixed_precision: str = flag("no", "autocast precision (GPU)", ("no", "fp16", "bf16"))
+    seed: int = flag(0, "seed of the weights, data order, noise, timesteps and label dropout")
+    data: str = flag(
         "shapes", "'shapes' (built-in moving shapes) or a folder of videos (class = sub-folder)"
     )
-    num_samples: int = _flag(2048, "number of built-in moving-shapes clips")
-    frames: int = _flag(8, "frames per clip")
-    size: int = _flag(32, "frame height and width in pixels")
-    frame_stride: int = _flag(1, "take every n-th frame of a video file")
-    on_bad_video: str = _flag(
+    num_samples: int = flag(2048, "number of built-in moving-shapes clips")
+    frames: int = flag(8, "frames per clip")
+    size: int = flag(32, "frame height and width in pixels")
+    frame_stride: int = flag(1, "take every n-th frame of a video file")
+    on_bad_video: str = flag(
         "raise",
         "undecodable video files: raise naming the file, or skip with a warning",
         ("raise", "skip"),
     )
-    codec_factor: int = _flag(2, "space-to-depth factor from pixels to latents")
-    class_dropout: float = _flag(
+    codec_factor: int = flag(2, "space-to-depth factor from pixels to latents")
+    class_dropout: float = flag(
         0.1, "probability of replacing a label by the null label (classifier-free guidance)"
     )
-    timesteps: str = _flag(
+    timesteps: str = flag(
         "logit-normal", "distribution of training timesteps t", ("logit-normal", "uniform")
     )
-    num_workers: int = _flag(0, "dataloader worker processes per rank")
-    output_dir: str | None = _flag(None, "where checkpoints, logs and the final model go")
-    save_every: int = _flag(100, "save a checkpoint every n steps (0: only at --stop-after)")
-    keep_checkpoints: int = _flag(3, "keep the newest n checkpoints (0: keep all)")
-    log_every: int = _flag(10, "log (and average the reported loss over) every n steps")
-    resume: str | None = _flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")
-    stop_after: int | None = _flag(
+    num_workers: int = flag(0, "dataloader worker processes per rank")
+    output_dir: str | None = flag(None, "where checkpoints, logs and the final model go")
+    save_every: int = flag(100, "save a checkpoint every n steps (0: only at --stop-after)")
+    keep_checkpoints: int = flag(3, "keep the newest n checkpoints (0: keep all)")
+    log_every: int = flag(10, "log (and average the reported loss over) every n steps")
+    resume: str | None = flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")
+    stop_after: int | None = flag(
         None, "end this session after n steps with a checkpoint (for time-limited jobs)"
     )
 
@@ -109,24 +104,11 @@ class VideoTrainConfig:
 
     def validate(self) -> None:
         """Raise a clear ``ValueError`` for values no run can use."""
-        for f in self.__dataclass_fields__.values():
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(
-                    f"--{f.name.replace('_', '-')} must be one of {list(choices)}, "
-                    f"got {getattr(self, f.name)!r}"
-                )
-        positive = ("sp", "steps", "global_batch", "frames", "size", "frame_stride", "log_every")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        for name in ("save_every", "keep_checkpoints", "num_workers", "warmup"):
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
-                )
+        check_values(
+            self,
+            positive=("sp", "steps", "global_batch", "frames", "size", "frame_stride", "log_every"),
+            non_negative=("save_every", "keep_checkpoints", "num_workers", "warmup"),
+        )
         if not 0.0 <= self.class_dropout <= 1.0:
             raise ValueError(f"--class-dropout must be in [0, 1], got {self.class_dropout}")
         if not 0.0 <= self.ema < 1.0:
@@ -286,10 +268,6 @@ def setup_run(cfg: VideoTrainConfig) -> TrainingRun:
     )
 
 
-def _layout(run: TrainingRun) -> dict[str, int]:
-    return {"world": run.mesh.world_size, "dp": run.mesh.dp_size, "sp": run.mesh.sp_size}
-
-
 def restore(run: TrainingRun) -> tuple[int, list[float]]:
     """Load ``--resume``'s checkpoint; returns ``(step, loss history up to step)``.
 
@@ -299,36 +277,15 @@ def restore(run: TrainingRun) -> tuple[int, list[float]]:
     are re-seeded afterwards so they are identical inside every SP group again.
     """
     cfg = run.cfg
-    ckpt_dir = run.output_dir / "checkpoints"
-    ckpt = latest_checkpoint(ckpt_dir) if cfg.resume == "latest" else Path(cfg.resume)
-    if ckpt is None or not ckpt.exists():
-        raise FileNotFoundError(
-            f"--resume {cfg.resume}: no checkpoint found (looked in {ckpt_dir})"
-        )
-    progress = read_progress(ckpt)
-    run.accelerator.load_state(str(ckpt))
+    progress = resume_from(
+        run.accelerator,
+        run.mesh,
+        cfg.resume,
+        run.output_dir / "checkpoints",
+        cfg.seed,
+        {"global_batch": cfg.global_batch, "seed": cfg.seed},
+    )
     step = int(progress["step"])
-    seed_everything(run.mesh, mix_key(cfg.seed, step, "global-rng"))
-    if run.mesh.is_main:
-        saved, now = progress.get("layout"), _layout(run)
-        logger.info("resumed from %s at step %d", ckpt, step)
-        if saved is not None and saved != now:
-            logger.warning(
-                "resuming a checkpoint saved at dp %d × sp %d (%d processes) at dp %d × sp %d "
-                "(%d processes): data order and training randomness are keyed by (seed, step, "
-                "sample), so the run continues as it would have at the old layout",
-                saved["dp"], saved["sp"], saved["world"], now["dp"], now["sp"], now["world"],
-            )  # fmt: skip
-        if progress.get("global_batch", cfg.global_batch) != cfg.global_batch:
-            logger.warning(
-                "the checkpoint was trained with --global-batch %s, this run uses %d: the loss "
-                "sequence will differ from an uninterrupted run",
-                progress.get("global_batch"),
-                cfg.global_batch,
-            )
-        if progress.get("seed", cfg.seed) != cfg.seed:
-            logger.warning("the checkpoint was trained with --seed %s, this run uses %d",
-                           progress.get("seed"), cfg.seed)  # fmt: skip
     return step, list(progress.get("loss_history", []))[:step]
 
 
@@ -379,21 +336,13 @@ def training_step(
     return world_report(loss)
 
 
-def mean_step_time(timings: list[float], last: int | None = None) -> float:
-    """Mean of the ``last`` step times, leaving out the session's first (warm-up) step when
-    there are others."""
-    rest = timings[1:] if len(timings) > 1 else timings
-    rest = rest[-last:] if last else rest
-    return sum(rest) / len(rest) if rest else float("nan")
-
-
 def checkpoint(run: TrainingRun, step: int, history: list[float]) -> None:
     """Save a resumable checkpoint at ``step`` with the layout and the loss history."""
     progress = {
         "seed": run.cfg.seed,
         "global_batch": run.cfg.global_batch,
         "model": run.cfg.model,
-        "layout": _layout(run),
+        "layout": layout_of(run.mesh),
         "loss_history": history,
     }
     save_checkpoint(
@@ -434,58 +383,30 @@ def train(cfg: VideoTrainConfig) -> dict:
      "tokens_per_s": ..., "activation_bytes": ..., "output_dir": ..., "is_main": ...}
     """
     run = setup_run(cfg)
-    step, history = restore(run) if cfg.resume else (0, [])
-    start_step = step
-    losses: list[float] = []
-    timings: list[float] = []
-    window = cfg.log_every
-    progress = tqdm(
-        total=cfg.steps,
-        initial=step,
-        desc="train",
-        disable=not run.mesh.is_main,
-        dynamic_ncols=True,
-        mininterval=0.5 if sys.stderr.isatty() else 30,  # keep logs of non-interactive runs short
+    start_step, history = restore(run) if cfg.resume else (0, [])
+    settings = LoopSettings(
+        steps=cfg.steps,
+        start_step=start_step,
+        stop_after=cfg.stop_after,
+        log_every=cfg.log_every,
+        save_every=cfg.save_every,
+        tokens_per_step=cfg.global_batch * run.tokens_per_sample(),
     )
-    meter_bytes = 0
-    session_over = False
-    while step < cfg.steps and not session_over:
-        run.loader.set_step(step)
-        for batch in run.loader:
-            start = time.perf_counter()
-            meter = SavedTensorMeter(run.model.parameters()) if step == start_step else None
-            loss = training_step(run, batch, step, meter)
-            if meter is not None:
-                meter_bytes = meter.bytes
-            step += 1
-            losses.append(loss)
-            timings.append(time.perf_counter() - start)
-            progress.update(1)
-            if step % window == 0 or step == cfg.steps:
-                recent = losses[-window:]
-                avg = sum(recent) / len(recent)
-                tps = cfg.global_batch * run.tokens_per_sample() / mean_step_time(timings, window)
-                progress.set_postfix({f"loss(avg{window})": f"{avg:.4f}", "tok/s": f"{tps:.0f}"})
-                if run.mesh.is_main:
-                    logger.info(
-                        "step %d loss(avg%d) %.4f step_time %.3fs tokens/s %.0f lr %.2e",
-                        step,
-                        window,
-                        avg,
-                        mean_step_time(timings, window),
-                        tps,
-                        run.scheduler.get_last_lr()[0],
-                    )
-            session_over = cfg.stop_after is not None and step - start_step >= cfg.stop_after
-            periodic = cfg.save_every and step % cfg.save_every == 0
-            if step < cfg.steps and (periodic or session_over):
-                checkpoint(run, step, history + losses)
-            if session_over or step >= cfg.steps:
-                break
-    progress.close()
+    session = run_training_loop(
+        settings,
+        run.loader,
+        lambda batch, step, meter: training_step(run, batch, step, meter),
+        lambda step, losses: checkpoint(run, step, losses),
+        run.model.parameters,
+        history,
+        run.mesh.is_main,
+        logger,
+        lambda: run.scheduler.get_last_lr()[0],
+    )
+    losses, step, meter_bytes = session.losses, session.step, session.activation_bytes
     history = history + losses
     finish(run, step, history, start_step)
-    tps = cfg.global_batch * run.tokens_per_sample() / mean_step_time(timings)
+    tps = settings.tokens_per_step / mean_step_time(session.timings)
     if run.mesh.is_main:
         logger.info(
             "done: %d steps, %.0f tokens/s, activation memory/rank %s",
