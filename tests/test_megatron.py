@@ -205,6 +205,8 @@ def _world_checks(rank: int, world: int) -> None:
         # toy: sharded on s (7, divisible by none of 2, 3, 4), heads 5, loss both ways
         _megatron_case(mesh, "toy", 5, 7, sharded_loss=False)
         _megatron_case(mesh, "toy", 5, 7, sharded_loss=True, dim="t")
+        if n == 4:  # t = 3 < 4: an idle rank (a zero-row shard) in every collective
+            _megatron_case(mesh, "toy", 3, 7, sharded_loss=True, dim="t")
         # STDiT-tiny: T' = 5, S = 9, heads 4, a full (t, s) attention layer, both dims
         for dim in (None, "t"):
             _megatron_case(mesh, "stdit", 5, 9, sharded_loss=False, dim=dim)
