@@ -35,6 +35,7 @@ from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
+from dspzoo.core.runconfig import RunConfig
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.trace import format_bytes
 
@@ -47,11 +48,10 @@ NOT_WIRED = ("megatron_sp",)  # tensor parallelism: the model would have to be p
 
 
 @dataclass
-class TextTrainConfig:
+class TextTrainConfig(RunConfig):
     """Everything a training run needs; every field is a command-line flag."""
 
     model: str = flag("bytelm-small", "zoo model name (see `dspzoo list`)")
-    sp: int = flag(2, "ranks per sequence-parallel group; must divide the number of processes")
     sp_strategy: str = flag(
         "lss",
         "sequence-parallel strategy, i.e. how causal attention over the sharded sequence "
@@ -71,8 +71,6 @@ class TextTrainConfig:
     lr: float = flag(1e-3, "peak AdamW learning rate")
     weight_decay: float = flag(0.1, "AdamW weight decay (matrices only, not norms or biases)")
     warmup: int = flag(50, "linear warm-up steps, then cosine decay to 10%% of the peak")
-    grad_clip: float = flag(1.0, "clip the global gradient norm to this value (0: off)")
-    mixed_precision: str = flag("no", "autocast precision", ("no", "fp16", "bf16"))
     activation_checkpointing: bool = flag(
         False, "recompute every block in the backward pass instead of keeping its activations"
     )
@@ -85,27 +83,12 @@ class TextTrainConfig:
     val_fraction: float = flag(0.05, "share of the data, at its end, held out for validation")
     eval_every: int = flag(100, "measure validation bits per byte every n steps (0: off)")
     eval_windows: int = flag(32, "held-out windows per validation (the first ones)")
-    num_workers: int = flag(0, "dataloader worker processes per rank")
-    output_dir: str | None = flag(None, "where checkpoints, logs and the final model go")
     save_every: int = flag(200, "save a checkpoint every n steps (0: only at --stop-after)")
-    keep_checkpoints: int = flag(3, "keep the newest n checkpoints (0: keep all)")
-    log_every: int = flag(10, "log (and average the reported loss over) every n steps")
-    resume: str | None = flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")
-    stop_after: int | None = flag(
-        None, "end this session after n steps with a checkpoint (for time-limited jobs)"
-    )
-
-    def __post_init__(self) -> None:
-        if self.output_dir is None:
-            self.output_dir = f"outputs/{self.model}"
 
     def validate(self) -> None:
         """Raise a clear ``ValueError`` for values no run can use."""
-        check_values(
-            self,
-            positive=("sp", "seq_len", "steps", "global_batch", "log_every", "eval_windows"),
-            non_negative=("save_every", "keep_checkpoints", "num_workers", "warmup", "eval_every"),
-        )
+        super().validate()
+        check_values(self, positive=("seq_len", "eval_windows"), non_negative=("eval_every",))
         if self.sp_strategy in NOT_WIRED:
             raise ValueError(
                 f"--sp-strategy {self.sp_strategy} shards the model's weights and needs "
@@ -114,8 +97,6 @@ class TextTrainConfig:
             )
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import SampleRandom
-from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.runconfig import RunConfig
 from dspzoo.core.trace import format_bytes
 
 from .codec import PixelUnshuffleCodec
@@ -42,32 +42,11 @@ logger = logging.getLogger("dspzoo.video.train")
 
 
 @dataclass
-class VideoTrainConfig:
+class VideoTrainConfig(RunConfig):
     """Everything a training run needs; every field is a command-line flag."""
 
     model: str = flag("stdit-tiny", "zoo model name (see `dspzoo list`)")
-    sp: int = flag(2, "ranks per sequence-parallel group; must divide the number of processes")
-    sp_strategy: str = flag(
-        "dsp",
-        "how the SP group runs the model: dsp switches the sharded dim between stages; the "
-        "embedded methods shard one dim and communicate inside attention",
-        tuple(STRATEGIES),
-    )
-    steps: int = flag(
-        300,
-        "total optimisation steps, counted from the start of training (a resumed run goes on to it)",
-    )
-    global_batch: int = flag(
-        4,
-        "samples per step over all data-parallel groups; each DP group takes global_batch / dp. "
-        "Keep it fixed to get the same run at any dp × sp layout",
-    )
-    lr: float = flag(3e-4, "peak AdamW learning rate")
-    weight_decay: float = flag(0.0, "AdamW weight decay")
-    warmup: int = flag(20, "linear warm-up steps, then cosine decay to 10%% of the peak")
-    grad_clip: float = flag(1.0, "clip the global gradient norm to this value (0: off)")
     ema: float = flag(0.999, "decay of the parameter average saved as the final model (0: no EMA)")
-    mixed_precision: str = flag("no", "autocast precision (GPU)", ("no", "fp16", "bf16"))
     seed: int = flag(0, "seed of the weights, data order, noise, timesteps and label dropout")
     data: str = flag(
         "shapes", "'shapes' (built-in moving shapes) or a folder of videos (class = sub-folder)"
@@ -88,33 +67,15 @@ class VideoTrainConfig:
     timesteps: str = flag(
         "logit-normal", "distribution of training timesteps t", ("logit-normal", "uniform")
     )
-    num_workers: int = flag(0, "dataloader worker processes per rank")
-    output_dir: str | None = flag(None, "where checkpoints, logs and the final model go")
-    save_every: int = flag(100, "save a checkpoint every n steps (0: only at --stop-after)")
-    keep_checkpoints: int = flag(3, "keep the newest n checkpoints (0: keep all)")
-    log_every: int = flag(10, "log (and average the reported loss over) every n steps")
-    resume: str | None = flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")
-    stop_after: int | None = flag(
-        None, "end this session after n steps with a checkpoint (for time-limited jobs)"
-    )
-
-    def __post_init__(self) -> None:
-        if self.output_dir is None:
-            self.output_dir = f"outputs/{self.model}"
 
     def validate(self) -> None:
         """Raise a clear ``ValueError`` for values no run can use."""
-        check_values(
-            self,
-            positive=("sp", "steps", "global_batch", "frames", "size", "frame_stride", "log_every"),
-            non_negative=("save_every", "keep_checkpoints", "num_workers", "warmup"),
-        )
+        super().validate()
+        check_values(self, positive=("frames", "size", "frame_stride"))
         if not 0.0 <= self.class_dropout <= 1.0:
             raise ValueError(f"--class-dropout must be in [0, 1], got {self.class_dropout}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"--ema must be in [0, 1), got {self.ema}")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
 
 
 def build_dataset(cfg: VideoTrainConfig):

@@ -1,0 +1,65 @@
+"""The flags every training script shares: layout, strategy, optimisation, saving, resuming.
+
+Domain configs subclass :class:`RunConfig`, add their own fields and redeclare a shared one to
+change its default (a redeclared field keeps its place). Every field is a command-line flag
+(:mod:`dspzoo.core.configflags`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .configflags import check_values, flag
+from .strategies import STRATEGIES
+
+
+@dataclass
+class RunConfig:
+    """Shared training flags; see the module docstring."""
+
+    model: str = flag("", "zoo model name (see `dspzoo list`)")
+    sp: int = flag(2, "ranks per sequence-parallel group; must divide the number of processes")
+    sp_strategy: str = flag(
+        "dsp",
+        "how the SP group runs the model: dsp switches the sharded dim between stages; the "
+        "embedded methods shard one dim and communicate inside attention",
+        tuple(STRATEGIES),
+    )
+    steps: int = flag(
+        300,
+        "total optimisation steps, counted from the start of training (a resumed run goes on to it)",
+    )
+    global_batch: int = flag(
+        4,
+        "samples per step over all data-parallel groups; each DP group takes global_batch / dp. "
+        "Keep it fixed to get the same run at any dp × sp layout",
+    )
+    lr: float = flag(3e-4, "peak AdamW learning rate")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    warmup: int = flag(20, "linear warm-up steps, then cosine decay to 10%% of the peak")
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this value (0: off)")
+    mixed_precision: str = flag("no", "autocast precision", ("no", "fp16", "bf16"))
+    seed: int = flag(0, "seed of the weights, the data order and every random draw")
+    num_workers: int = flag(0, "dataloader worker processes per rank")
+    output_dir: str | None = flag(None, "where checkpoints, logs and the final model go")
+    save_every: int = flag(100, "save a checkpoint every n steps (0: only at --stop-after)")
+    keep_checkpoints: int = flag(3, "keep the newest n checkpoints (0: keep all)")
+    log_every: int = flag(10, "log (and average the reported loss over) every n steps")
+    resume: str | None = flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")
+    stop_after: int | None = flag(
+        None, "end this session after n steps with a checkpoint (for time-limited jobs)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = f"outputs/{self.model}"
+
+    def validate(self) -> None:
+        """Raise a clear ``ValueError`` for shared values no run can use."""
+        check_values(
+            self,
+            positive=("sp", "steps", "global_batch", "log_every"),
+            non_negative=("save_every", "keep_checkpoints", "num_workers", "warmup"),
+        )
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
