@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from .configflags import check_values, flag
 from .strategies import STRATEGIES
 
+# tensor parallelism shards the weights: the training scripts' DDP, gradient clipping and
+# checkpoints would need megatron_grad_sync and gathered shards (see core/methods/megatron.py)
+NOT_WIRED = ("megatron_sp",)
+
 
 @dataclass
 class RunConfig:
@@ -63,3 +67,10 @@ class RunConfig:
         )
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
+        if self.sp_strategy in NOT_WIRED:
+            raise ValueError(
+                f"--sp-strategy {self.sp_strategy} shards the model's weights; the training "
+                f"scripts do not drive it yet (use parallelize_megatron and megatron_grad_sync "
+                f"from dspzoo.core.methods.megatron directly); choose one of "
+                f"{[s for s in STRATEGIES if s not in NOT_WIRED]}"
+            )

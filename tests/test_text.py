@@ -16,12 +16,13 @@ import dspzoo.domains.text  # noqa: F401  (registers bytelm)
 from dspzoo.core import SeqParallel, build_mesh
 from dspzoo.core.mesh import SPMesh
 from dspzoo.core.plan import plan_stages
+from dspzoo.core.runconfig import NOT_WIRED
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.testing import run_distributed
 from dspzoo.core.validate import InputValidationError
 from dspzoo.domains.text.data import ByteWindows, stdlib_corpus
 from dspzoo.domains.text.model import apply_rotary, rotary_table
-from dspzoo.domains.text.training import NOT_WIRED, TextTrainConfig, train
+from dspzoo.domains.text.training import TextTrainConfig, train
 from dspzoo.zoo import count_parameters, create_model, from_pretrained, load_extra
 
 REPO = Path(__file__).resolve().parents[1]
@@ -418,7 +419,7 @@ def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) ->
     if "megatron_sp" in STRATEGIES:
         with pytest.raises(SystemExit):
             parse_args(["--sp-strategy", "megatron_sp"])
-        assert "parallelize_megatron" in capsys.readouterr().err
+        assert "megatron_grad_sync" in capsys.readouterr().err
 
 
 def test_five_training_steps_at_sp2_repeat_sp1_under_every_strategy(

@@ -79,6 +79,12 @@ def run_method(
             scale=scale,
             ulysses_lengths=split,
         )
+    if method == "megatron_sp":
+        raise RuntimeError(
+            "megatron_sp: this attention mixes the sharded dim, but the model did not gather "
+            "the sequence first; tensor-parallel models declare TP_PLAN on their projection "
+            "modules and call sp.tp_enter / sp.tp_exit around them (see core/layers/attention.py)"
+        )
     raise ValueError(f"unknown attention method {method!r}")
 
 

@@ -44,7 +44,6 @@ from .model import lm_loss
 
 logger = logging.getLogger("dspzoo.text.train")
 LN2 = math.log(2.0)
-NOT_WIRED = ("megatron_sp",)  # tensor parallelism: the model would have to be parallelized
 
 
 @dataclass
@@ -89,12 +88,7 @@ class TextTrainConfig(RunConfig):
         """Raise a clear ``ValueError`` for values no run can use."""
         super().validate()
         check_values(self, positive=("seq_len", "eval_windows"), non_negative=("eval_every",))
-        if self.sp_strategy in NOT_WIRED:
-            raise ValueError(
-                f"--sp-strategy {self.sp_strategy} shards the model's weights and needs "
-                f"parallelize_megatron(model, group), which train_text.py does not apply yet; "
-                f"use one of {[s for s in STRATEGIES if s not in NOT_WIRED]}"
-            )
+
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
 
