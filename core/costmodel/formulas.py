@@ -1,0 +1,402 @@
+"""Exact per-rank communication, FLOPs and memory of one step, per strategy and SP size.
+
+**Bytes.** :func:`comm_bytes` walks a :class:`~.workload.Workload` layer by layer under the plan
+the runtime itself would make (``get_strategy(name).plan(...)``), starting sharded on the
+plan's entry dim, and adds every collective the runtime issues, with the tracer's conventions
+(:mod:`dspzoo.core.trace`: bytes *sent* by this rank to other ranks, payload only):
+
+* a DSP switch ``a → b`` of ``[B, …, C]`` on rank ``r``: ``a_r·(L_b − b_r)·rest·C`` elements
+  forward, ``b_r·(L_a − a_r)·rest·C`` backward (``a_r``, ``b_r`` its balanced shards);
+* Ulysses: one all-to-all of ``[q|k|v]`` (q and ``[k|v]`` for KV-aligned GQA) to heads and one
+  of the output back, and their reverses backward, with the per-rank sequence and head splits
+  (an attended sequence that is not balanced over the ranks, e.g. ``T·S`` flattened with ``S``
+  sharded, is padded to the longest rank's rows, as the implementation does);
+* Ring: ``p2p`` sends of the K and V blocks of steps ``0 … N−2`` forward; backward the same plus
+  the ``dK``/``dV`` accumulators of steps ``0 … N−1`` in the statistics dtype (fp32, fp64 for
+  fp64 inputs);
+* LSS: one all-gather of ``[k|v]`` forward (``N−1`` padded chunks), one reduce-scatter of the
+  same size backward;
+* USP (``U × R``): three Ulysses switches (q, k, v) and the output's inside ``U``, Ring across
+  ``R`` on the ring segments;
+* Megatron-SP: per linear pair an all-gather and a reduce-scatter of the stage's input, forward
+  and backward (``N−1`` padded chunks each);
+* ``validate``: the 4-byte input-validation all-reduce (``2·(N−1)·4 // N``), once per forward;
+* the exit all-gather of the output (``exit_width`` per token, padded chunk).
+
+The result is keyed ``(op, phase)`` like ``CommTracer.total_bytes(op, phase)``; the tests
+compare it with the tracer on every rank, exactly.
+
+**FLOPs** (:func:`step_flops`): matmul FLOPs of the forward (``2·m·n·k`` per matmul, attention
+``4·B·Lq·Lk·H·D``, halved when causal), a step being forward + backward = 3× forward (4× with
+activation checkpointing); per rank divided by ``N`` (the busiest rank's share for uneven
+shards). **Memory**: :func:`activation_bytes` (what autograd saves, see its docstring) and
+:func:`model_state_bytes` (parameters, gradients, Adam states with ZeRO-1/2/3 / FSDP sharding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..layout import shard_sizes
+from ..methods.ring import zigzag_lengths
+from ..methods.ulysses import kv_heads_aligned
+from ..plan import Plan
+from .workload import StageSpec, Workload
+
+OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
+PHASES = ("forward", "backward")
+
+
+def stats_itemsize(itemsize: int) -> int:
+    """Bytes of Ring's softmax statistics / dK-dV accumulators: fp64 stays, else fp32."""
+    return 8 if itemsize == 8 else 4
+
+
+class CommCount(defaultdict):
+    """``{(op, phase): [count, bytes]}`` with helpers; missing keys read as ``[0, 0]``."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: [0, 0])
+
+    def add(self, op: str, phase: str, nbytes: int, count: int = 1) -> None:
+        entry = self[(op, phase)]
+        entry[0] += count
+        entry[1] += int(nbytes)
+
+    def bytes(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(
+            b
+            for (o, p), (_, b) in self.items()
+            if (op is None or o == op) and (phase is None or p == phase)
+        )
+
+    def count(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(
+            c
+            for (o, p), (c, _) in self.items()
+            if (op is None or o == op) and (phase is None or p == phase)
+        )
+
+    def collectives(self, phase: str | None = None) -> dict[str, int]:
+        """``{op: count}`` (for the latency term)."""
+        out: dict[str, int] = defaultdict(int)
+        for (o, p), (c, _) in self.items():
+            if phase is None or p == phase:
+                out[o] += c
+        return dict(out)
+
+
+# -- plans -----------------------------------------------------------------------------------
+def make_plan(workload: Workload, strategy: str, sp_size: int, dim: str | None = None) -> Plan:
+    """The plan the runtime makes for ``workload`` under ``strategy`` at ``sp_size``."""
+    from ..strategies import get_strategy
+
+    return get_strategy(strategy, dim).plan(
+        workload.dims, workload.lengths, workload.period, sp_size
+    )
+
+
+def _sizes(length: int, n: int, layout: str) -> list[int]:
+    return zigzag_lengths(length, n) if layout == "zigzag" else shard_sizes(length, n)
+
+
+# -- per-method byte formulas (one attention, one rank) -------------------------------------
+def ulysses_bytes(
+    out: CommCount,
+    seq: list[int],
+    r: int,
+    bf: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    isz: int,
+) -> None:
+    """Ulysses on folded ``[bf, seq[r], H, d]`` q (``Hkv`` for k, v): see the module doc."""
+    n, total = len(seq), sum(seq)
+    if seq == shard_sizes(total, n):
+        src, length = seq, total
+    else:  # padded to the longest rank's rows
+        rows = max(seq)
+        src, length = [rows] * n, rows * n
+    dst_len = shard_sizes(length, n)
+    exchanges = []  # (head count of the tensor, width per head)
+    if kv_heads != heads and kv_heads_aligned(heads, kv_heads, n):
+        exchanges = [(heads, d), (kv_heads, 2 * d)]
+    else:
+        exchanges = [(heads, 3 * d)]
+    for h, width in exchanges:
+        hs = shard_sizes(h, n)
+        out.add("all_to_all", "forward", src[r] * (h - hs[r]) * bf * width * isz)
+        out.add("all_to_all", "backward", hs[r] * (length - src[r]) * bf * width * isz)
+    hq = shard_sizes(heads, n)
+    out.add("all_to_all", "forward", hq[r] * (length - dst_len[r]) * bf * d * isz)
+    out.add("all_to_all", "backward", dst_len[r] * (heads - hq[r]) * bf * d * isz)
+
+
+def ring_bytes(
+    out: CommCount, seq: list[int], r: int, bf: int, kv_heads: int, d: int, isz: int
+) -> None:
+    """Ring attention over ``seq`` (tokens per rank) on rank ``r``: see the module doc."""
+    n = len(seq)
+    if n == 1:
+        block = seq[0] * bf * kv_heads * d
+        out.add("p2p", "backward", 2 * block * stats_itemsize(isz), count=2)
+        return
+    for s in range(n):
+        block = seq[(r - s) % n] * bf * kv_heads * d
+        if s < n - 1:
+            out.add("p2p", "forward", 2 * block * isz, count=2)
+            out.add("p2p", "backward", 2 * block * isz, count=2)
+        out.add("p2p", "backward", 2 * block * stats_itemsize(isz), count=2)
+
+
+def lss_bytes(out: CommCount, seq: list[int], bf: int, kv_heads: int, d: int, isz: int) -> None:
+    """LSS: one all-gather of ``[k|v]`` forward, one reduce-scatter backward (padded chunks)."""
+    n = len(seq)
+    chunk = max(seq) * bf * kv_heads * 2 * d * isz
+    out.add("all_gather", "forward", (n - 1) * chunk)
+    out.add("reduce_scatter", "backward", (n - 1) * chunk)
+
+
+def usp_bytes(
+    out: CommCount,
+    seq: list[int],
+    r: int,
+    ulysses: int,
+    bf: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    isz: int,
+) -> None:
+    """USP: Ulysses (q, k, v and the output, unfused) inside ``ulysses`` ranks, Ring across."""
+    u = ulysses
+    segments = [sum(seq[j : j + u]) for j in range(0, len(seq), u)]
+    slot, ur = divmod(r, u)
+    split = seq[slot * u : (slot + 1) * u]
+    seg = segments[slot]
+    kv_eff = kv_heads
+    if u > 1:
+        if heads % u or kv_heads % u:
+            kv_eff = heads
+        for h in (heads, kv_eff, kv_eff):
+            hs = shard_sizes(h, u)
+            out.add("all_to_all", "forward", split[ur] * (h - hs[ur]) * bf * d * isz)
+            out.add("all_to_all", "backward", hs[ur] * (seg - split[ur]) * bf * d * isz)
+        hq = shard_sizes(heads, u)
+        out.add("all_to_all", "forward", hq[ur] * (seg - split[ur]) * bf * d * isz)
+        out.add("all_to_all", "backward", split[ur] * (heads - hq[ur]) * bf * d * isz)
+    kv_local = shard_sizes(kv_eff, u)[ur]
+    ring_bytes(out, segments, slot, bf, kv_local, d, isz)
+
+
+def megatron_pair_bytes(out: CommCount, sizes: list[int], rest_elems: int, isz: int) -> None:
+    """One Megatron linear pair: all-gather + reduce-scatter forward, their adjoints backward."""
+    n = len(sizes)
+    chunk = (n - 1) * max(sizes) * rest_elems * isz
+    for op in ("all_gather", "reduce_scatter"):
+        for phase in PHASES:
+            out.add(op, phase, chunk)
+
+
+# -- the walk --------------------------------------------------------------------------------
+def comm_bytes(
+    workload: Workload,
+    strategy: str | Plan,
+    sp_size: int,
+    rank: int = 0,
+    *,
+    ulysses_size: int = 1,
+    dim: str | None = None,
+    exit_gather: bool = True,
+    validate: bool = True,
+) -> CommCount:
+    """Bytes and collectives rank ``rank`` sends in one forward + backward (module doc).
+
+    ``strategy``: a strategy name (planned as the runtime plans it) or a :class:`Plan`.
+    ``ulysses_size``: USP's Ulysses degree (the mesh's; 1 = pure ring).
+    """
+    out = CommCount()
+    n = sp_size
+    if n == 1:
+        return out
+    plan = strategy if isinstance(strategy, Plan) else make_plan(workload, strategy, n, dim)
+    isz, b, c = workload.itemsize, workload.batch, workload.hidden
+    lengths = dict(zip(workload.dims, workload.lengths))
+    layout = plan.layout
+
+    def sizes(d: str) -> list[int]:
+        return _sizes(lengths[d], n, layout)
+
+    def rest(exclude: tuple[str, ...]) -> int:
+        return b * math.prod(v for k, v in lengths.items() if k not in exclude)
+
+    if validate:
+        out.add("validate", "forward", 2 * (n - 1) * 4 // n)
+    cur = plan.entry
+    for layer in workload.layers:
+        for spec in layer:
+            step = plan.step_for(spec.name)
+            if step.sharded != cur:
+                a, z = sizes(cur), sizes(step.sharded)
+                other = rest((cur, step.sharded)) * c
+                out.add("all_to_all", "forward", a[rank] * (sum(z) - z[rank]) * other * isz)
+                out.add("all_to_all", "backward", z[rank] * (sum(a) - a[rank]) * other * isz)
+                cur = step.sharded
+            method = step.method
+            if method == "megatron_sp":
+                for _ in range(spec.tp_pairs):
+                    megatron_pair_bytes(out, sizes(cur), rest((cur,)) * c, isz)
+                continue
+            if not spec.attention or cur not in spec.attention or method == "local":
+                continue
+            attention_bytes(out, workload, spec, method, cur, sizes(cur), rank, ulysses_size)
+    if exit_gather:
+        z = sizes(cur)
+        out.add(
+            "all_gather", "forward", (n - 1) * max(z) * rest((cur,)) * workload.exit_width * isz
+        )
+    return out
+
+
+def attention_bytes(
+    out: CommCount,
+    workload: Workload,
+    spec: StageSpec,
+    method: str,
+    sharded: str,
+    sharded_sizes: list[int],
+    rank: int,
+    ulysses_size: int = 1,
+) -> None:
+    """Bytes of one self-attention over ``spec.attention`` with ``sharded`` split."""
+    lengths = dict(zip(workload.dims, workload.lengths))
+    over = spec.attention
+    per_row = math.prod(lengths[d] for d in over if d != sharded)
+    seq = [s * per_row for s in sharded_sizes]
+    bf = workload.batch * math.prod(v for k, v in lengths.items() if k not in over)
+    h, hkv, d, isz = workload.heads, workload.kv_heads, workload.head_dim, workload.itemsize
+    if method == "ulysses":
+        ulysses_bytes(out, seq, rank, bf, h, hkv, d, isz)
+    elif method == "ring":
+        ring_bytes(out, seq, rank, bf, hkv, d, isz)
+    elif method == "lss":
+        lss_bytes(out, seq, bf, hkv, d, isz)
+    elif method == "usp":
+        usp_bytes(out, seq, rank, ulysses_size, bf, h, hkv, d, isz)
+    else:
+        raise ValueError(f"no byte formula for attention method {method!r}")
+
+
+def comm_bytes_all_ranks(
+    workload: Workload, strategy: str | Plan, sp_size: int, **kwargs
+) -> list[CommCount]:
+    """:func:`comm_bytes` of every rank."""
+    return [comm_bytes(workload, strategy, sp_size, r, **kwargs) for r in range(sp_size)]
+
+
+# -- Ulysses over the flattened sequence (DSP's reference code; a model, not traced) --------
+def ulysses_flat_bytes(workload: Workload, sp_size: int) -> int:
+    """Per-rank bytes of one step of Ulysses as DSP's reference OpenSora code runs it.
+
+    The flattened ``T·S`` sequence is sharded, and *both* the spatial and the temporal
+    attention of every axial layer are wrapped in Ulysses' all-to-alls: ``4`` activation-sized
+    all-to-alls per attention forward (q, k, v, out), 8 per layer, the same backward. Evenly
+    divisible shapes assumed (the reference code requires it).
+    """
+    n = sp_size
+    e = workload.batch * workload.tokens * workload.hidden / n * workload.itemsize
+    per_attention = 4 * e * (n - 1) / n
+    attentions = sum(1 for layer in workload.layers for spec in layer if spec.attention)
+    return int(2 * attentions * per_attention)  # forward + backward
+
+
+# -- FLOPs -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flops:
+    """Forward FLOPs of one step (whole model, all ranks), split by kind."""
+
+    linear: float
+    attention: float
+
+    @property
+    def forward(self) -> float:
+        return self.linear + self.attention
+
+    def step(self, recompute: bool = False) -> float:
+        """Forward + backward (backward = 2× forward; +1 forward with checkpointing)."""
+        return self.forward * (4 if recompute else 3)
+
+
+def forward_flops(workload: Workload) -> Flops:
+    """Matmul FLOPs of one forward over the whole batch (see the module doc)."""
+    wl = workload
+    b, c, tokens = wl.batch, wl.hidden, wl.tokens
+    lengths = dict(zip(wl.dims, wl.lengths))
+    bt = b * tokens
+    linear = 2.0 * bt * wl.in_width * c + 2.0 * bt * c * wl.exit_width
+    attention = 0.0
+    kv_width = 2 * wl.kv_heads * wl.head_dim
+    for layer in wl.layers:
+        for spec in layer:
+            if spec.attention:
+                linear += 2.0 * bt * c * (c + kv_width) + 2.0 * bt * c * c
+                length = math.prod(lengths[d] for d in spec.attention)
+                attn = 4.0 * bt * length * c
+                attention += attn / 2 if wl.causal else attn
+            if spec.cross and wl.context:
+                linear += 2.0 * bt * c * c * 2 + 2.0 * b * wl.context * c * 2 * c
+                attention += 4.0 * bt * wl.context * c
+            if spec.mlp:
+                linear += 2.0 * bt * c * wl.mlp_hidden * 2
+            if spec.adaln:
+                linear += 0.0  # per-sample modulation: negligible
+    return Flops(linear, attention)
+
+
+def imbalance(workload: Workload, plan: Plan) -> float:
+    """Busiest rank's share of the tokens over the mean share, over the plan's sharded dims."""
+    n = plan.sp_size
+    worst = 1.0
+    for step in plan.steps:
+        length = workload.length(step.sharded)
+        sizes = _sizes(length, n, plan.layout)
+        worst = max(worst, max(sizes) * n / length if length else 1.0)
+    return worst
+
+
+def flops_per_rank(workload: Workload, plan: Plan | None, recompute: bool = False) -> float:
+    """Step FLOPs of the busiest rank (all ranks do an equal share but for uneven shards)."""
+    total = forward_flops(workload).step(recompute)
+    if plan is None or plan.sp_size == 1:
+        return total
+    return total / plan.sp_size * imbalance(workload, plan)
+
+
+# -- memory ----------------------------------------------------------------------------------
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m and v (mixed precision)
+
+
+def model_state_bytes(
+    params: int,
+    *,
+    param_itemsize: int = 2,
+    grad_itemsize: int = 2,
+    optimizer_bytes: int = OPTIMIZER_BYTES_PER_PARAM,
+    shard: int = 1,
+    zero: int = 0,
+    tp: int = 1,
+) -> float:
+    """Parameters + gradients + optimizer state per GPU.
+
+    ``zero``: 0 (none), 1 (optimizer sharded), 2 (+ gradients), 3 (+ parameters; = FSDP full
+    shard), each over ``shard`` ranks (usually the data-parallel world). ``tp``: tensor-parallel
+    degree (Megatron-SP shards the block weights over the SP group).
+    """
+    p = params / tp
+    opt = p * optimizer_bytes / (shard if zero >= 1 else 1)
+    grads = p * grad_itemsize / (shard if zero >= 2 else 1)
+    weights = p * param_itemsize / (shard if zero >= 3 else 1)
+    return weights + grads + opt
