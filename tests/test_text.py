@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 import dspzoo.domains.text  # noqa: F401  (registers bytelm)
 from dspzoo.core import SeqParallel, build_mesh
+from dspzoo.core.loss import sp_report
 from dspzoo.core.mesh import SPMesh
+from dspzoo.core.methods.megatron import gather_full, megatron_grad_sync, parallelize_megatron
 from dspzoo.core.plan import plan_stages
 from dspzoo.core.runconfig import NOT_WIRED
 from dspzoo.core.strategies import STRATEGIES
@@ -139,10 +141,9 @@ def test_grouped_query_attention_equals_mha_with_shared_kv_heads() -> None:
     mha = _model()
     state = dict(gqa.state_dict())
     for i, block in enumerate(gqa.blocks):  # repeat each K/V head for the 2 query heads it serves
-        w = block.attn.qkv.weight
-        q, k, v = w.split([64, 32, 32])
+        k, v = block.attn.kv.linear.weight.split([32, 32])
         rep = [t.unflatten(0, (2, 16)).repeat_interleave(2, 0).flatten(0, 1) for t in (k, v)]
-        state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, *rep])
+        state[f"blocks.{i}.attn.kv.linear.weight"] = torch.cat(rep)
     mha.load_state_dict(state)
     data = _tokens()[:, :-1]
     torch.testing.assert_close(mha(data, _sp()), gqa(data, _sp()), rtol=1e-5, atol=1e-5)
@@ -239,6 +240,49 @@ def _compare_with_one_process(rank: int, world: int) -> list[tuple[str, int, int
     return checked
 
 
+def _megatron_case(mesh: SPMesh, length: int, **model_kw) -> None:
+    """megatron_sp on ByteLM: the loss and every gradient (shards gathered after
+    ``megatron_grad_sync``) equal one process's."""
+    data = _tokens(length=length)
+    tokens, targets = data[:, :-1], data[:, 1:]
+    reference = _model(**model_kw)
+    reference.loss(tokens, targets, SeqParallel(strategy=STRATEGY)).backward()
+    model = parallelize_megatron(_model(**model_kw), mesh.sp_group)
+    sp = SeqParallel(mesh, strategy="megatron_sp")
+    loss = model.loss(tokens, targets, sp)
+    loss.backward()
+    megatron_grad_sync(model, mesh)
+    what = f"megatron_sp at SP {mesh.sp_size}, L={length}, {model_kw}"
+    ref_loss = reference.loss(tokens, targets, SeqParallel(strategy=STRATEGY))
+    assert sp_report(loss, sp.group) == pytest.approx(float(ref_loss), rel=1e-5), what
+    grads = gather_full(model, sp.group, grads=True)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"{what} {name}")
+
+
+def _megatron_checks(rank: int, world: int) -> list[str]:
+    """GQA (4 query, 2 K/V heads) at SP 2, uneven MHA heads (2, 1, 1) at SP 3; clear errors at
+    SP 3 for 2 K/V heads (fewer than the ranks) and for 8 / 4 heads (groups split)."""
+    mesh3 = build_mesh(world)
+    group2 = dist.new_group([0, 1])
+    mesh2 = SPMesh(world, rank, dp_size=1, sp_size=2, dp_rank=0, sp_rank=rank, sp_group=group2)
+    errors = []
+    for length in (12, 11):
+        if rank < 2:
+            _megatron_case(mesh2, length, kv_heads=2)
+        _megatron_case(mesh3, length)
+    try:
+        parallelize_megatron(_model(kv_heads=2), mesh3.sp_group)
+    except ValueError as exc:
+        errors.append(str(exc))
+    model = parallelize_megatron(_model(heads=8, kv_heads=4), mesh3.sp_group)
+    try:
+        model(_tokens()[:, :-1], SeqParallel(mesh3, strategy="megatron_sp"))
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
 def _sp_worker(rank: int, world: int) -> dict:
     sp = SeqParallel(build_mesh(world), strategy=STRATEGY)
     tokens = _tokens()[:, :-1]
@@ -249,8 +293,10 @@ def _sp_worker(rank: int, world: int) -> dict:
         validation = "accepted"
     except InputValidationError as exc:
         validation = str(exc)
+    megatron = _megatron_checks(rank, world)
     try:
-        return {"validation": validation, "checked": _compare_with_one_process(rank, world)}
+        checked = _compare_with_one_process(rank, world)
+        return {"validation": validation, "checked": checked, "megatron": megatron}
     except AssertionError:
         raise  # a wrong answer is a failure, whatever the state of the core
     except Exception as exc:  # the core cannot run this layout yet
@@ -258,7 +304,8 @@ def _sp_worker(rank: int, world: int) -> dict:
 
 
 def test_sp2_and_sp3_equal_one_process() -> None:
-    """Under dsp, lss, ring (contiguous and zigzag) and ulysses. Also: a bad byte on one rank raises the same validation error on every rank."""
+    """Under dsp, lss, ring (contiguous and zigzag) and ulysses, and megatron_sp (tensor
+    parallel, GQA). Also: a bad byte on one rank raises the same validation error on every rank."""
     results = run_distributed(_sp_worker, 3, timeout=200)
     for rank, r in enumerate(results):
         assert "ByteLM inputs rejected on SP rank(s) [1] of 3" in r["validation"], r
@@ -268,6 +315,10 @@ def test_sp2_and_sp3_equal_one_process() -> None:
             "the core cannot yet run a stage that mixes the only sequence dim at SP > 1 "
             f"(hybrid plans with ulysses / ring / lss attention): {results[0].get('unsupported')}"
         )
+    for r in results:
+        fewer, split = r["megatron"]
+        assert "attn.kv.linear has 2 heads, fewer than the 3 ranks" in fewer, fewer
+        assert "3 must divide kv_heads=4" in split, split
     everything = [(s, n, length) for length in (12, 11) for s in SP_STRATEGIES for n in (3, 2)]
     assert results[0]["checked"] == results[1]["checked"] == everything
     assert results[2]["checked"] == [case for case in everything if case[1] == 3]

@@ -11,7 +11,10 @@ strategy decides what attention over the sharded ``l`` communicates (Ulysses all
 K/V passes, LSS's K/V gather, ...), and the loss is taken on every rank's own token shard
 (:func:`lm_loss`). Positions are *global*: rotary tables (or learned position rows) are built
 for the whole sequence and sliced to this rank's shard with ``sp.shard_like``, whatever
-sharding the strategy uses.
+sharding the strategy uses. Under tensor parallelism (``megatron_sp``) the attention and MLP
+declare their linears in ``TP_PLAN`` and run on the gathered sequence between
+``sp.tp_enter``/``sp.tp_exit``; there the rotary table covers the whole sequence (the spec
+``tp_enter`` returns is replicated, so ``shard_like`` leaves the table whole).
 
 Generation (:meth:`ByteLM.generate`) runs in one process with a KV cache.
 """
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region, sp_mean
+from dspzoo.core import SeqParallel, SeqSpec, SeqTensor, Stage, comm_region, sp_mean
 from dspzoo.core.layers.attention import attend
 from dspzoo.core.validate import validate_collectively
 
@@ -115,44 +118,93 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 # -- the transformer -------------------------------------------------------------------------
 
 
+class KeyValue(nn.Module):
+    """The stacked key and value projections of :class:`CausalSelfAttention`: ``[..., C]`` →
+    ``k, v [..., H_kv, D]``.
+
+    A module of its own because it has its own head count ``heads`` (``H_kv``): tensor
+    parallelism (``TP_PLAN``, ``megatron_sp``) shards it by K/V heads, the query projection by
+    query heads. The local head count is read from the weight.
+    """
+
+    TP_PLAN = {"linear": ("column", 2)}
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.linear = nn.Linear(hidden, 2 * heads * head_dim, bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.linear(x).unflatten(-1, (2, -1, self.head_dim)).unbind(-3)
+        return k, v
+
+
 class CausalSelfAttention(nn.Module):
-    """Pre-norm causal self-attention over ``l`` with optional grouped-query K/V heads."""
+    """Pre-norm causal self-attention over ``l`` with optional grouped-query K/V heads.
+
+    Tensor parallelism (``TP_PLAN``, ``megatron_sp``): ``q`` is column-parallel by query heads,
+    ``kv`` (:class:`KeyValue`) by its own K/V heads and ``proj`` row-parallel, between the
+    ``sp.tp_enter``/``sp.tp_exit`` hooks (which do nothing under other strategies); local head
+    counts are read from the weights. Rank ``r`` of ``N`` holds query heads
+    ``shard_sizes(H, N)[r]`` and K/V heads ``shard_sizes(H_kv, N)[r]``, so
+
+    * ``N ≤ H_kv`` (every rank needs a K/V head; ``parallelize_megatron`` says so), and
+    * with grouped-query attention (``H_kv < H``) every rank must hold whole groups — the
+      query heads that read its K/V heads — which holds exactly when ``N`` divides ``H_kv``
+      (plain multi-head attention: any ``N ≤ H``). Otherwise the forward raises on every rank.
+    """
+
+    TP_PLAN = {"q": "column", "proj": "row"}
 
     def __init__(self, cfg: ByteLMConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.num_kv_heads, cfg.head_dim
         self.norm = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
-        self.qkv = nn.Linear(cfg.hidden, (cfg.heads + 2 * self.kv_heads) * cfg.head_dim, cfg.bias)
+        self.q = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, cfg.bias)
+        self.kv = KeyValue(cfg.hidden, self.kv_heads, cfg.head_dim, cfg.bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, cfg.bias)
 
     def project(
-        self, x: torch.Tensor, rope: torch.Tensor | None
+        self, h: torch.Tensor, rope: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[B, L, C]`` → ``q [B, L, H, D]`` and ``k, v [B, L, H_kv, D]``, rotated if ``rope``."""
-        kv_width = self.kv_heads * self.head_dim
-        q, k, v = self.qkv(self.norm(x)).split([self.heads * self.head_dim, kv_width, kv_width], -1)
-        q = q.unflatten(-1, (self.heads, self.head_dim))
-        k = k.unflatten(-1, (self.kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
+        """Normalised ``h`` ``[B, L, C]`` → ``q [B, L, H, D]`` and ``k, v [B, L, H_kv, D]``
+        (local heads when sharded), rotated if ``rope``."""
+        q = self.q(h).unflatten(-1, (-1, self.head_dim))
+        k, v = self.kv(h)
         if rope is not None:
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         return q, k, v
 
+    def check_head_groups(self, local_heads: int, ranks: int) -> None:
+        """Raise (on every rank alike) if sharded heads split a grouped-query group."""
+        sharded = local_heads < self.heads
+        if sharded and self.kv_heads < self.heads and self.kv_heads % ranks:
+            raise ValueError(
+                f"tensor parallelism over {ranks} ranks shards the {self.heads} query heads and "
+                f"the {self.kv_heads} key/value heads separately; with grouped-query attention "
+                f"each rank must hold whole groups (the query heads reading its K/V heads), so "
+                f"{ranks} must divide kv_heads={self.kv_heads}: use kv_heads a multiple of "
+                f"{ranks}, or a sequence-parallel strategy"
+            )
+
     def forward(self, act: SeqTensor, rope: torch.Tensor | None, sp: SeqParallel) -> SeqTensor:
         """``act``: the sharded residual stream; ``rope``: the *full* ``[L, D]`` table or None."""
         x = act.tensor
+        # tensor parallelism gathers the sequence here (inner: replicated); else a no-op
+        h, inner = sp.tp_enter(self.norm(x), act.spec)
         if rope is not None:  # this rank's rows of the global table, in the current layout
-            rope = sp.shard_like(rope, act, axes={"l": 0})
-        q, k, v = self.project(x, rope)
+            rope = sp.shard_like(rope, inner, axes={"l": 0})
+        q, k, v = self.project(h, rope)
+        self.check_head_groups(q.shape[-2], sp.size)
         # K/V keep their H_kv heads: the strategy moves (and LSS gathers) H/H_kv times less
-        out = sp.attention(q, k, v, act.spec, over="l", causal=True)
-        return act.with_tensor(x + self.proj(out.flatten(-2)))
+        out = sp.attention(q, k, v, inner, over="l", causal=True)
+        return act.with_tensor(x + sp.tp_exit(self.proj, out.flatten(-2), act.spec))
 
     def decode(
         self, x: torch.Tensor, rope: torch.Tensor | None, cache: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """One process, new tokens ``x`` ``[B, T, C]`` after those in ``cache`` (updated)."""
-        q, k, v = self.project(x, rope)
+        q, k, v = self.project(self.norm(x), rope)
         if cache:
             if q.shape[1] != 1:
                 raise ValueError("decode: after the prompt, feed one token at a time")
@@ -163,7 +215,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Pre-norm token-wise MLP (mixes no sequence dim)."""
+    """Pre-norm token-wise MLP (mixes no sequence dim).
+
+    Tensor parallelism (``TP_PLAN``): ``up`` column-parallel, ``down`` row-parallel (hidden
+    units sharded), between the ``sp.tp_enter``/``sp.tp_exit`` hooks when ``sp`` is given.
+    """
+
+    TP_PLAN = {"up": "column", "down": "row"}
 
     def __init__(self, cfg: ByteLMConfig) -> None:
         super().__init__()
@@ -172,8 +230,14 @@ class MLP(nn.Module):
         self.up = nn.Linear(cfg.hidden, width, cfg.bias)
         self.down = nn.Linear(width, cfg.hidden, cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+    def forward(
+        self, x: torch.Tensor, spec: SeqSpec | None = None, sp: SeqParallel | None = None
+    ) -> torch.Tensor:
+        """``x`` ``[B, L, C]`` (laid out as ``spec`` under ``sp``; neither: one process)."""
+        if sp is None:
+            return x + self.down(F.gelu(self.up(self.norm(x))))
+        h, _ = sp.tp_enter(self.norm(x), spec)
+        return x + sp.tp_exit(self.down, F.gelu(self.up(h)), spec)
 
 
 class Block(nn.Module):
@@ -185,7 +249,7 @@ class Block(nn.Module):
     def forward(self, act: SeqTensor, rope: torch.Tensor | None, sp: SeqParallel) -> SeqTensor:
         act = self.attn(sp.to_stage(act, "attn"), rope, sp)
         act = sp.to_stage(act, "mlp")
-        return act.with_tensor(self.mlp(act.tensor))
+        return act.with_tensor(self.mlp(act.tensor, act.spec, sp))
 
     def decode(
         self, x: torch.Tensor, rope: torch.Tensor | None, cache: dict[str, torch.Tensor]
