@@ -400,3 +400,109 @@ def model_state_bytes(
     grads = p * grad_itemsize / (shard if zero >= 2 else 1)
     weights = p * param_itemsize / (shard if zero >= 3 else 1)
     return weights + grads + opt
+
+
+def _stage_elements(
+    wl: Workload, spec: StageSpec, method: str, n: int, rank: int
+) -> tuple[float, float]:
+    """Saved elements of one stage: ``(per local token, per full-sequence token)``.
+
+    The second term is non-zero only under Megatron-SP, whose column linears see the whole
+    sequence (see :func:`activation_bytes`).
+    """
+    c, h, hkv, d = wl.hidden, wl.heads, wl.kv_heads, wl.head_dim
+    ckv = hkv * d
+    tp = method == "megatron_sp" and spec.tp_pairs
+    local = full = 0.0
+    if spec.attention:
+        if wl.family == "bytelm":
+            # x, LN out (qkv input), rotated q and k, v's storage, out (proj input), lse
+            local += 2 * c + 2 + (c + ckv) + 2 * ckv + c + h
+        elif tp:
+            hr = shard_sizes(h, n)[rank]
+            local += 3 * c + 2  # x, LN out, gated projection output
+            full += c + 5 * d * hr + hr  # gathered input, q k v, out, proj input, lse
+        else:
+            # x, LN out, modulated input, q k v, out, proj input (a copy when the attended
+            # dims are folded out of place), proj output (gated), lse
+            local += 9 * c + 2 + h
+        if method == "lss":  # the gathered K and V of the other ranks
+            local += 2 * ckv * (n - 1)
+    if spec.cross and wl.context:
+        local += 3 * c + h  # q input, q, out
+    if spec.mlp:
+        if wl.family == "bytelm":
+            local += 2 * c + 2 + 2 * wl.mlp_hidden  # x, LN out, up out, gelu out
+        elif tp:
+            local += 3 * c + 2  # x, LN out, gated output
+            full += c + 2 * shard_sizes(wl.mlp_hidden, n)[rank]  # gathered input, hidden
+        else:
+            local += 4 * c + 2 + 2 * wl.mlp_hidden
+    return local, full
+
+
+def activation_bytes(
+    workload: Workload, strategy: str | Plan = "dsp", sp_size: int = 1, rank: int = 0
+) -> float:
+    """Bytes autograd saves for backward on rank ``rank`` in one forward (parameters excluded).
+
+    Counted per *local* token of each stage (the rank's shard of the activation), per layer,
+    as this repository's modules save them: the residual input, LayerNorm statistics (two
+    fp32 values per token) and output, the modulated input of the adaLN models, q/k/v, the
+    attention output and its log-sum-exp (one per head), the projection's input and (gated
+    models) output; the MLP's input, hidden pre- and post-activation and output; a cross-
+    attention's query input, query and output. Per method: LSS adds the gathered K and V of
+    the other ranks; Megatron-SP saves the gathered full-sequence input of each column linear
+    (``N·C`` per local token) in place of the local one. Ulysses, Ring, DSP save the same
+    amount as one process on their shard. Plus the model's ends: patch / byte input, the final
+    LayerNorm and output linear input; conditioning tokens and their K/V per cross-attention.
+    Not counted: per-sample modulation vectors, activation checkpointing (ByteLM's
+    ``checkpoint=True`` keeps only each block's input), temporary buffers of collectives.
+    """
+    n = sp_size
+    if n == 1:
+        plan = None
+        local = workload.tokens
+    else:
+        plan = strategy if isinstance(strategy, Plan) else make_plan(workload, strategy, n)
+        local = None
+    c = workload.hidden
+    elements = 0.0
+    for layer in workload.layers:
+        for spec in layer:
+            method = "local"
+            if plan is not None:
+                step = plan.step_for(spec.name)
+                method = step.method
+                sizes = _sizes(workload.length(step.sharded), n, plan.layout)
+                local = workload.tokens // workload.length(step.sharded) * sizes[rank]
+            if workload.extra.get("checkpoint"):
+                continue
+            per_local, per_full = _stage_elements(workload, spec, method, n, rank)
+            elements += workload.batch * (local * per_local + workload.tokens * per_full)
+            if spec.cross and workload.context:
+                elements += workload.batch * workload.context * 2 * c  # its K and V
+    if plan is not None:
+        last = plan.step_for(workload.layers[-1][-1].name).sharded
+        sizes = _sizes(workload.length(last), n, plan.layout)
+        local = workload.tokens // workload.length(last) * sizes[rank]
+        first = _sizes(workload.length(plan.entry), n, plan.layout)[rank]
+        first_local = workload.tokens // workload.length(plan.entry) * first
+    else:
+        first_local = local
+    ends = 2 * c + 2  # final LayerNorm input + statistics, output linear input
+    if workload.family != "bytelm":
+        ends += c  # the modulated input of the final linear
+    elements += workload.batch * local * ends
+    if workload.extra.get("checkpoint"):
+        elements += workload.batch * first_local * c * workload.depth  # block inputs
+    start = workload.in_width
+    itemsize = workload.itemsize
+    total = elements * itemsize
+    if workload.family == "bytelm":
+        total += workload.batch * first_local * 8  # int64 byte ids (the embedding's input)
+    else:
+        total += workload.batch * first_local * start * itemsize  # patches (x_embed input)
+        if workload.context:
+            total += workload.batch * workload.context * (workload.cond_dim + 2 * c) * itemsize
+    return total
