@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from .configflags import check_values, flag
 from .strategies import STRATEGIES
 
-# tensor parallelism shards the weights: the training scripts' DDP, gradient clipping and
-# checkpoints would need megatron_grad_sync and gathered shards (see core/methods/megatron.py)
-NOT_WIRED = ("megatron_sp",)
+# strategies the training scripts cannot drive yet (every one can: megatron_sp, which shards
+# the weights, runs through core/tensor_parallel_training.py)
+NOT_WIRED: tuple[str, ...] = ()
 
 
 @dataclass
@@ -69,8 +69,6 @@ class RunConfig:
             raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
         if self.sp_strategy in NOT_WIRED:
             raise ValueError(
-                f"--sp-strategy {self.sp_strategy} shards the model's weights; the training "
-                f"scripts do not drive it yet (use parallelize_megatron and megatron_grad_sync "
-                f"from dspzoo.core.methods.megatron directly); choose one of "
-                f"{[s for s in STRATEGIES if s not in NOT_WIRED]}"
+                f"--sp-strategy {self.sp_strategy}: the training scripts do not drive it yet; "
+                f"choose one of {[s for s in STRATEGIES if s not in NOT_WIRED]}"
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,12 +82,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], Pa
 
 
 def test_resume_at_another_layout_continues_the_run(reference, tmp_path: Path) -> None:
-    """SP 2 under Ulysses on 2 processes for 3 steps, then resumed as SP 3 under ring attention
-    on 3 processes: the losses, the step-3 weights and the final (EMA) weights are those of the
+    """SP 2 under megatron_sp (tensor parallel: sharded weights, no DDP) on 2 processes for 3
+    steps, then resumed as SP 3 under ring attention on 3 processes: the losses, the step-3
+    weights (full tensors in the checkpoint) and the final (EMA) weights are those of the
     uninterrupted one-process run (strategy and layout change nothing but the communication)."""
     ref, ref_dir = reference
     out = tmp_path / "run"
-    first, _ = _launch(2, out, "--sp=2", "--stop-after=3", "--sp-strategy=ulysses")
+    first, _ = _launch(2, out, "--sp=2", "--stop-after=3", "--sp-strategy=megatron_sp")
     assert first == pytest.approx(ref[:3], rel=1e-4), (ref, first)
     _assert_same_weights(ref_dir / "checkpoints" / "step_3", out / "checkpoints" / "step_3")
     progress = json.loads((out / "checkpoints" / "step_3" / "progress.json").read_text())
@@ -94,6 +96,18 @@ def test_resume_at_another_layout_continues_the_run(reference, tmp_path: Path) -
     history, log = _launch(3, out, "--sp=3", "--resume=latest", "--sp-strategy=ring")
     assert "saved at dp 1 × sp 2 (2 processes) at dp 1 × sp 3 (3 processes)" in log
     assert history == pytest.approx(ref, rel=1e-4), (ref, history)  # whole history kept
+    _assert_same_weights(ref_dir / "final", out / "final")
+
+
+def test_megatron_sp_resumes_a_one_process_checkpoint(reference, tmp_path: Path) -> None:
+    """The other way round: the one-process run's step-3 checkpoint (full tensors, dsp)
+    resumed under megatron_sp at SP 2 (shards sliced from it; Adam moments and EMA too) ends
+    like the uninterrupted run, and its final model is the full (gathered) EMA model."""
+    ref, ref_dir = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_dir / "checkpoints" / "step_3", out / "checkpoints" / "step_3")
+    history, _ = _launch(2, out, "--sp=2", "--resume=latest", "--sp-strategy=megatron_sp")
+    assert history == pytest.approx(ref, rel=1e-4), (ref, history)
     _assert_same_weights(ref_dir / "final", out / "final")
 
 

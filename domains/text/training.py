@@ -4,7 +4,8 @@ Each SP group holds one share of the global batch of ``seq_len``-byte windows. `
 splits every window's bytes over the group; the strategy (``--sp-strategy``: ``lss``,
 ``ring``, ``ulysses``, ...) decides what causal attention over the sharded sequence
 communicates; each rank takes the cross-entropy of its own bytes (:func:`lm_loss`, the
-gradient contract), and DDP averages gradients over dp × sp.
+gradient contract), and DDP averages gradients over dp × sp (under ``megatron_sp``, which
+shards the weights: :class:`~dspzoo.core.tensor_parallel_training.TensorParallelTraining`).
 
 The only randomness of a run is the data order, a function of ``(seed, epoch)``
 (:class:`dspzoo.core.data.SPBatchSampler`), and the initial weights, a function of ``seed``:
@@ -37,6 +38,7 @@ from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.runconfig import RunConfig
 from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
 
 from .data import ByteWindows, resolve_data
@@ -105,6 +107,7 @@ class TrainingRun:
     raw_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    tp: TensorParallelTraining
     loader: Any
     val_data: ByteWindows
     output_dir: Path
@@ -172,11 +175,12 @@ def setup_run(cfg: TextTrainConfig) -> TrainingRun:
     path = resolve_data(cfg.data)
     train_data = ByteWindows(path, cfg.seq_len, "train", cfg.val_fraction)
     val_data = ByteWindows(path, cfg.seq_len, "val", cfg.val_fraction)
-    model = build_model(cfg)
+    tp = TensorParallelTraining(accelerator, mesh, sp)  # weight sharding (megatron_sp) or not
+    model = tp.shard(build_model(cfg))
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = tp.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     loader = sp_dataloader(
         train_data,
@@ -195,6 +199,7 @@ def setup_run(cfg: TextTrainConfig) -> TrainingRun:
         raw_model=accelerator.unwrap_model(model),
         optimizer=optimizer,
         scheduler=scheduler,
+        tp=tp,
         loader=loader,
         val_data=val_data,
         output_dir=output_dir,
@@ -228,8 +233,7 @@ def training_step(
             logits = run.model(batch["tokens"], sp=run.sp, gather_output=False)
         loss = lm_loss(logits, batch["targets"], run.sp)
     run.accelerator.backward(loss)
-    if run.cfg.grad_clip:
-        run.accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
+    run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -292,9 +296,11 @@ def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -
 def finish(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
     """Save the final model when the run is complete; write the loss histories."""
     run.accelerator.wait_for_everyone()
+    complete = step >= run.cfg.steps
+    final = run.tp.full_model(run.raw_model) if complete else None  # every rank: gathered
     if not run.mesh.is_main:
         return
-    if step >= run.cfg.steps:
+    if complete:
         from dspzoo.zoo import save_pretrained
 
         training = {
@@ -304,7 +310,7 @@ def finish(run: TrainingRun, step: int, history: list[float], evals: list) -> No
             "train_bpb": history[-1] if history else None,
             "val_bpb": evals[-1][1] if evals else None,
         }
-        save_pretrained(run.raw_model, run.output_dir / "final", extra={"training": training})
+        save_pretrained(final, run.output_dir / "final", extra={"training": training})
     (run.output_dir / "losses.json").write_text(
         json.dumps({"train_bpb": history, "val_bpb": evals})
     )

@@ -33,6 +33,7 @@ from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import SampleRandom
 from dspzoo.core.runconfig import RunConfig
+from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
 
 from .codec import PixelUnshuffleCodec
@@ -160,6 +161,7 @@ class TrainingRun:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     ema: EMA | None
+    tp: TensorParallelTraining
     loader: Any
     codec: PixelUnshuffleCodec
     flow: FlowConfig
@@ -194,16 +196,17 @@ def setup_run(cfg: VideoTrainConfig) -> TrainingRun:
         (output_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     codec = PixelUnshuffleCodec(cfg.codec_factor)
     dataset = build_dataset(cfg)
-    model = build_model(cfg, getattr(dataset, "num_classes", 1), codec)
+    tp = TensorParallelTraining(accelerator, mesh, sp)  # weight sharding (megatron_sp) or not
+    model = tp.shard(build_model(cfg, getattr(dataset, "num_classes", 1), codec))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = tp.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     raw_model = accelerator.unwrap_model(model)
-    ema = EMA(raw_model, cfg.ema) if cfg.ema else None
+    ema = EMA(raw_model, cfg.ema) if cfg.ema else None  # of this rank's shards when sharded
     if ema is not None:
-        accelerator.register_for_checkpointing(ema)
+        accelerator.register_for_checkpointing(tp.checkpointable(ema))
     loader = sp_dataloader(
         dataset,
         mesh,
@@ -222,6 +225,7 @@ def setup_run(cfg: VideoTrainConfig) -> TrainingRun:
         optimizer=optimizer,
         scheduler=scheduler,
         ema=ema,
+        tp=tp,
         loader=loader,
         codec=codec,
         flow=FlowConfig(logit_normal=cfg.timesteps == "logit-normal"),
@@ -232,8 +236,9 @@ def setup_run(cfg: VideoTrainConfig) -> TrainingRun:
 def restore(run: TrainingRun) -> tuple[int, list[float]]:
     """Load ``--resume``'s checkpoint; returns ``(step, loss history up to step)``.
 
-    The checkpoint may come from any dp × sp layout: the model, optimizer, schedule and EMA
-    are replicated state, and every random draw is keyed by (seed, step, sample). Accelerate
+    The checkpoint may come from any dp × sp layout and strategy: the model, optimizer,
+    schedule and EMA are saved as full tensors (sliced on load when the strategy shards
+    weights), and every random draw is keyed by (seed, step, sample). Accelerate
     also restores per-process RNG states (missing ones when the world grew); the global RNGs
     are re-seeded afterwards so they are identical inside every SP group again.
     """
@@ -287,8 +292,7 @@ def training_step(
         )
         loss = sp_mse(pred.float(), target.float(), run.sp.group)
     run.accelerator.backward(loss)
-    if run.cfg.grad_clip:
-        run.accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
+    run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -318,15 +322,18 @@ def checkpoint(run: TrainingRun, step: int, history: list[float]) -> None:
 def finish(run: TrainingRun, step: int, history: list[float], start_step: int) -> None:
     """Save the final model (EMA weights) when the run is complete; write the loss history."""
     run.accelerator.wait_for_everyone()
-    if not run.mesh.is_main:
-        return
-    if step >= run.cfg.steps:
-        from dspzoo.zoo import save_pretrained
-
+    complete = step >= run.cfg.steps
+    if complete:
         if run.ema is not None:  # the final model carries the averaged weights
             run.ema.copy_to(run.raw_model)
+        final = run.tp.full_model(run.raw_model)  # every rank: shards are gathered
+    if not run.mesh.is_main:
+        return
+    if complete:
+        from dspzoo.zoo import save_pretrained
+
         save_pretrained(
-            run.raw_model, run.output_dir / "final", extra={"sampling": sampling_settings(run.cfg)}
+            final, run.output_dir / "final", extra={"sampling": sampling_settings(run.cfg)}
         )
     (run.output_dir / "losses.json").write_text(json.dumps(history))
     plot_losses(
