@@ -43,8 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="list models with their parameter counts")
     info = sub.add_parser("info", help="show a model's config and parameter count")
     info.add_argument("name", help="model name, e.g. stdit-720M (case-insensitive)")
+    from .plan_cli import build_parser as plan_parser  # cost model: dspzoo plan --help
+
+    plan_parser(sub.add_parser("plan", help="predict FLOPs, bytes, memory, step time"))
     args = parser.parse_args(argv)
     load_domains()
+    if args.command == "plan":
+        from .plan_cli import run
+
+        return run(args)
     if args.command == "list":
         for name in list_models():
             print(f"{name:<24} {_meta_count(name):>8}")

@@ -256,7 +256,7 @@ def workload_for(
     """
     import dspzoo.domains.text  # noqa: F401  (register the families)
     import dspzoo.domains.video  # noqa: F401
-    from dspzoo.zoo import get_config, override_config, resolve_name
+    from dspzoo.zoo.registry import get_config, override_config, resolve_name
 
     name = resolve_name(name)
     config = override_config(get_config(name), **(overrides or {}))

@@ -35,6 +35,10 @@ STRATEGIES: dict[str, str] = {
 
 def get_strategy(name: str, dim: str | None = None) -> Strategy:
     """Instantiate the strategy called ``name``; ``dim`` fixes an embedded strategy's dim."""
+    if name == "auto":  # the cost model's cheapest plan (dspzoo.core.costmodel.auto_plan)
+        from ..costmodel.auto import Auto
+
+        return Auto(dim)
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; available: {sorted(STRATEGIES)}")
     if name == "dsp":

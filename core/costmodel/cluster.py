@@ -1,0 +1,197 @@
+"""Clusters the cost model predicts for: compute rate, links, memory; presets and a probe.
+
+Bandwidths are *achievable per-GPU* figures (bytes a rank can send per second in a collective,
+one direction), not link peaks; latencies are per collective (``α``). Presets are from vendor
+sheets with the usual derating (sources in ``docs/cost_model.md``); ``this-cpu`` is measured
+on the spot (a matmul FLOP-rate probe and a 2-process gloo all-to-all probe) and cached in
+``~/.cache/dspzoo/this-cpu.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous cluster.
+
+    Attributes:
+        name: preset name.
+        peak_tflops: dense peak per device in the training dtype (bf16/fp16; fp32 for CPUs).
+        mfu: achievable fraction of the peak on these models' matmuls and attention.
+        intra_bw / inter_bw: achievable bytes/s per device inside a node / across nodes.
+        intra_lat / inter_lat: seconds per collective inside a node / across nodes.
+        gpus_per_node: devices per node (an SP group of consecutive ranks stays inside one
+            node while it fits).
+        memory_gib: memory per device.
+        overlap: fraction of communication hidden under compute (0: none).
+    """
+
+    name: str
+    peak_tflops: float
+    mfu: float
+    intra_bw: float
+    inter_bw: float
+    intra_lat: float
+    inter_lat: float
+    gpus_per_node: int
+    memory_gib: float
+    overlap: float = 0.0
+
+    @property
+    def flops(self) -> float:
+        """Achievable FLOP/s per device."""
+        return self.peak_tflops * 1e12 * self.mfu
+
+    def with_(self, **changes) -> Cluster:
+        return replace(self, **changes)
+
+    def link(self, group: int) -> tuple[float, float, float]:
+        """``(fraction of peers off-node, intra bw, inter bw)`` for an SP group of ``group``."""
+        g = self.gpus_per_node
+        if group <= g or group <= 1:
+            return 0.0, self.intra_bw, self.inter_bw
+        return (group - g) / (group - 1), self.intra_bw, self.inter_bw
+
+    def transfer_time(self, nbytes: float, group: int, collectives: int = 0) -> float:
+        """α-β time of ``nbytes`` sent per rank in ``collectives`` collectives over ``group``.
+
+        The bytes to off-node peers go over the inter-node link, the rest over the intra-node
+        link, concurrently (the slower side bounds the time); each collective costs the
+        latency of the slowest link it touches.
+        """
+        off, intra, inter = self.link(group)
+        beta = max(nbytes * (1 - off) / intra, nbytes * off / inter if off else 0.0)
+        alpha = collectives * (self.inter_lat if off else self.intra_lat)
+        return alpha + beta
+
+
+PRESETS: dict[str, Cluster] = {
+    # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 900 GB/s bidirectional (≈ 360 GB/s achieved
+    # all-to-all per GPU); 8 × 400 Gb/s InfiniBand NDR per node (50 GB/s per GPU, ≈ 40 achieved)
+    "h100-nvlink-ib": Cluster(
+        "h100-nvlink-ib", 989.0, 0.40, 360 * GB, 40 * GB, 10e-6, 20e-6, 8, 80
+    ),
+    # H800 SXM: the H100 die with NVLink cut to 400 GB/s bidirectional (≈ 160 GB/s achieved);
+    # typically 8 × 400 Gb/s (some sites 200 Gb/s) InfiniBand
+    "h800-nvlink-ib": Cluster(
+        "h800-nvlink-ib", 989.0, 0.40, 160 * GB, 40 * GB, 10e-6, 20e-6, 8, 80
+    ),
+    # A100 SXM 80 GB: 312 TFLOP/s bf16; NVLink 3 600 GB/s bidirectional (≈ 230 achieved);
+    # 8 × 200 Gb/s HDR per node (25 GB/s per GPU, ≈ 20 achieved)
+    "a100-nvlink-ib": Cluster(
+        "a100-nvlink-ib", 312.0, 0.45, 230 * GB, 20 * GB, 10e-6, 20e-6, 8, 80
+    ),
+    # Summit node: 6 × V100 16 GB (125 TFLOP/s fp16 tensor), NVLink 2 at 50 GB/s per direction
+    # between the 3 GPUs of a socket (less across the X-bus); dual-rail EDR InfiniBand,
+    # 25 GB/s per node = ≈ 4 GB/s per GPU
+    "v100-summit": Cluster("v100-summit", 125.0, 0.30, 40 * GB, 3.5 * GB, 15e-6, 30e-6, 6, 16),
+}
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(root) / "dspzoo" / "this-cpu.json"
+
+
+def _matmul_rate(size: int = 512, seconds: float = 0.5) -> float:
+    """FLOP/s of fp32 matmuls on this process's threads (one thread per SP rank, as the
+    benchmarks pin them)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2.0 * size**3 * count / (time.perf_counter() - start)
+
+
+def _probe_worker(rank: int, world: int, nbytes: int, reps: int) -> tuple[float, float]:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(nbytes // 4)
+    small = torch.zeros(world)
+    dist.all_to_all_single(torch.empty_like(x), x)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dist.all_to_all_single(torch.empty_like(small), small)
+    latency = (time.perf_counter() - start) / reps
+    start = time.perf_counter()
+    for _ in range(reps):
+        dist.all_to_all_single(torch.empty_like(x), x)
+    elapsed = (time.perf_counter() - start) / reps
+    sent = nbytes * (world - 1) / world
+    return sent / max(elapsed - latency, 1e-9), latency
+
+
+def measure_this_cpu(refresh: bool = False) -> Cluster:
+    """Probe this machine (cached): one-thread matmul FLOP/s, 2-process gloo all-to-all."""
+    path = _cache_path()
+    if not refresh and path.exists():
+        try:
+            return Cluster(**json.loads(path.read_text()))
+        except (TypeError, ValueError):
+            pass
+    import torch
+
+    from ..testing import run_distributed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rate = _matmul_rate()
+    finally:
+        torch.set_num_threads(threads)
+    results = run_distributed(_probe_worker, 2, 8 << 20, 10, timeout=120)
+    bw = min(r[0] for r in results)
+    lat = max(r[1] for r in results)
+    cluster = Cluster(
+        name="this-cpu",
+        peak_tflops=rate / 1e12,
+        mfu=1.0,  # the probe measures the achieved rate
+        intra_bw=bw,
+        inter_bw=bw,
+        intra_lat=lat,
+        inter_lat=lat,
+        gpus_per_node=os.cpu_count() or 1,
+        memory_gib=_memory_gib(),
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(cluster), indent=1))
+    except OSError:
+        pass
+    return cluster
+
+
+def _memory_gib() -> float:
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return pages * size / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def get_cluster(name: str | Cluster) -> Cluster:
+    """A preset by name (``"this-cpu"`` measures this machine, cached), or the cluster given."""
+    if isinstance(name, Cluster):
+        return name
+    if name == "this-cpu":
+        return measure_this_cpu()
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown cluster {name!r}; presets: {[*PRESETS, 'this-cpu']}") from None
+
+
+CLUSTERS = (*PRESETS, "this-cpu")

@@ -1,0 +1,318 @@
+"""Predicted step time, the recommendation (smallest SP size that fits, fastest strategy),
+a printable table, and the per-stage choice behind ``strategy="auto"``.
+
+Step time = compute + exposed communication::
+
+    compute = FLOPs of the busiest rank / (peak · MFU)
+    comm    = Σ over collectives (α per collective + bytes / bandwidth), intra- or inter-node
+    step    = compute + (1 − overlap) · comm
+
+Bytes are the exact per-rank formulas (:func:`~.formulas.comm_bytes`, the busiest rank), so
+the only modelled quantities are the cluster's rates. ``ulysses_flat`` is a prediction-only
+variant: Ulysses as DSP's reference OpenSora code runs it, all-to-alls around *both* attention
+stages of every axial layer (8 per layer); our ``ulysses`` shards one dim and communicates
+only in the attention over it (4 per axial layer; the DSP paper's Table 3 count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import Plan, Stage, plan_fixed, plan_stages
+from .cluster import Cluster, get_cluster
+from .formulas import (
+    CommCount,
+    activation_bytes,
+    comm_bytes,
+    flops_per_rank,
+    forward_flops,
+    make_plan,
+    model_state_bytes,
+    ulysses_flat_bytes,
+)
+from .workload import Workload
+
+DEFAULT_STRATEGIES = ("dsp", "ulysses", "ulysses_flat", "ring", "lss", "usp", "megatron_sp")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One (strategy, SP size) row of the table; bytes and memory per rank (the busiest)."""
+
+    strategy: str
+    sp: int
+    flops: float
+    bytes: float
+    collectives: int
+    activation: float
+    states: float
+    compute_s: float
+    comm_s: float
+    step_s: float
+    fits: bool
+    note: str = ""
+
+    @property
+    def memory(self) -> float:
+        return self.activation + self.states
+
+
+def _busiest(counts: list[CommCount], phases: tuple[str, ...]) -> tuple[float, int]:
+    best = max(counts, key=lambda c: sum(c.bytes(phase=p) for p in phases))
+    return (
+        sum(best.bytes(phase=p) for p in phases),
+        sum(sum(best.collectives(p).values()) for p in phases),
+    )
+
+
+def predict(
+    workload: Workload,
+    strategy: str,
+    sp_size: int,
+    cluster: str | Cluster = "h100-nvlink-ib",
+    *,
+    dp: int = 1,
+    zero: int = 1,
+    recompute: bool = False,
+    training: bool = True,
+    overlap: float | None = None,
+    ulysses_size: int | None = None,
+    exact_ranks: bool = True,
+) -> Prediction:
+    """Predict one step of ``workload`` under ``strategy`` at SP size ``sp_size``.
+
+    ``training=False``: forward only (inference; no optimizer state, activations not kept).
+    ``dp``/``zero``: data-parallel ranks and the ZeRO stage sharding the model states.
+    ``recompute``: activation checkpointing (one extra forward, block inputs kept).
+    ``ulysses_size``: USP's Ulysses degree (default: the most square grid, Ulysses larger).
+    ``exact_ranks``: evaluate the byte formulas on every rank (else rank 0 only: faster).
+    """
+    cl = get_cluster(cluster)
+    n = sp_size
+    phases = ("forward", "backward") if training else ("forward",)
+    note = ""
+    plan: Plan | None = None
+    if strategy == "ulysses_flat":
+        plan = make_plan(workload, "ulysses", n) if n > 1 else None
+        nbytes = ulysses_flat_bytes(workload, n) / (1 if training else 2)
+        attentions = sum(1 for layer in workload.layers for s in layer if s.attention)
+        collectives = 4 * attentions * len(phases) if n > 1 else 0
+    else:
+        if n > 1:
+            plan = make_plan(workload, strategy, n)
+        if strategy == "usp" and ulysses_size is None:
+            ulysses_size = _square_ulysses(n)
+        ranks = range(n) if exact_ranks else range(1)
+        counts = [
+            comm_bytes(workload, plan or strategy, n, r, ulysses_size=ulysses_size or 1)
+            for r in ranks
+        ]
+        nbytes, collectives = _busiest(counts, phases)
+        if strategy == "megatron_sp" and workload.heads < n:
+            note = f"heads {workload.heads} < SP {n}: not runnable"
+    flops = flops_per_rank(workload, plan, recompute)
+    if not training:
+        flops = forward_flops(workload).forward / n
+    # ring's causal work is unbalanced on a contiguous layout: the last rank does ~2× average
+    if strategy in ("ring", "usp") and workload.causal and n > 1:
+        flops *= 1 + forward_flops(workload).attention / forward_flops(workload).forward * (
+            (2 * n - 1) / n - 1
+        )
+    compute = flops / cl.flops
+    comm = cl.transfer_time(nbytes, n, collectives)
+    hidden = cl.overlap if overlap is None else overlap
+    step = compute + (1 - hidden) * comm
+    act_strategy = "ulysses" if strategy == "ulysses_flat" else strategy
+    act = activation_bytes(_recompute(workload, recompute), act_strategy, n) if training else 0.0
+    if not training:
+        states = workload.params * workload.itemsize / (n if strategy == "megatron_sp" else 1)
+    else:
+        states = model_state_bytes(
+            workload.params,
+            param_itemsize=workload.itemsize,
+            grad_itemsize=workload.itemsize,
+            shard=dp * n,
+            zero=zero,
+            tp=n if strategy == "megatron_sp" else 1,
+        )
+    fits = act + states <= cl.memory_gib * GIB * 0.9
+    return Prediction(
+        strategy, n, flops, nbytes, collectives, act, states, compute, comm, step, fits, note
+    )
+
+
+def _recompute(workload: Workload, recompute: bool) -> Workload:
+    if not recompute:
+        return workload
+    return workload.with_(extra={**workload.extra, "checkpoint": True})
+
+
+def _square_ulysses(n: int) -> int:
+    """The most square ``U × R = n`` grid with Ulysses the larger factor."""
+    best = n
+    for u in range(1, n + 1):
+        if n % u == 0 and u >= n // u:
+            best = min(best, u)
+    return best
+
+
+def predict_table(
+    workload: Workload,
+    strategies: tuple[str, ...] | list[str] = DEFAULT_STRATEGIES,
+    sp_sizes: tuple[int, ...] | list[int] = (1, 2, 4, 8),
+    cluster: str | Cluster = "h100-nvlink-ib",
+    **kwargs,
+) -> list[Prediction]:
+    """:func:`predict` for every strategy and SP size (SP 1: one row, strategy ``"none"``)."""
+    rows = []
+    for n in sp_sizes:
+        if n == 1:
+            p = predict(workload, "dsp", 1, cluster, **kwargs)
+            rows.append(Prediction(**{**p.__dict__, "strategy": "none"}))
+            continue
+        for s in strategies:
+            if workload.dims == ("l",) and s == "ulysses_flat":
+                continue
+            rows.append(predict(workload, s, n, cluster, **kwargs))
+    return rows
+
+
+def recommend(rows: list[Prediction]) -> Prediction | None:
+    """The paper's rule: the smallest SP size at which a strategy fits memory, and there the
+    fastest runnable strategy. ``None`` when nothing fits."""
+    runnable = [p for p in rows if p.fits and not p.note]
+    if not runnable:
+        return None
+    smallest = min(p.sp for p in runnable)
+    return min((p for p in runnable if p.sp == smallest), key=lambda p: p.step_s)
+
+
+def _fmt(x: float, unit: str) -> str:
+    if unit == "B":
+        for u, s in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+            if x >= s:
+                return f"{x / s:.2f} {u}"
+        return f"{x:.0f} B"
+    if unit == "F":
+        for u, s in (("PF", 1e15), ("TF", 1e12), ("GF", 1e9), ("MF", 1e6)):
+            if x >= s:
+                return f"{x / s:.2f} {u}"
+        return f"{x:.0f} F"
+    if x >= 1:
+        return f"{x:.3f} s"
+    return f"{x * 1e3:.2f} ms"
+
+
+def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
+    """The table ``dspzoo plan`` prints."""
+    head = (
+        f"{'SP':>3} {'strategy':<13} {'FLOPs/rank':>11} {'bytes/rank':>11} {'coll.':>6} "
+        f"{'act/GPU':>10} {'states/GPU':>10} {'compute':>10} {'comm':>10} {'step':>10} "
+        f"{'vs dsp':>7} fits"
+    )
+    lines = [head, "-" * len(head)]
+    dsp = {p.sp: p.step_s for p in rows if p.strategy == "dsp"}
+    for p in rows:
+        ratio = f"{p.step_s / dsp[p.sp]:.2f}x" if p.sp in dsp and dsp[p.sp] else ""
+        mark = "yes" if p.fits else "no"
+        if p.note:
+            mark += f" ({p.note})"
+        if best is not None and p is best:
+            mark += "  <- recommended"
+        lines.append(
+            f"{p.sp:>3} {p.strategy:<13} {_fmt(p.flops, 'F'):>11} {_fmt(p.bytes, 'B'):>11} "
+            f"{p.collectives:>6} {_fmt(p.activation, 'B'):>10} {_fmt(p.states, 'B'):>10} "
+            f"{_fmt(p.compute_s, 's'):>10} {_fmt(p.comm_s, 's'):>10} {_fmt(p.step_s, 's'):>10} "
+            f"{ratio:>7} {mark}"
+        )
+    if best is not None:
+        lines.append(
+            f"recommendation: SP {best.sp} with {best.strategy} "
+            f"(smallest SP size that fits; fastest there: {_fmt(best.step_s, 's')} per step)"
+        )
+    else:
+        lines.append("recommendation: nothing fits; raise the SP sizes or use recompute / ZeRO")
+    return "\n".join(lines)
+
+
+# -- strategy="auto": the cheapest method per stage ----------------------------------------
+AUTO_CANDIDATES = ("ulysses", "ring", "lss")
+
+
+def _attention_units(method: str, n: int, heads: int | None) -> float:
+    """Forward+backward bytes of one attention stage in switch units ``E·(N−1)/N`` (MHA).
+
+    Ulysses: 4 forward + 4 backward; Ring: 2N forward (K, V of N−1 blocks) + 2N forward-size
+    again plus 2N·(fp32 accumulators, counted at the activation's size) backward = 6N;
+    LSS: 2N forward + 2N backward = 4N. Ulysses is out when heads < N (idle ranks).
+    """
+    if method == "ulysses":
+        return float("inf") if heads is not None and heads < n else 8.0
+    if method == "ring":
+        return 6.0 * n
+    if method == "lss":
+        return 4.0 * n
+    raise ValueError(method)
+
+
+def auto_plan(
+    dims: tuple[str, ...],
+    lengths: tuple[int, ...],
+    stages: tuple[Stage, ...],
+    sp_size: int,
+) -> Plan:
+    """The plan ``strategy="auto"`` runs: the least predicted communication bytes per layer.
+
+    Candidates: DSP's plan (switches between stages, hybrid where a stage mixes every dim) and
+    every fixed-dim embedded plan (Ulysses, Ring, LSS on each dim). Cost of a plan, in units of
+    one switch ``E·(N−1)/N`` (forward + backward, MHA, activation dtype): 2 per switch, and per
+    attention stage that mixes the sharded dim :func:`_attention_units` (Ulysses 8 — impossible
+    when the stage declares fewer heads than ranks —, LSS 4N, Ring 6N). Stages that mix no
+    sharded dim are free. Ties keep the earlier candidate (DSP first). With a hybrid DSP plan
+    the embedded stage's method is also the cheapest of the three. On a default cluster this
+    is the byte ranking: every candidate has the same FLOPs, so the fastest predicted plan is
+    the one that sends least (latency terms aside).
+    """
+    dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
+    n = sp_size
+    heads = [s.heads for s in stages]
+
+    def method_for(stage: Stage) -> str:
+        return min(AUTO_CANDIDATES, key=lambda m: _attention_units(m, n, stage.heads))
+
+    forced = tuple(
+        s
+        if s.method is not None or any(d not in s.mixes for d in dims)
+        else Stage(s.name, s.mixes, method_for(s), s.heads)
+        for s in stages
+    )
+    candidates: list[tuple[float, Plan]] = []
+    dsp = plan_stages(dims, lengths, forced, n)
+    cost = 2.0 * dsp.switches_per_period + sum(
+        _attention_units(step.method, n, h)
+        for step, h in zip(dsp.steps, heads)
+        if step.method != "local"
+    )
+    candidates.append((cost, dsp))
+    for method in AUTO_CANDIDATES:
+        for dim in dims:
+            if dict(zip(dims, lengths))[dim] < n and len(dims) > 1:
+                continue
+            plan = plan_fixed(dims, lengths, stages, n, method, dim)
+            cost = sum(
+                _attention_units(method, n, h)
+                for step, h in zip(plan.steps, heads)
+                if step.method != "local"
+            )
+            candidates.append((cost, plan))
+    best = min(candidates, key=lambda c: c[0])[1]
+    return Plan(
+        dims=best.dims,
+        lengths=best.lengths,
+        sp_size=best.sp_size,
+        periodic=best.periodic,
+        steps=best.steps,
+        strategy="auto",
+        layout=best.layout,
+    )

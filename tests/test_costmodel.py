@@ -1,0 +1,337 @@
+"""The cost model: its byte formulas equal the tracer, its memory is within 10 % of the meter,
+``strategy="auto"`` follows it, and the cluster predictions behave.
+
+One 3-process spawn runs STDiT-tiny (a full 3-D attention layer every 2nd layer, token grid
+T' = 5, S = 9: nothing divisible by 2 or 3, 4 heads: not divisible by 3) and ByteLM-tiny
+(L = 11, causal; MHA and GQA) under every strategy at SP 2 (ranks 0, 1) and SP 3, traces one
+forward + backward, and compares every ``(op, phase)`` count and byte total on every rank with
+:func:`dspzoo.core.costmodel.comm_bytes`. The same spawn measures activation memory with
+:class:`SavedTensorMeter` at SP 2 and runs ``strategy="auto"`` against one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dspzoo.domains.text  # noqa: F401  (registers the families)
+import dspzoo.domains.video  # noqa: F401
+from dspzoo.core import SeqParallel, trace_comm
+from dspzoo.core.costmodel import (
+    CLUSTERS,
+    activation_bytes,
+    auto_plan,
+    comm_bytes,
+    format_table,
+    predict,
+    predict_table,
+    recommend,
+    text_workload,
+    video_workload,
+    workload_for,
+)
+from dspzoo.core.mesh import SPMesh
+from dspzoo.core.methods.megatron import parallelize_megatron
+from dspzoo.core.testing import run_distributed
+from dspzoo.core.trace import SavedTensorMeter
+from dspzoo.zoo import create_model, get_config
+
+VIDEO = {"hidden": 32, "heads": 4, "depth": 2, "full_attention_every": 2, "num_classes": 3}
+TEXT = {"hidden": 24, "heads": 4, "depth": 2}
+STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "usp", "megatron_sp")
+TEXT_STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "usp")  # no TP hooks in ByteLM
+OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
+
+
+# -- the models and their workloads ------------------------------------------------------------
+def _video_model(dtype=torch.float64, cond: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = create_model("stdit-tiny", cond_dim=16 if cond else 0, **VIDEO).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+def _video_inputs(dtype=torch.float64, cond: bool = True) -> dict:
+    g = torch.Generator().manual_seed(1)
+    out = {
+        "x": torch.randn(2, 12, 5, 6, 6, generator=g, dtype=dtype),
+        "timestep": torch.rand(2, generator=g, dtype=dtype) * 1000,
+        "y": torch.tensor([0, 2]),
+    }
+    if cond:
+        out["cond"] = torch.randn(2, 7, 16, generator=g, dtype=dtype)
+    return out
+
+
+def _video_workload(itemsize: int = 8, cond: bool = True):
+    config = dataclasses.replace(get_config("stdit-tiny"), cond_dim=16 if cond else 0, **VIDEO)
+    return video_workload(
+        "stdit-tiny",
+        config,
+        frames=5,
+        spatial=6,
+        batch=2,
+        context=7 if cond else 0,
+        itemsize=itemsize,
+    )
+
+
+def _text_model(kv_heads=None, dtype=torch.float64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return create_model("bytelm-tiny", kv_heads=kv_heads, **TEXT).to(dtype)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(2))
+
+
+def _text_workload(kv_heads=None, itemsize: int = 8):
+    config = dataclasses.replace(get_config("bytelm-tiny"), kv_heads=kv_heads, **TEXT)
+    return text_workload("bytelm-tiny", config, seq_len=11, batch=2, itemsize=itemsize)
+
+
+def _video_step(sp, dtype=torch.float64, strategy=None):
+    model = _video_model(dtype)
+    if strategy == "megatron_sp":
+        parallelize_megatron(model, sp.group)
+    inputs = _video_inputs(dtype)
+    out = model(**inputs, sp=sp)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=dtype)
+    ((out - weight) ** 2).mean().backward()
+    return out.detach()
+
+
+def _text_step(sp, kv_heads=None, dtype=torch.float64):
+    model = _text_model(kv_heads, dtype)
+    out = model(_tokens(), sp=sp)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    (out * weight).sum().backward()
+    return out.detach()
+
+
+def _traced(tracer) -> dict:
+    return {
+        (op, phase): [tracer.count(op, phase), tracer.total_bytes(op, phase)]
+        for op in OPS
+        for phase in ("forward", "backward")
+    }
+
+
+def _formula(counts) -> dict:
+    return {
+        (op, phase): list(counts[(op, phase)]) for op in OPS for phase in ("forward", "backward")
+    }
+
+
+def _sub_mesh(ranks: list[int]) -> SPMesh | None:
+    group = dist.new_group(ranks)
+    rank = dist.get_rank()
+    if rank not in ranks:
+        return None
+    return SPMesh(
+        world_size=dist.get_world_size(),
+        rank=rank,
+        dp_size=1,
+        sp_size=len(ranks),
+        dp_rank=0,
+        sp_rank=ranks.index(rank),
+        sp_group=group,
+    )
+
+
+# -- the distributed worker --------------------------------------------------------------------
+def _worker(rank: int, world: int) -> dict:
+    meshes = {2: _sub_mesh([0, 1]), 3: _sub_mesh([0, 1, 2])}
+    results: dict = {"bytes": {}, "memory": {}, "auto": {}}
+    video_ref = _video_step(SeqParallel())
+    text_ref = {kv: _text_step(SeqParallel(), kv) for kv in (None, 1)}
+    for size, mesh in meshes.items():
+        if mesh is None:
+            continue
+        r = mesh.sp_rank
+        for strategy in STRATEGIES:
+            sp = SeqParallel(mesh, strategy)
+            with trace_comm() as tracer:
+                _video_step(sp, strategy=strategy)
+            want = comm_bytes(_video_workload(), strategy, size, r)
+            results["bytes"][("video", strategy, size, r)] = (_traced(tracer), _formula(want))
+        for strategy in TEXT_STRATEGIES:
+            for kv in (None, 1):
+                sp = SeqParallel(mesh, strategy)
+                with trace_comm() as tracer:
+                    _text_step(sp, kv)
+                want = comm_bytes(_text_workload(kv), strategy, size, r)
+                key = ("text", f"{strategy} kv={kv}", size, r)
+                results["bytes"][key] = (_traced(tracer), _formula(want))
+        # strategy="auto": the cost model's plan, exact against one process
+        sp = SeqParallel(mesh, "auto")
+        out = _video_step(sp)
+        torch.testing.assert_close(out, video_ref, rtol=1e-7, atol=1e-9)
+        plan = sp.plan(("t", "s"), (5, 9), _video_model().STAGES)
+        results["auto"][("video", size)] = plan.methods
+        for kv in (None, 1):
+            sp = SeqParallel(mesh, "auto")
+            torch.testing.assert_close(_text_step(sp, kv), text_ref[kv], rtol=1e-7, atol=1e-9)
+            results["auto"][(f"text kv={kv}", size)] = sp.plan(
+                ("l",), (11,), _text_model(kv).stages
+            ).methods
+        if size == 2:
+            for strategy in ("dsp", "ulysses", "ring", "lss", "megatron_sp"):
+                results["memory"][("video", strategy, r)] = _video_memory(mesh, strategy)
+            for strategy in ("dsp", "ulysses", "ring", "lss"):
+                results["memory"][("text", strategy, r)] = _text_memory(mesh, strategy)
+    return results
+
+
+def _video_memory(mesh, strategy) -> int:
+    sp = SeqParallel(mesh, strategy)
+    model = _video_model(torch.float32)
+    if strategy == "megatron_sp":
+        parallelize_megatron(model, None if mesh is None else mesh.sp_group)
+    with SavedTensorMeter(model.parameters()) as meter:
+        model(**_video_inputs(torch.float32), sp=sp)
+    return meter.bytes
+
+
+def _text_memory(mesh, strategy) -> int:
+    sp = SeqParallel(mesh, strategy)
+    model = _text_model(None, torch.float32)
+    with SavedTensorMeter(model.parameters()) as meter:
+        model(_tokens(), sp=sp)
+    return meter.bytes
+
+
+@pytest.fixture(scope="module")
+def distributed() -> list[dict]:
+    return run_distributed(_worker, 3, timeout=280)
+
+
+# -- exact bytes -------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_formulas_equal_the_tracer_for_every_strategy(distributed) -> None:
+    checked = 0
+    for results in distributed:
+        for key, (traced, formula) in results["bytes"].items():
+            assert traced == formula, (
+                key,
+                {k: (traced[k], formula[k]) for k in traced if traced[k] != formula[k]},
+            )
+            checked += 1
+    # video: 7 strategies × (2 + 3 ranks); text: 6 × 2 KV settings × 5 ranks
+    assert checked == 7 * 5 + 12 * 5
+
+
+# -- memory ------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_activation_memory_within_10_percent_at_sp_1_and_2(distributed) -> None:
+    video, text = _video_workload(4), _text_workload(None, 4)
+    measured = {
+        ("video", "none", 0): _video_memory(None, "dsp"),
+        ("text", "none", 0): _text_memory(None, "dsp"),
+    }
+    predicted = {
+        ("video", "none", 0): activation_bytes(video),
+        ("text", "none", 0): activation_bytes(text),
+    }
+    for results in distributed[:2]:
+        for (family, strategy, r), got in results["memory"].items():
+            measured[(family, strategy, r)] = got
+            wl = video if family == "video" else text
+            predicted[(family, strategy, r)] = activation_bytes(wl, strategy, 2, r)
+    assert len(measured) == 2 + 2 * (5 + 4)
+    for key, got in measured.items():
+        assert abs(predicted[key] / got - 1) <= 0.10, (key, got, predicted[key])
+
+
+# -- strategy="auto" ---------------------------------------------------------------------------
+def test_auto_picks_what_the_cost_model_says(distributed) -> None:
+    video, text = _video_workload(), _text_workload()
+    for size in (2, 3):
+        plan = auto_plan(video.dims, video.lengths, video.period, size)
+        assert distributed[0]["auto"][("video", size)] == plan.methods
+        # axial layers: DSP's switches (2 units) beat any embedded method (>= 8 units)
+        assert plan.methods["spatial@0"] == plan.methods["temporal@0"] == "local"
+        assert plan.methods["full@1"] == "ulysses"  # 4 heads >= N: Ulysses' 8 units < LSS' 4N
+        for kv in (None, 1):
+            got = distributed[0]["auto"][(f"text kv={kv}", size)]
+            assert got == auto_plan(text.dims, text.lengths, text.period, size).methods
+    # heads < N: Ulysses would idle ranks; LSS (4N) is cheaper than Ring (6N)
+    assert auto_plan(("l",), (64,), text.period, 8).methods["attn"] == "lss"
+    # the auto plan's bytes are the least of the candidates the rule compares
+    for size in (2, 3):
+        auto = comm_bytes(video, auto_plan(video.dims, video.lengths, video.period, size), size)
+        for strategy in ("ulysses", "ring", "lss"):
+            assert auto.bytes() <= comm_bytes(video, strategy, size).bytes()
+
+
+# -- predictions -------------------------------------------------------------------------------
+def test_prediction_table_and_recommendation() -> None:
+    wl = workload_for("stdit-720M", frames=128, spatial=128, batch=1, itemsize=2)
+    strategies = ("dsp", "ulysses", "ulysses_flat", "megatron_sp")
+    rows = predict_table(wl, strategies, (1, 2, 4, 8), recompute=True)
+    by = {(p.strategy, p.sp): p for p in rows}
+    for n in (2, 4, 8):  # same FLOPs, DSP sends least: fastest
+        assert by[("dsp", n)].flops == by[("ulysses", n)].flops
+        assert by[("dsp", n)].bytes < by[("ulysses", n)].bytes < by[("ulysses_flat", n)].bytes
+        assert by[("dsp", n)].step_s < by[("ulysses", n)].step_s
+    # Table 3's counts: Ulysses 4 activation all-to-alls per axial layer against DSP's 2
+    # (≥ 50 % less), the flattened layout 8 (≥ 75 % less)
+    assert by[("ulysses", 8)].bytes / by[("dsp", 8)].bytes == pytest.approx(2, rel=0.05)
+    assert by[("ulysses_flat", 8)].bytes / by[("dsp", 8)].bytes == pytest.approx(4, rel=0.05)
+    best = recommend(rows)
+    assert best is not None and best.strategy in ("dsp", "none")
+    assert all(not p.fits for p in rows if p.sp < best.sp)
+    text = format_table(rows, best)
+    assert "recommended" in text and "ulysses_flat" in text
+    assert set(CLUSTERS) >= {
+        "h100-nvlink-ib",
+        "h800-nvlink-ib",
+        "a100-nvlink-ib",
+        "v100-summit",
+        "this-cpu",
+    }
+    # forward-only (inference) is cheaper than a training step
+    assert predict(wl, "dsp", 4, training=False).step_s < predict(wl, "dsp", 4).step_s
+
+
+def test_plan_cli_prints_the_table(capsys) -> None:
+    from dspzoo.zoo.plan_cli import main
+
+    assert (
+        main(
+            [
+                "stdit-720M",
+                "--frames",
+                "64",
+                "--size",
+                "256",
+                "--sp",
+                "1,2,4",
+                "--cluster",
+                "a100-nvlink-ib",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "recommendation" in out and "dsp" in out
+    assert (
+        main(
+            [
+                "bytelm-lss-12l",
+                "--seq-len",
+                "8192",
+                "--sp",
+                "2,4",
+                "--strategies",
+                "lss,megatron_sp",
+            ]
+        )
+        == 0
+    )
+    assert "lss" in capsys.readouterr().out
