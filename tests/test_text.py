@@ -20,6 +20,7 @@ from dspzoo.core.methods.megatron import gather_full, megatron_grad_sync, parall
 from dspzoo.core.plan import plan_stages
 from dspzoo.core.runconfig import NOT_WIRED
 from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.tensor_parallel_training import clip_sharded_grad_norm_
 from dspzoo.core.testing import run_distributed
 from dspzoo.core.validate import InputValidationError
 from dspzoo.domains.text.data import ByteWindows, stdlib_corpus
@@ -241,8 +242,8 @@ def _compare_with_one_process(rank: int, world: int) -> list[tuple[str, int, int
 
 
 def _megatron_case(mesh: SPMesh, length: int, **model_kw) -> None:
-    """megatron_sp on ByteLM: the loss and every gradient (shards gathered after
-    ``megatron_grad_sync``) equal one process's."""
+    """megatron_sp on ByteLM: the loss, the global gradient norm and every clipped gradient
+    (shards gathered after ``megatron_grad_sync``) equal one process's."""
     data = _tokens(length=length)
     tokens, targets = data[:, :-1], data[:, 1:]
     reference = _model(**model_kw)
@@ -255,6 +256,12 @@ def _megatron_case(mesh: SPMesh, length: int, **model_kw) -> None:
     what = f"megatron_sp at SP {mesh.sp_size}, L={length}, {model_kw}"
     ref_loss = reference.loss(tokens, targets, SeqParallel(strategy=STRATEGY))
     assert sp_report(loss, sp.group) == pytest.approx(float(ref_loss), rel=1e-5), what
+    # the global gradient norm (shards summed over the group once, replicated counted once),
+    # clipped to half of it: the one-process clip_grad_norm_
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
+    norm = clip_sharded_grad_norm_(model, ref_norm / 2, sp.group)
+    assert float(norm) == pytest.approx(ref_norm, rel=1e-5), what
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), ref_norm / 2)
     grads = gather_full(model, sp.group, grads=True)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"{what} {name}")
