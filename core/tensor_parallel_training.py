@@ -44,6 +44,9 @@ resumes at any layout under any strategy, in both directions:
   states are sliced likewise (a tensor that already has the shard's shape is kept as it is).
 
 The EMA needs nothing else: its update is element-wise, so each rank averages its own shards.
+
+Limit: fp16 loss scaling (a GPU-only mode) checks for inf/NaN per rank; with sharded gradients
+the ranks could disagree on skipping a step. bf16 and fp32 have no scaler.
 """
 
 from __future__ import annotations
@@ -230,7 +233,7 @@ class TensorParallelTraining:
 
     def _by_index(self, optimizer: torch.optim.Optimizer) -> list[tuple[nn.Module, str] | None]:
         """Owner of each optimizer state index (``state_dict`` numbers parameters in order)."""
-        owner_of = {id(p): owner for owner in self._owners().values() for p in [_param(*owner)]}
+        owner_of = {id(_param(*owner)): owner for owner in self._owners().values()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return [owner_of.get(id(p)) for p in params]
 
