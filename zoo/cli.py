@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     from .plan_cli import build_parser as plan_parser  # cost model: dspzoo plan --help
 
     plan_parser(sub.add_parser("plan", help="predict FLOPs, bytes, memory, step time"))
+    from ..core.bench.launch import add_arguments as bench_arguments  # docs/benchmark.md
+
+    bench_arguments(sub.add_parser("bench", help="benchmark every SP strategy (launch command)"))
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from ..core.bench.launch import run as bench_run
+
+        return bench_run(args)
     load_domains()
     if args.command == "plan":
         from .plan_cli import run

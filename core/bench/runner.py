@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="samples per step (per N in weak/e2e)")
     p.add_argument("--strategies", default="all", help="comma-separated, or 'all'")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps (the first is traced)")
-    p.add_argument("--reps", type=int, default=3, help="timed steps per strategy")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per strategy")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores/N)")
     p.add_argument("--memory-budget-mib", type=float, default=256, help="end-to-end: per rank")
     p.add_argument("--peer", choices=("auto", "on", "off"), default="auto",

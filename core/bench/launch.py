@@ -1,0 +1,41 @@
+"""``dspzoo bench``: the exact ``accelerate launch`` command of the benchmark, printed or run.
+
+dspzoo bench -n 2                                   # print the command (video default)
+dspzoo bench -n 2 --run -- --model bytelm-small     # run it; args after -- go to the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--num-processes", type=int, default=2, help="SP size N")
+    parser.add_argument("--run", action="store_true", help="launch it (default: print it)")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="after --: scripts/benchmark.py flags"
+    )
+
+
+def command(num_processes: int, script_args: list[str]) -> list[str]:
+    extra = script_args[1:] if script_args[:1] == ["--"] else script_args
+    return [
+        "accelerate", "launch", "--multi_gpu", "--num_processes", str(num_processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(SCRIPT), *extra,
+    ]  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = command(args.num_processes, args.script_args)
+    print(shlex.join(cmd), flush=True)
+    if not args.run:
+        return 0
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *cmd[2:]]
+    return subprocess.call(launch)
