@@ -59,3 +59,12 @@ def test_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path: Path) -> None:
     assert all(r["vs_dsp"]["bytes"] >= 1 for r in rows.values())
     assert (out / "results.png").stat().st_size > 1000
     assert "| dsp |" in (out / "results.md").read_text()
+
+
+def test_dspzoo_bench_prints_the_launch_command(capsys) -> None:
+    from dspzoo.zoo.cli import main
+
+    assert main(["bench", "-n", "4", "--", "--model", "bytelm-tiny", "--seq-len", "64"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("accelerate launch --multi_gpu --num_processes 4 --num_machines 1")
+    assert line.endswith("scripts/benchmark.py --model bytelm-tiny --seq-len 64")

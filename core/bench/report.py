@@ -79,7 +79,7 @@ def chart(result: dict[str, Any], path: str) -> None:
     rows = result["rows"]
     names = [r["strategy"] for r in rows]
     x = range(len(rows))
-    fig, axes = plt.subplots(1, 3, figsize=(4 + 1.3 * len(rows) * 3, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(min(6 + 1.2 * len(rows), 18), 4.5))
     dsp = rows[0]["time"]["median"]
     med = [r["time"]["median"] / dsp for r in rows]
     lo = [m - r["time"]["q1"] / dsp for m, r in zip(med, rows)]
