@@ -53,8 +53,7 @@ def test_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path: Path) -> None:
         assert len(r["times"]) == 2 and r["time"]["min"] <= r["time"]["median"]
         assert r["max_abs_diff"] < 1e-5, name
         assert r["activation_bytes"] > 0
-        if name != "usp":  # the cost model counts a one-slot ring's dK/dV at U = N (see docs)
-            assert r["formula_exact"], (name, r["bytes"], r["formula_bytes"])
+        assert r["formula_exact"], (name, r["bytes"], r["formula_bytes"])
     # DSP moves the fewest bytes of all (the paper's claim, exact on any machine)
     assert all(r["vs_dsp"]["bytes"] >= 1 for r in rows.values())
     assert (out / "results.png").stat().st_size > 1000

@@ -189,7 +189,8 @@ def usp_bytes(
         out.add("all_to_all", "forward", hq[ur] * (seg - split[ur]) * bf * d * isz)
         out.add("all_to_all", "backward", split[ur] * (heads - hq[ur]) * bf * d * isz)
     kv_local = shard_sizes(kv_eff, u)[ur]
-    ring_bytes(out, segments, slot, bf, kv_local, d, isz)
+    if len(segments) > 1:  # a one-slot ring (R = 1) is plain Ulysses: the runtime sends nothing
+        ring_bytes(out, segments, slot, bf, kv_local, d, isz)
 
 
 def megatron_pair_bytes(out: CommCount, sizes: list[int], rest_elems: int, isz: int) -> None:
