@@ -94,3 +94,49 @@ def parse_config(
     except ValueError as exc:
         parser.error(str(exc))
     return cfg
+
+
+class TrainingCLI:
+    """The command line of a training script: flags from ``config_cls``, then ``train``.
+
+    ``train(cfg)`` returns ``{"is_main", "losses", "output_dir", …}``; ``loss_name`` names the
+    losses in the closing log line.
+    """
+
+    SHOWN_DEFAULTS = {"output_dir": "default: outputs/<model>"}
+
+    def __init__(
+        self,
+        config_cls: type,
+        train: Any,
+        description: str | None,
+        logger_name: str,
+        loss_name: str = "losses",
+    ) -> None:
+        self.config_cls, self.train, self.description = config_cls, train, description
+        self.logger_name, self.loss_name = logger_name, loss_name
+
+    def build_parser(self) -> argparse.ArgumentParser:
+        """One flag per config field, with its description and choices."""
+        return build_parser(self.config_cls, self.description, self.SHOWN_DEFAULTS)
+
+    def parse_args(self, argv: list[str] | None = None) -> Any:
+        """A validated config from ``--field-name value`` flags (errors exit 2)."""
+        return parse_config(self.config_cls, argv, self.description, self.SHOWN_DEFAULTS)
+
+    def main(self, argv: list[str] | None = None) -> None:
+        """Parse, train, and log the session's first and last loss."""
+        import logging
+
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        )
+        result = self.train(self.parse_args(argv))
+        if result["is_main"] and result["losses"]:
+            logging.getLogger(self.logger_name).info(
+                "session %s: first %.4f, last %.4f; output in %s",
+                self.loss_name,
+                result["losses"][0],
+                result["losses"][-1],
+                result["output_dir"],
+            )

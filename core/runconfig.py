@@ -7,7 +7,12 @@ change its default (a redeclared field keeps its place). Every field is a comman
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 from .configflags import check_values, flag
 from .strategies import STRATEGIES
@@ -72,3 +77,40 @@ class RunConfig:
                 f"--sp-strategy {self.sp_strategy}: the training scripts do not drive it yet; "
                 f"choose one of {[s for s in STRATEGIES if s not in NOT_WIRED]}"
             )
+
+
+def warmup_cosine(cfg: RunConfig) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up over ``cfg.warmup`` steps, then cosine decay to 10 %."""
+
+    def fn(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return fn
+
+
+def start_run(cfg: RunConfig) -> tuple[Any, Any, Any, Path]:
+    """Validate ``cfg``, build ``(accelerator, mesh, sp)`` and the output folder.
+
+    The global batch must split evenly over the data-parallel groups; the main process writes
+    ``train_config.json``. Returns ``(accelerator, mesh, sp, output_dir)``.
+    """
+    from .accelerate import setup_accelerate
+
+    cfg.validate()
+    accelerator, mesh, sp = setup_accelerate(
+        cfg.sp, seed=cfg.seed, strategy=cfg.sp_strategy, mixed_precision=cfg.mixed_precision
+    )
+    if cfg.global_batch % mesh.dp_size:
+        raise ValueError(
+            f"--global-batch {cfg.global_batch} is not divisible by the {mesh.dp_size} "
+            f"data-parallel groups ({mesh.world_size} processes / SP {cfg.sp}); choose a "
+            f"multiple of {mesh.dp_size}"
+        )
+    output_dir = Path(cfg.output_dir)
+    if mesh.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    return accelerator, mesh, sp, output_dir

@@ -12,39 +12,11 @@ continues it exactly, at any layout.
 
 from __future__ import annotations
 
-import argparse
-import logging
-
-from dspzoo.core import configflags
+from dspzoo.core.configflags import TrainingCLI
 from dspzoo.domains.video.training import VideoTrainConfig, train
 
-SHOWN_DEFAULTS = {"output_dir": "default: outputs/<model>"}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per :class:`VideoTrainConfig` field, with its description and choices."""
-    return configflags.build_parser(VideoTrainConfig, __doc__, SHOWN_DEFAULTS)
-
-
-def parse_args(argv: list[str] | None = None) -> VideoTrainConfig:
-    """Build a validated :class:`VideoTrainConfig` from ``--field-name value`` flags."""
-    return configflags.parse_config(VideoTrainConfig, argv, __doc__, SHOWN_DEFAULTS)
-
-
-def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
-    cfg = parse_args()
-    result = train(cfg)
-    if result["is_main"] and result["losses"]:
-        logging.getLogger("dspzoo.video.train").info(
-            "session losses: first %.4f, last %.4f; output in %s",
-            result["losses"][0],
-            result["losses"][-1],
-            result["output_dir"],
-        )
-
+CLI = TrainingCLI(VideoTrainConfig, train, __doc__, "dspzoo.video.train", "losses")
+build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":
     main()

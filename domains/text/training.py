@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dspzoo.core import SavedTensorMeter, sp_dataloader
-from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.checkpoint import save_checkpoint
 from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
-from dspzoo.core.runconfig import RunConfig
+from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
@@ -146,39 +145,16 @@ def build_optimizer(model: torch.nn.Module, cfg: TextTrainConfig) -> torch.optim
     return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
 
 
-def _lr_lambda(cfg: TextTrainConfig):
-    def fn(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return fn
-
-
 def setup_run(cfg: TextTrainConfig) -> TrainingRun:
     """Accelerator, mesh, SP context, data, model, optimizer and schedule for ``cfg``."""
-    cfg.validate()
-    accelerator, mesh, sp = setup_accelerate(
-        cfg.sp, seed=cfg.seed, strategy=cfg.sp_strategy, mixed_precision=cfg.mixed_precision
-    )
-    if cfg.global_batch % mesh.dp_size:
-        raise ValueError(
-            f"--global-batch {cfg.global_batch} is not divisible by the {mesh.dp_size} "
-            f"data-parallel groups ({mesh.world_size} processes / SP {cfg.sp}); choose a "
-            f"multiple of {mesh.dp_size}"
-        )
-    output_dir = Path(cfg.output_dir)
-    if mesh.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    accelerator, mesh, sp, output_dir = start_run(cfg)
     path = resolve_data(cfg.data)
     train_data = ByteWindows(path, cfg.seq_len, "train", cfg.val_fraction)
     val_data = ByteWindows(path, cfg.seq_len, "val", cfg.val_fraction)
     tp = TensorParallelTraining(accelerator, mesh, sp)  # weight sharding (megatron_sp) or not
     model = tp.shard(build_model(cfg))
     optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
     # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
     model, optimizer = tp.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)

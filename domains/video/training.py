@@ -16,15 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dspzoo.core import SavedTensorMeter, sp_dataloader, sp_mse
-from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.checkpoint import save_checkpoint
 from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.ema import EMA
@@ -32,7 +30,7 @@ from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import SampleRandom
-from dspzoo.core.runconfig import RunConfig
+from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
 
@@ -138,16 +136,6 @@ def sampling_settings(cfg: VideoTrainConfig) -> dict[str, Any]:
     }
 
 
-def _lr_lambda(cfg: VideoTrainConfig):
-    def fn(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return fn
-
-
 @dataclass
 class TrainingRun:
     """The live objects of one training session."""
@@ -180,26 +168,13 @@ class TrainingRun:
 
 def setup_run(cfg: VideoTrainConfig) -> TrainingRun:
     """Accelerator, mesh, data, model, optimizer, schedule and EMA for ``cfg``."""
-    cfg.validate()
-    accelerator, mesh, sp = setup_accelerate(
-        cfg.sp, seed=cfg.seed, strategy=cfg.sp_strategy, mixed_precision=cfg.mixed_precision
-    )
-    if cfg.global_batch % mesh.dp_size:
-        raise ValueError(
-            f"--global-batch {cfg.global_batch} is not divisible by the {mesh.dp_size} "
-            f"data-parallel groups ({mesh.world_size} processes / SP {cfg.sp}); choose a "
-            f"multiple of {mesh.dp_size}"
-        )
-    output_dir = Path(cfg.output_dir)
-    if mesh.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    accelerator, mesh, sp, output_dir = start_run(cfg)
     codec = PixelUnshuffleCodec(cfg.codec_factor)
     dataset = build_dataset(cfg)
     tp = TensorParallelTraining(accelerator, mesh, sp)  # weight sharding (megatron_sp) or not
     model = tp.shard(build_model(cfg, getattr(dataset, "num_classes", 1), codec))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
     # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
     model, optimizer = tp.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
