@@ -34,7 +34,7 @@ CASES = [
     (12, 12, 12),
     (12, 12, 4),
 ]
-# non-balanced splits (handled by padding to the longest segment)
+# non-balanced splits (exchanged with their own partition, no padding)
 ODD_SPLITS = {2: [[0, 5], [4, 1]], 3: [[5, 1, 2]], 4: [[2, 0, 4, 1]]}
 
 
@@ -66,8 +66,6 @@ def _reference(shape, causal, dtype, scale, seed):
 
 def _ulysses_bytes(lengths, heads, kv_heads, n, r, itemsize):
     """Per-phase bytes of Ulysses' four switches on rank ``r`` (general formula)."""
-    if lengths != shard_sizes(sum(lengths), n):
-        lengths = [max(lengths)] * n  # padded segments
     hs = shard_sizes(heads, n)
     hk = shard_sizes(kv_heads, n) if kv_heads_aligned(heads, kv_heads, n) else hs
     others = [d for d in range(n) if d != r]

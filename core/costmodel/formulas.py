@@ -114,13 +114,8 @@ def ulysses_bytes(
     isz: int,
 ) -> None:
     """Ulysses on folded ``[bf, seq[r], H, d]`` q (``Hkv`` for k, v): see the module doc."""
-    n, total = len(seq), sum(seq)
-    if seq == shard_sizes(total, n):
-        src, length = seq, total
-    else:  # padded to the longest rank's rows
-        rows = max(seq)
-        src, length = [rows] * n, rows * n
-    dst_len = shard_sizes(length, n)
+    n, length = len(seq), sum(seq)
+    src = dst_len = seq  # any contiguous split, no padding
     exchanges = []  # (head count of the tensor, width per head)
     if kv_heads != heads and kv_heads_aligned(heads, kv_heads, n):
         exchanges = [(heads, d), (kv_heads, 2 * d)]

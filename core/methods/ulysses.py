@@ -12,10 +12,9 @@ KV-aligned GQA) instead of 4, with the same bytes; the backward mirrors them.
 
 Splits (``N`` ranks, global length ``L``, ``H`` query heads, ``Hkv`` key/value heads):
 
-* sequence: ``seq_lengths`` — the balanced ``shard_sizes(L, N)`` split goes straight through
-  ``switch`` (which moves exactly the uneven blocks). Any other split (e.g. ``[5, 1, 2]``) is
-  padded to ``max(seq_lengths)`` rows per rank before the switch and the padding is dropped
-  after it (exact; it costs the padding's bytes on the wire).
+* sequence: ``seq_lengths``, any contiguous split (e.g. ``[5, 1, 2]``, or the runtime's
+  flattening of several attended dims): the switches take it as their source partition (to
+  heads) and destination partition (back), so exactly the real rows travel, no padding.
 * heads: the balanced ``shard_sizes(H, N)`` split; with ``H < N`` some ranks get no head and
   run no kernel (their output is an empty tensor that still carries the autograd edges, so every
   rank issues the same backward collectives).
@@ -35,8 +34,7 @@ of this rank's local q:
 * KV-aligned GQA: ``(2·E + 2·E·Hkv/H)·(N−1)/N``.
 * uneven: to each rank ``d ≠ r`` the input switch carries ``seq_lengths[r]·heads[d]·B·D``
   elements per tensor (``heads`` the balanced split of the tensor's head count) and the output
-  switch ``heads_q[r]·seq_lengths[d]·B·D``; a non-balanced sequence split counts
-  ``max(seq_lengths)`` for every rank instead.
+  switch ``heads_q[r]·seq_lengths[d]·B·D``.
 """
 
 from __future__ import annotations
@@ -124,39 +122,23 @@ def _local_attention(
 
 
 class _SeqLayout:
-    """How this rank's sequence slice reaches and leaves the switch (balanced or padded)."""
+    """How this rank's sequence slice reaches and leaves the switch.
+
+    Any contiguous split works without padding: the switches take the per-rank sequence
+    lengths as their source (to heads) and destination (back) partitions.
+    """
 
     def __init__(self, seq_lengths: list[int], n: int, r: int, device: torch.device) -> None:
         self.lengths = [int(s) for s in seq_lengths]
         self.total, self.r = sum(self.lengths), r
-        self.balanced = self.lengths == shard_sizes(self.total, n)
-        self.rows = max(self.lengths) if self.lengths else 0
-        self.index: torch.Tensor | None = None
-        if not self.balanced:
-            # rows of the padded full sequence (rank q's block starts at q·rows) that are real
-            self.index = torch.cat(
-                [torch.arange(q * self.rows, q * self.rows + s) for q, s in enumerate(self.lengths)]
-            ).to(device)
-
-    @property
-    def switch_length(self) -> int:
-        return self.total if self.balanced else self.rows * len(self.lengths)
 
     def to_heads(self, x: torch.Tensor, group: Any) -> torch.Tensor:
         """``[B, seq_r, heads, D]`` → ``[B, L, heads_r, D]``."""
-        if not self.balanced:
-            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, self.rows - x.shape[1]))
-        y = switch(x, 1, 2, group, src_length=self.switch_length)
-        return y if self.balanced else y.index_select(1, self.index)
+        return switch(x, 1, 2, group, src_sizes=self.lengths)
 
     def to_sequence(self, y: torch.Tensor, heads: int, group: Any) -> torch.Tensor:
         """``[B, L, heads_r, D]`` → ``[B, seq_r, heads, D]`` (the inverse of :meth:`to_heads`)."""
-        if not self.balanced:
-            shape = list(y.shape)
-            shape[1] = self.switch_length
-            y = y.new_zeros(shape).index_copy(1, self.index, y)
-        x = switch(y, 2, 1, group, src_length=heads)
-        return x if self.balanced else x.narrow(1, 0, self.lengths[self.r])
+        return switch(y, 2, 1, group, src_length=heads, dst_sizes=self.lengths)
 
 
 def kv_heads_aligned(heads: int, kv_heads: int, n: int) -> bool:
