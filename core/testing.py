@@ -8,7 +8,9 @@ parent waits with a deadline and kills every worker that is still alive.
 from __future__ import annotations
 
 import datetime
+import io
 import os
+import queue as queue_module
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -41,12 +43,28 @@ def _worker(
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", _to_bytes(result)))
     except BaseException:  # report everything, including assertion failures
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_bytes(value: Any) -> bytes:
+    """``value`` serialised into plain bytes.
+
+    Tensors put on a ``torch.multiprocessing`` queue travel as shared-memory handles that the
+    receiver fetches from the sender *after* ``get``; a worker that has already exited by then
+    takes its tensors with it (and the parent sees an error, or nothing). Bytes carry the data.
+    """
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def run_distributed(
@@ -84,7 +102,7 @@ def run_distributed(
                     )
                 try:
                     rank, status, payload = queue.get(timeout=min(remaining, 1.0))
-                except Exception:
+                except queue_module.Empty:
                     dead = [
                         r
                         for r, p in enumerate(procs)
@@ -108,4 +126,4 @@ def run_distributed(
     ]
     if errors:
         raise AssertionError("distributed worker failed:\n" + "\n".join(errors))
-    return [results[r][1] for r in range(world)]
+    return [_from_bytes(results[r][1]) for r in range(world)]
