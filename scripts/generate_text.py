@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if args.max_new < 0 or args.temperature < 0 or args.top_k < 0 or not args.prompt:
         parser.error("need a non-empty --prompt and --max-new, --temperature, --top-k >= 0")
-    model = from_pretrained(args.model_dir, expected_family="bytelm").to(args.device).eval()
+    try:
+        model = from_pretrained(args.model_dir, expected_family="bytelm")
+    except (FileNotFoundError, ValueError) as exc:  # CheckpointMismatchError is a ValueError
+        parser.error(str(exc))
+    model = model.to(args.device).eval()
     prompt = args.prompt.encode("utf-8")
     trained = load_extra(args.model_dir).get("training", {}).get("seq_len")
     if trained and len(prompt) + args.max_new > trained:

@@ -20,7 +20,7 @@ from dspzoo.core.strategies import STRATEGIES
 from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.io import save_frame_strip_png, video_grid, write_video
 from dspzoo.domains.video.sampling import sample_video
-from dspzoo.zoo import from_pretrained, load_extra
+from dspzoo.zoo import from_pretrained, load_config, load_extra
 
 
 def main() -> None:
@@ -64,6 +64,9 @@ def main() -> None:
         sp_size=args.sp or world, seed=args.seed, strategy=args.sp_strategy
     )
     model_dir = Path(args.model_dir)
+    family, _ = load_config(model_dir)
+    if family not in ("stdit", "latte"):
+        raise SystemExit(f"{model_dir} holds a {family!r} model, not a video model (stdit, latte)")
     settings = load_extra(model_dir).get("sampling", {})
     if not settings and (args.frames is None or args.size is None):
         raise SystemExit(
@@ -73,7 +76,7 @@ def main() -> None:
     frames = args.frames or settings["frames"]
     size = args.size or settings["size"]
     codec = PixelUnshuffleCodec(settings.get("codec_factor", 2))
-    model = from_pretrained(model_dir).to(accelerator.device).eval()
+    model = from_pretrained(model_dir).to(accelerator.device).eval()  # family checked above
     classes = max(1, model.config.num_classes)
     labels = torch.arange(classes).repeat_interleave(args.per_class)
     shape = (

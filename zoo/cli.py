@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("name", help="model name, e.g. stdit-720M (case-insensitive)")
     from .plan_cli import build_parser as plan_parser  # cost model: dspzoo plan --help
 
-    plan_parser(sub.add_parser("plan", help="predict FLOPs, bytes, memory, step time"))
+    plan = plan_parser(sub.add_parser("plan", help="predict FLOPs, bytes, memory, step time"))
     from ..core.bench.launch import add_arguments as bench_arguments  # docs/benchmark.md
 
     bench_arguments(sub.add_parser("bench", help="benchmark every SP strategy (launch command)"))
@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from .plan_cli import run
 
-        return run(args)
+        try:
+            return run(args)
+        except (KeyError, ValueError, ZeroDivisionError) as exc:
+            plan.error(str(exc.args[0]) if exc.args else str(exc))
     if args.command == "list":
         for name in list_models():
             print(f"{name:<24} {_meta_count(name):>8}")

@@ -35,7 +35,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq-len", type=int, help="text: bytes per sequence")
     p.add_argument("--batch", type=int, default=1, help="samples per SP group")
     p.add_argument("--sp", type=str, default="1,2,4,8", help="SP sizes, comma-separated")
-    p.add_argument("--strategies", type=str, default=",".join(DEFAULT_STRATEGIES))
+    p.add_argument(
+        "--strategies",
+        type=str,
+        default=",".join(DEFAULT_STRATEGIES),
+        help="strategies to compare, comma-separated (default: all)",
+    )
     p.add_argument("--cluster", default="h100-nvlink-ib", choices=CLUSTERS)
     p.add_argument("--dtype-bytes", type=int, default=2, help="activation bytes (bf16: 2)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel groups (ZeRO sharding)")
@@ -52,13 +57,26 @@ def _hw(text: str, scale: int = 1) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the prediction table; bad input raises ``ValueError``/``KeyError`` with the reason."""
+    from .registry import get_config, resolve_name
+
+    config = get_config(resolve_name(args.model))  # clear error for unknown names
+    is_text = hasattr(config, "max_len") or not hasattr(config, "patch")
+    if is_text and args.seq_len is None:
+        raise ValueError(f"{args.model} is a sequence model: give --seq-len")
+    if not is_text and args.seq_len is not None:
+        raise ValueError(f"{args.model} is a video model: give --frames and --size, not --seq-len")
+    if args.size is not None and min(_hw(args.size)) < args.vae_stride:
+        raise ValueError(
+            f"--size {args.size} is smaller than one latent pixel (--vae-stride {args.vae_stride})"
+        )
     if args.seq_len is not None:
         wl = workload_for(
             args.model, batch=args.batch, seq_len=args.seq_len, itemsize=args.dtype_bytes
         )
     else:
         if args.frames is None or (args.size is None and args.latent is None):
-            raise SystemExit("dspzoo plan: a video model needs --frames and --size (or --latent)")
+            raise ValueError("a video model needs --frames and --size (or --latent)")
         spatial = _hw(args.latent) if args.latent else _hw(args.size, args.vae_stride)
         wl = workload_for(
             args.model,
@@ -105,7 +123,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (KeyError, ValueError) as exc:
+        parser.error(str(exc.args[0]) if exc.args else str(exc))
 
 
 if __name__ == "__main__":

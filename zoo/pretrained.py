@@ -225,13 +225,18 @@ def from_pretrained(
     device: str | torch.device = "cpu",
     strict: bool = True,
 ) -> nn.Module:
-    """Rebuild a zoo model from a folder written by :func:`save_pretrained`."""
+    """Rebuild a zoo model from a folder written by :func:`save_pretrained`.
+
+    ``expected_family`` (e.g. ``"bytelm"``) refuses another family's checkpoint with a
+    :class:`CheckpointMismatchError` before anything is built.
+    """
     path = Path(path)
-    family, config = load_config(path)
-    if expected_family is not None and family != expected_family:
+    saved = _read_meta(path)["family"]
+    if expected_family is not None and saved != expected_family:
         raise CheckpointMismatchError(
-            f"checkpoint {path} is for model family {family!r}, but {expected_family!r} was expected"
+            f"checkpoint {path} is for model family {saved!r}, but {expected_family!r} was expected"
         )
+    family, config = load_config(path)
     model = family_info(family).model_cls(config)
     load_weights(model, path, strict=strict)
     return model.to(device)

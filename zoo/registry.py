@@ -92,7 +92,11 @@ def _family(family: str) -> Family:
         return _FAMILIES[key]
     close = _close(family, list(_FAMILIES))
     hint = f"; did you mean {close}?" if close else ""
-    raise KeyError(f"unknown model family {family!r}{hint} (registered: {sorted(_FAMILIES)})")
+    raise KeyError(
+        f"unknown model family {family!r}{hint} (registered: {sorted(_FAMILIES)}); families "
+        f"register when their domain is imported, e.g. `import dspzoo.domains.video` or "
+        f"`dspzoo.zoo.cli.load_domains()`"
+    )
 
 
 def family_of(model: nn.Module) -> str:
