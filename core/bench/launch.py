@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     cmd = command(args.num_processes, args.script_args)
     print(shlex.join(cmd), flush=True)
     if not args.run:
+        print("(printed, not run: add --run to launch it)", file=sys.stderr)
         return 0
     launch = [sys.executable, "-m", "accelerate.commands.launch", *cmd[2:]]
     return subprocess.call(launch)
