@@ -106,7 +106,7 @@ def run_training_loop(
                 avg = sum(recent) / len(recent)
                 step_time = mean_step_time(result.timings, window)
                 tps = s.tokens_per_step / step_time
-                name = f"{s.loss_name}(avg{window})"
+                name = f"{s.loss_name}(avg{len(recent)})"
                 progress.set_postfix({name: f"{avg:.4f}", "tok/s": f"{tps:.0f}"})
                 if is_main:
                     logger.info(
