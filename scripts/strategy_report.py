@@ -80,20 +80,15 @@ def switch_bytes(
     return lead * src[r] * (dst_len - dst[r]) * row * itemsize
 
 
-def ulysses_bytes(
-    bf: int, seq: list[int], attn: Attn, r: int, itemsize: int, pad: bool = True
-) -> tuple[int, int]:
+def ulysses_bytes(bf: int, seq: list[int], attn: Attn, r: int, itemsize: int) -> tuple[int, int]:
     """(forward, backward) of DeepSpeed-Ulysses on folded ``[bf, seq_r, H, D]`` tensors.
 
     Forward: the fused ``[q|k|v]`` switch (sequence → heads) plus the output switch back; the
     backward mirrors them. Even, MHA: ``4·(M/N)·(N−1)/N`` each way. KV-aligned GQA moves k and v
     with their own head split (``2 + 2·Hkv/H`` units); otherwise k and v are expanded to ``H``
-    heads first. A non-balanced sequence split is padded to its longest shard (``pad``; USP's
-    inner Ulysses switches with the explicit split instead).
+    heads first. Any contiguous split travels as it is (no padding).
     """
     n = len(seq)
-    if pad and seq != shard_sizes(sum(seq), n):
-        seq = [max(seq)] * n
     hq = shard_sizes(attn.heads, n)
     g = attn.heads // attn.kv_heads
     hkv_split = shard_sizes(attn.kv_heads, n)
@@ -145,7 +140,7 @@ def usp_bytes(
     mine = seq[slot * ulysses : (slot + 1) * ulysses]
     kv_ok = attn.heads % ulysses == 0 and attn.kv_heads % ulysses == 0
     inner = attn if kv_ok else Attn(attn.heads, attn.heads, attn.head_dim)
-    uf, ub = ulysses_bytes(bf, mine, inner, u, itemsize, pad=False) if ulysses > 1 else (0, 0)
+    uf, ub = ulysses_bytes(bf, mine, inner, u, itemsize) if ulysses > 1 else (0, 0)
     kv_local = shard_sizes(inner.kv_heads, ulysses)[u]
     rf, rb = (
         ring_bytes(bf, segments, kv_local, attn.head_dim, slot, itemsize, stats)
