@@ -33,11 +33,17 @@ import resource
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dspzoo.core.costmodel import formulas
+from dspzoo.core.costmodel.formulas import CommCount
+from dspzoo.core.layout import shard_sizes
+from dspzoo.core.methods.ring import zigzag_lengths
 
 MiB = 2**20
 VIDEO_DIMS = ("t", "s")
@@ -57,19 +63,13 @@ class Attn:
         return self.heads * self.head_dim
 
 
-def shard_sizes(length: int, parts: int) -> list[int]:
-    """Balanced unpadded shard sizes (the convention of ``dspzoo.core.layout.shard_sizes``)."""
-    base, extra = divmod(length, parts)
-    return [base + (1 if r < extra else 0) for r in range(parts)]
+# -- per-method formulas: the cost model's, summed per phase (bytes sent by rank r) --------------
+def _phases(fill: Callable[[CommCount], None]) -> tuple[int, int]:
+    out = CommCount()
+    fill(out)
+    return out.bytes(phase="forward"), out.bytes(phase="backward")
 
 
-def zigzag_sizes(length: int, parts: int) -> list[int]:
-    """Tokens per rank in the zigzag layout (chunks ``r`` and ``2N−1−r`` of ``2N``)."""
-    chunks = shard_sizes(length, 2 * parts)
-    return [chunks[r] + chunks[2 * parts - 1 - r] for r in range(parts)]
-
-
-# -- per-method formulas (bytes sent by rank r; elements × itemsize) ------------------------------
 def switch_bytes(
     lead: int, src: list[int], dst_len: int, r: int, n: int, row: int, itemsize: int
 ) -> int:
@@ -81,82 +81,38 @@ def switch_bytes(
 
 
 def ulysses_bytes(bf: int, seq: list[int], attn: Attn, r: int, itemsize: int) -> tuple[int, int]:
-    """(forward, backward) of DeepSpeed-Ulysses on folded ``[bf, seq_r, H, D]`` tensors.
-
-    Forward: the fused ``[q|k|v]`` switch (sequence → heads) plus the output switch back; the
-    backward mirrors them. Even, MHA: ``4·(M/N)·(N−1)/N`` each way. KV-aligned GQA moves k and v
-    with their own head split (``2 + 2·Hkv/H`` units); otherwise k and v are expanded to ``H``
-    heads first. Any contiguous split travels as it is (no padding).
-    """
-    n = len(seq)
-    hq = shard_sizes(attn.heads, n)
-    g = attn.heads // attn.kv_heads
-    hkv_split = shard_sizes(attn.kv_heads, n)
-    hkv = hkv_split if hq == [g * h for h in hkv_split] else hq
-    d = attn.head_dim * bf * itemsize
-    others = [j for j in range(n) if j != r]
-    fwd = sum(seq[r] * (hq[j] + 2 * hkv[j]) + hq[r] * seq[j] for j in others) * d
-    bwd = sum(seq[j] * (hq[r] + 2 * hkv[r]) + hq[j] * seq[r] for j in others) * d
-    return fwd, bwd
+    """(forward, backward) of Ulysses on folded ``[bf, seq_r, H, D]`` tensors (cost model)."""
+    h, hkv, d = attn.heads, attn.kv_heads, attn.head_dim
+    return _phases(lambda out: formulas.ulysses_bytes(out, seq, r, bf, h, hkv, d, itemsize))
 
 
 def ring_bytes(
-    bf: int, seq: list[int], kv_heads: int, head_dim: int, r: int, itemsize: int, stats: int
+    bf: int, seq: list[int], kv_heads: int, head_dim: int, r: int, itemsize: int
 ) -> tuple[int, int]:
-    """(forward, backward) of ring attention: forward, K and V passed ``N−1`` times (the blocks
-    of ranks ``r, r−1, …, r−N+2``); backward the same K/V passes plus the dK/dV accumulators of
-    all ``N`` steps in the statistics dtype (``stats`` bytes per element)."""
-    n = len(seq)
-    per_token = 2 * bf * kv_heads * head_dim
-    kv = sum(seq[(r - j) % n] for j in range(n - 1)) * per_token
-    return kv * itemsize, kv * itemsize + sum(seq) * per_token * stats
+    """(forward, backward) of ring attention: K and V passed ``N−1`` times forward; backward
+    the same plus the dK/dV accumulators of all ``N`` steps in fp32 (cost model)."""
+    return _phases(lambda out: formulas.ring_bytes(out, seq, r, bf, kv_heads, head_dim, itemsize))
 
 
 def lss_bytes(
     bf: int, seq: list[int], kv_heads: int, head_dim: int, itemsize: int
 ) -> tuple[int, int]:
-    """(forward, backward) of LSS: one all-gather of the fused ``[k|v]`` buffer, ``(N−1)`` padded
-    chunks; backward its reduce-scatter, the same bytes."""
-    n = len(seq)
-    b = (n - 1) * max(seq) * bf * kv_heads * 2 * head_dim * itemsize
-    return b, b
+    """(forward, backward) of LSS: one all-gather of ``[k|v]``, its reduce-scatter (cost model)."""
+    return _phases(lambda out: formulas.lss_bytes(out, seq, bf, kv_heads, head_dim, itemsize))
 
 
 def usp_bytes(
-    bf: int,
-    seq: list[int],
-    attn: Attn,
-    ulysses: int,
-    r: int,
-    itemsize: int,
-    stats: int,
+    bf: int, seq: list[int], attn: Attn, ulysses: int, r: int, itemsize: int
 ) -> tuple[int, int]:
-    """(forward, backward) of USP: Ulysses inside groups of ``ulysses`` consecutive ranks, then
-    ring attention over the ``N/ulysses`` ring slots with this rank's heads, the slot's segment."""
-    n = len(seq)
-    rings = n // ulysses
-    slot, u = divmod(r, ulysses)
-    segments = [sum(seq[j * ulysses : (j + 1) * ulysses]) for j in range(rings)]
-    mine = seq[slot * ulysses : (slot + 1) * ulysses]
-    kv_ok = attn.heads % ulysses == 0 and attn.kv_heads % ulysses == 0
-    inner = attn if kv_ok else Attn(attn.heads, attn.heads, attn.head_dim)
-    uf, ub = ulysses_bytes(bf, mine, inner, u, itemsize) if ulysses > 1 else (0, 0)
-    kv_local = shard_sizes(inner.kv_heads, ulysses)[u]
-    rf, rb = (
-        ring_bytes(bf, segments, kv_local, attn.head_dim, slot, itemsize, stats)
-        if rings > 1
-        else (0, 0)
-    )
-    return uf + rf, ub + rb
+    """(forward, backward) of USP: Ulysses in groups of ``ulysses``, ring across (cost model)."""
+    h, hkv, d = attn.heads, attn.kv_heads, attn.head_dim
+    return _phases(lambda out: formulas.usp_bytes(out, seq, r, ulysses, bf, h, hkv, d, itemsize))
 
 
 def megatron_bytes(lead: int, sizes: list[int], hidden: int, itemsize: int) -> tuple[int, int]:
-    """(forward, backward) of one Megatron-SP linear pair: all-gather of the sequence before the
-    column-parallel linear and reduce-scatter after the row-parallel one, each ``(N−1)`` padded
-    chunks of the ``[.., C]`` activation; the backward mirrors them."""
-    n = len(sizes)
-    b = 2 * (n - 1) * max(sizes) * lead * hidden * itemsize
-    return b, b
+    """(forward, backward) of one Megatron-SP linear pair: all-gather + reduce-scatter of the
+    ``[.., C]`` activation, mirrored in the backward (cost model)."""
+    return _phases(lambda out: formulas.megatron_pair_bytes(out, sizes, lead * hidden, itemsize))
 
 
 FORMULA_TEXT = {
@@ -190,7 +146,6 @@ def block_formula(
     n: int,
     r: int,
     itemsize: int,
-    stats_itemsize: int,
     ulysses_size: int = 1,
     tp_pairs: int = 0,
 ) -> tuple[int, int, str, dict[str, int]]:
@@ -222,16 +177,16 @@ def block_formula(
             continue
         rest = math.prod(lengths[d] for d in step.mixes if d != cur)
         bf = batch * math.prod(lengths[d] for d in names if d not in step.mixes)
-        split = zigzag_sizes(lengths[cur], n) if zigzag else shard_sizes(lengths[cur], n)
+        split = zigzag_lengths(lengths[cur], n) if zigzag else shard_sizes(lengths[cur], n)
         seq = [s * rest for s in split]
         if method == "ulysses":
             f, b = ulysses_bytes(bf, seq, attn, r, itemsize)
         elif method == "ring":
-            f, b = ring_bytes(bf, seq, attn.kv_heads, attn.head_dim, r, itemsize, stats_itemsize)
+            f, b = ring_bytes(bf, seq, attn.kv_heads, attn.head_dim, r, itemsize)
         elif method == "lss":
             f, b = lss_bytes(bf, seq, attn.kv_heads, attn.head_dim, itemsize)
         elif method == "usp":
-            f, b = usp_bytes(bf, seq, attn, ulysses_size, r, itemsize, stats_itemsize)
+            f, b = usp_bytes(bf, seq, attn, ulysses_size, r, itemsize)
         else:
             raise ValueError(f"no formula for method {method!r}")
         fwd, bwd = fwd + f, bwd + b
@@ -255,7 +210,6 @@ def plan_formula(
     n: int,
     r: int,
     itemsize: int,
-    stats_itemsize: int,
     ulysses_size: int = 1,
     tp_pairs: list[int] | None = None,
     extra: int = 0,
@@ -280,7 +234,6 @@ def plan_formula(
             n,
             r,
             itemsize,
-            stats_itemsize,
             ulysses_size,
             0 if tp_pairs is None else tp_pairs[i % depth],
         )
@@ -405,7 +358,6 @@ def run_strategy(
     """One step of ``strategy``; this rank's measurements."""
     from dspzoo.core import SavedTensorMeter, SeqParallel, build_mesh, trace_comm
     from dspzoo.core.accelerate import default_ulysses_size
-    from dspzoo.core.methods.blockwise import stats_dtype
 
     ulysses = default_ulysses_size(world) if strategy == "usp" else None
     mesh = build_mesh(world, accelerator, ulysses_size=ulysses)
@@ -429,7 +381,6 @@ def run_strategy(
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     plan = sp.plan(tuple(work.lengths), tuple(work.lengths.values()), tuple(work.stages))
     itemsize = 4 if work.text else work.x.element_size()
-    stats = torch.empty((), dtype=stats_dtype(torch.float32)).element_size()
     steady_blocks = max(work.period, 1)
     formula = plan_formula(
         plan,
@@ -442,7 +393,6 @@ def run_strategy(
         sp.size,
         sp.rank,
         itemsize,
-        stats,
         1 if ulysses is None else ulysses,
         tp_pairs,
         extra=steady_blocks,

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from dspzoo.core.layout import shard_sizes as core_shard_sizes
-from dspzoo.core.methods.ring import zigzag_lengths
 from dspzoo.core.plan import Stage, plan_fixed, plan_stages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,13 +28,6 @@ finally:
 AXIAL = (Stage("spatial", ("s",)), Stage("temporal", ("t",)), Stage("cross"), Stage("mlp"))
 
 
-def test_shard_helpers_follow_the_core_conventions() -> None:
-    for length in (7, 10, 16, 63):
-        for n in (1, 2, 3, 4):
-            assert sr.shard_sizes(length, n) == core_shard_sizes(length, n)
-            assert sr.zigzag_sizes(length, n) == zigzag_lengths(length, n)
-
-
 def test_even_method_formulas_are_the_textbook_units() -> None:
     n, b, length, heads, d, item = 4, 2, 64, 8, 16, 4
     attn = sr.Attn(heads, heads, d)
@@ -46,11 +37,11 @@ def test_even_method_formulas_are_the_textbook_units() -> None:
     for r in range(n):
         assert sr.ulysses_bytes(b, seq, attn, r, item) == (4 * unit, 4 * unit)
         assert sr.lss_bytes(b, seq, heads, d, item) == (2 * (n - 1) * m / n,) * 2
-        fwd, bwd = sr.ring_bytes(b, seq, heads, d, r, item, 4)
+        fwd, bwd = sr.ring_bytes(b, seq, heads, d, r, item)
         assert fwd == 2 * (n - 1) * m / n and bwd == fwd + 2 * m
         assert sr.megatron_bytes(b, seq, heads * d, item) == (2 * (n - 1) * m / n,) * 2
         # USP 2 × 2: Ulysses inside pairs, ring over the 2 slots
-        uf, ub = sr.usp_bytes(b, seq, attn, 2, r, item, 4)
+        uf, ub = sr.usp_bytes(b, seq, attn, 2, r, item)
         ulysses = 4 * m / n * (2 - 1) / 2
         assert (
             uf == ulysses + 2 * (2 - 1) * m / n
@@ -76,13 +67,13 @@ def test_block_formula_walks_the_dsp_plan() -> None:
     n, lengths, attn = 2, {"t": 16, "s": 64}, sr.Attn(4, 4, 16)
     plan = plan_stages(("t", "s"), (16, 64), AXIAL, n)
     names = [s.name for s in AXIAL]
-    blocks = sr.plan_formula(plan, names, 2, 0, lengths, 1, attn, n, 0, 4, 4, extra=1)
+    blocks = sr.plan_formula(plan, names, 2, 0, lengths, 1, attn, n, 0, 4, extra=1)
     unit = 16 * 64 * 64 * 4 / n * (n - 1) / n
     assert blocks[-1] == (2 * unit, 2 * unit)  # steady state: two switches per layer
     assert sum(f for f, _ in blocks[:2]) == 3 * unit  # the entry split saves the first one
     # an embedded strategy on s: one Ulysses stage per layer, no switch
     fixed = plan_fixed(("t", "s"), (16, 64), AXIAL, n, "ulysses")
-    f, b, dim, kinds = sr.block_formula(fixed, 0, "s", names, lengths, 1, attn, n, 1, 4, 4)
+    f, b, dim, kinds = sr.block_formula(fixed, 0, "s", names, lengths, 1, attn, n, 1, 4)
     assert (f, b, dim) == (4 * unit, 4 * unit, "s") and set(kinds) == {"ulysses"}
 
 
