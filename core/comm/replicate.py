@@ -66,8 +66,13 @@ def _rows(shape: torch.Size, dim: int, rows: int) -> list[int]:
     return out
 
 
-def _all_gather_along(
-    x: torch.Tensor, dim: int, sizes: list[int], group: Any, region: str | None
+def all_gather_along(
+    x: torch.Tensor,
+    dim: int,
+    sizes: list[int],
+    group: Any,
+    region: str | None,
+    phase: str = "forward",
 ) -> torch.Tensor:
     """All-gather shards of axis ``dim`` (sizes per rank) into the full tensor."""
     n, r = group_size(group), group_rank(group)
@@ -89,14 +94,19 @@ def _all_gather_along(
         (n - 1) * chunk.numel() * chunk.element_size(),
         group,
         chunk,
-        "forward",
+        phase,
         region,
     )
     return unpack_blocks(recv, dim, sizes, shape, pad_to=longest)
 
 
-def _reduce_scatter_along(
-    grad: torch.Tensor, dim: int, sizes: list[int], group: Any, region: str | None
+def reduce_scatter_along(
+    grad: torch.Tensor,
+    dim: int,
+    sizes: list[int],
+    group: Any,
+    region: str | None,
+    phase: str = "backward",
 ) -> torch.Tensor:
     """Sum ``grad`` (full on ``dim``) over the group and keep this rank's shard of ``dim``."""
     n, r = group_size(group), group_rank(group)
@@ -104,9 +114,7 @@ def _reduce_scatter_along(
     send = pack_blocks(grad, dim, sizes, pad_to=longest)
     out = torch.empty(_rows(grad.shape, dim, longest), dtype=grad.dtype, device=grad.device)
     reduce_scatter_single(out.view(-1), send, group=group)
-    record(
-        "reduce_scatter", (n - 1) * out.numel() * out.element_size(), group, out, "backward", region
-    )
+    record("reduce_scatter", (n - 1) * out.numel() * out.element_size(), group, out, phase, region)
     return out.narrow(dim, 0, sizes[r])
 
 
@@ -133,7 +141,7 @@ class _Gather(torch.autograd.Function):
         n, r = group_size(group), group_rank(group)
         sizes = shard_sizes(length, n)
         ctx.dim, ctx.n, ctx.offset, ctx.size = dim, n, offsets(sizes)[r], sizes[r]
-        return _all_gather_along(x, dim, sizes, group, None)
+        return all_gather_along(x, dim, sizes, group, None)
 
     @staticmethod
     @once_differentiable
@@ -166,10 +174,10 @@ class _GatherForLocalUse(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.region = dim, group, region
         ctx.sizes = shard_sizes(length, group_size(group))
-        return _all_gather_along(x, dim, ctx.sizes, group, region)
+        return all_gather_along(x, dim, ctx.sizes, group, region)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_x = _reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.region)
+        grad_x = reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.region)
         return grad_x, None, None, None, None

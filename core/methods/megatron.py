@@ -68,8 +68,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..comm import gather_for_local_use
-from ..comm.blocks import empty_blocks, pack_blocks, unpack_blocks
-from ..comm.group import all_gather_single, group_rank, group_size, record, reduce_scatter_single
+from ..comm.group import group_rank, group_size
+from ..comm.replicate import all_gather_along, reduce_scatter_along
 from ..layout import SeqSpec, shard_offset, shard_sizes
 from ..trace import comm_region, current_region
 
@@ -323,12 +323,6 @@ def row_parallel_output(
     return out if linear.bias is None else out + linear.bias
 
 
-def _rows(shape: torch.Size | list[int], axis: int, rows: int) -> list[int]:
-    out = list(shape)
-    out[axis] = rows
-    return out
-
-
 class _ReduceScatter(torch.autograd.Function):
     """Full partial sums → this rank's shard of their sum; backward: all-gather (its adjoint)."""
 
@@ -336,45 +330,17 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, axis: int, group: Any, length: int, region: str
     ) -> torch.Tensor:
-        n, r = group_size(group), group_rank(group)
-        sizes = shard_sizes(length, n)
+        sizes = shard_sizes(length, group_size(group))
         if x.shape[axis] != length:
             raise ValueError(
                 f"megatron_sp: the output has {x.shape[axis]} rows on axis {axis}, expected the "
                 f"full length {length}"
             )
         ctx.axis, ctx.group, ctx.sizes, ctx.region = axis, group, sizes, region
-        longest = max(sizes)
-        send = pack_blocks(x, axis, sizes, pad_to=longest)
-        out = torch.empty(_rows(x.shape, axis, longest), dtype=x.dtype, device=x.device)
-        reduce_scatter_single(out.view(-1), send, group=group)
-        record(
-            "reduce_scatter",
-            (n - 1) * out.numel() * out.element_size(),
-            group,
-            out,
-            "forward",
-            region,
-        )
-        return out.narrow(axis, 0, sizes[r]).contiguous()
+        return reduce_scatter_along(x, axis, sizes, group, region, phase="forward").contiguous()
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        axis, group, sizes = ctx.axis, ctx.group, ctx.sizes
-        n = group_size(group)
-        longest = max(sizes)
-        send = pack_blocks(grad, axis, [grad.shape[axis]], pad_to=longest)
-        shape = _rows(grad.shape, axis, sum(sizes))
-        recv = empty_blocks(shape, axis, sizes, grad, pad_to=longest)
-        all_gather_single(recv.view(-1), send, group=group)
-        chunk = send.view(_rows(grad.shape, axis, longest))
-        record(
-            "all_gather",
-            (n - 1) * chunk.numel() * chunk.element_size(),
-            group,
-            chunk,
-            "backward",
-            ctx.region,
-        )
-        return unpack_blocks(recv, axis, sizes, shape, pad_to=longest), None, None, None, None
+        gathered = all_gather_along(grad, ctx.axis, ctx.sizes, ctx.group, ctx.region, "backward")
+        return gathered, None, None, None, None
