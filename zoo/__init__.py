@@ -20,6 +20,7 @@ from .registry import (
     resolve_name,
     unregister_family,
 )
+from .shipped import list_pretrained, model_card, ship_pretrained, shipped_names
 
 __all__ = [
     "CheckpointMismatchError",
@@ -30,6 +31,10 @@ __all__ = [
     "from_pretrained",
     "get_config",
     "list_models",
+    "list_pretrained",
+    "model_card",
+    "ship_pretrained",
+    "shipped_names",
     "load_config",
     "load_extra",
     "load_weights",

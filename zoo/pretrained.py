@@ -47,12 +47,20 @@ def save_pretrained(
     path: str | os.PathLike,
     config_name: str | None = None,
     extra: dict[str, Any] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write ``model`` (a registered zoo model) to folder ``path`` atomically and durably.
 
     ``extra``: JSON-serialisable settings that using the model needs besides its config (e.g.
     the frames, frame size and codec a video model was trained on), stored in ``config.json``
     and read back with :func:`load_extra`, so the folder is self-contained.
+
+    ``dtype`` (e.g. ``torch.float16``) stores floating-point tensors in that precision (loading
+    casts them back to the model's dtype); ``extra_files`` maps file names to text written into
+    the folder before it is swapped in (e.g. a model card), so they are part of the same
+    atomic save.
 
     ``path`` is replaced as a whole if it exists. The folder and its files are created with
     the modes the umask allows (``0o777`` / ``0o666`` masked), not private temp-file modes.
@@ -70,6 +78,8 @@ def save_pretrained(
         "extra": dict(extra or {}),
     }
     state = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _unique_sibling(path, "tmp")
     tmp.mkdir(mode=0o777)  # masked by the umask, unlike tempfile.mkdtemp's 0o700
@@ -86,6 +96,15 @@ def save_pretrained(
         # umask-derived mode config.json was created with
         os.chmod(weights, stat.S_IMODE(config_file.stat().st_mode))
         fsync_path(weights)
+        for name, text in (extra_files or {}).items():
+            if Path(name).name != name or name in (CONFIG_FILE, WEIGHTS_FILE):
+                raise ValueError(f"extra_files: {name!r} must be a plain file name other than "
+                                 f"{CONFIG_FILE} and {WEIGHTS_FILE}")
+            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
         fsync_path(tmp)
         if path.exists():
             old = _unique_sibling(path, "old")
@@ -158,13 +177,17 @@ def _build_config(config_cls: type, values: dict[str, Any]) -> Any:
 
 
 def load_extra(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``extra`` settings saved with the checkpoint folder ``path`` (``{}`` if none)."""
-    return dict(_read_meta(Path(path)).get("extra") or {})
+    """The ``extra`` settings saved with the checkpoint folder (or shipped name) ``path``."""
+    from .shipped import resolve_pretrained
+
+    return dict(_read_meta(resolve_pretrained(path)).get("extra") or {})
 
 
 def load_config(path: str | os.PathLike) -> tuple[str, Any]:
-    """``(family, config)`` of the checkpoint folder ``path``."""
-    meta = _read_meta(Path(path))
+    """``(family, config)`` of the checkpoint folder (or shipped name) ``path``."""
+    from .shipped import resolve_pretrained
+
+    meta = _read_meta(resolve_pretrained(path))
     fam = family_info(meta["family"])
     return fam.name, _build_config(fam.config_cls, meta["config"])
 
@@ -227,10 +250,15 @@ def from_pretrained(
 ) -> nn.Module:
     """Rebuild a zoo model from a folder written by :func:`save_pretrained`.
 
+    ``path`` may also be the name of a model shipped with the package (``dspzoo list
+    --pretrained``), e.g. ``"stdit-mini-shapes"``.
+
     ``expected_family`` (e.g. ``"bytelm"``) refuses another family's checkpoint with a
     :class:`CheckpointMismatchError` before anything is built.
     """
-    path = Path(path)
+    from .shipped import resolve_pretrained
+
+    path = resolve_pretrained(path)
     saved = _read_meta(path)["family"]
     if expected_family is not None and saved != expected_family:
         raise CheckpointMismatchError(

@@ -1,0 +1,157 @@
+"""Trained models shipped inside the package, loadable by name.
+
+Each lives in ``zoo/weights/<name>/``: the :func:`~dspzoo.zoo.pretrained.save_pretrained` folder
+(``config.json`` with the settings using it needs in ``extra``, ``model.safetensors``, often in
+fp16) plus ``card.json``, the model card: what it was trained on, its evaluation figures, the
+exact command that trained it and how to recompute the figures.
+
+Names are ``<family>-<config>-<data>``, e.g. ``stdit-mini-shapes`` or ``evoformer-small-pdb``;
+they ignore case. ``from_pretrained("stdit-mini-shapes")`` loads one;
+``dspzoo list --pretrained`` prints the table (also ``docs/zoo.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .registry import _close, _match, family_of, resolve_name
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+CARD_FILE = "card.json"
+CARD_KEYS = ("model", "data", "metrics", "command", "eval")
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a shipped model is: the card stored beside its weights.
+
+    Attributes:
+        name: the shipped name, ``<family>-<config>-<data>``.
+        model: the zoo config it instantiates, e.g. ``"stdit-mini"``.
+        data: what it was trained on.
+        metrics: evaluation figures, name → value (recomputed by ``eval``).
+        command: the exact command that trained it.
+        eval: the function or command that recomputes ``metrics``.
+        notes: anything a user should know (limits, training time).
+        parameters: parameter count.
+    """
+
+    name: str
+    model: str
+    data: str
+    metrics: dict[str, float]
+    command: str
+    eval: str
+    notes: str = ""
+    parameters: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _card_from_json(name: str, raw: dict[str, Any]) -> ModelCard:
+    known = {f for f in ModelCard.__dataclass_fields__ if f not in ("name", "extra")}
+    missing = [k for k in CARD_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"model card of {name!r} lacks {missing}")
+    return ModelCard(
+        name=name,
+        **{k: raw[k] for k in known if k in raw},
+        extra={k: v for k, v in raw.items() if k not in known},
+    )
+
+
+def shipped_names() -> list[str]:
+    """Names of the models shipped with the package, sorted."""
+    if not WEIGHTS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in WEIGHTS_DIR.iterdir() if (p / CARD_FILE).is_file())
+
+
+def pretrained_path(name: str) -> Path:
+    """The folder of shipped model ``name`` (case-insensitive); ``KeyError`` names the others."""
+    names = shipped_names()
+    key = _match(name, names)
+    if key is None:
+        close = _close(name, names)
+        hint = f"; did you mean {close}?" if close else ""
+        raise KeyError(
+            f"no shipped weights named {name!r}{hint}. Shipped models: {names or 'none'} "
+            f"(`dspzoo list --pretrained`); a zoo config name such as 'stdit-mini' builds an "
+            f"untrained model with create_model(), and a folder written by save_pretrained "
+            f"loads with from_pretrained(<folder>)"
+        )
+    return WEIGHTS_DIR / key
+
+
+def resolve_pretrained(path: str | os.PathLike) -> Path:
+    """A checkpoint folder as given, or the folder of the shipped model of that name.
+
+    A string that is not an existing folder and contains no path separator is looked up among
+    the shipped names (an unknown one raises ``KeyError`` listing them).
+    """
+    as_path = Path(path)
+    if as_path.is_dir() or not isinstance(path, str) or os.sep in path or "/" in path:
+        return as_path
+    return pretrained_path(path)
+
+
+def model_card(name: str) -> ModelCard:
+    """The card of shipped model ``name``."""
+    folder = pretrained_path(name)
+    return _card_from_json(folder.name, json.loads((folder / CARD_FILE).read_text()))
+
+
+def list_pretrained() -> list[ModelCard]:
+    """Cards of every shipped model."""
+    return [model_card(n) for n in shipped_names()]
+
+
+def ship_pretrained(
+    model: nn.Module,
+    name: str,
+    *,
+    config_name: str,
+    extra: dict[str, Any] | None = None,
+    card: dict[str, Any],
+    dtype: torch.dtype | None = torch.float16,
+    root: str | os.PathLike | None = None,
+) -> Path:
+    """Write ``model`` as shipped model ``name`` into ``zoo/weights/`` (or ``root``), atomically.
+
+    ``config_name`` is the zoo config the model instantiates (``"evoformer-small"``), and
+    ``name`` must extend it with the data it was trained on (``"evoformer-small-pdb"``).
+    ``card`` needs the keys ``model``, ``data``, ``metrics``, ``command`` and ``eval`` (see
+    :class:`ModelCard`); ``dtype`` stores the floating-point weights in that precision
+    (``None``: as they are).
+    """
+    from .pretrained import save_pretrained
+
+    config_name = resolve_name(config_name)
+    family = family_of(model)
+    if not config_name.startswith(f"{family}-"):
+        raise ValueError(f"config {config_name!r} is not of the model's family {family!r}")
+    if not name.casefold().startswith(config_name.casefold() + "-") or name.casefold() == (
+        config_name.casefold()
+    ):
+        raise ValueError(
+            f"shipped names look like '<family>-<config>-<data>': {name!r} must start with "
+            f"'{config_name}-' and name the data after it"
+        )
+    card = dict(card)
+    card.setdefault("model", config_name)
+    card["parameters"] = sum(p.numel() for p in model.parameters())
+    _card_from_json(name, card)  # validates the keys
+    return save_pretrained(
+        model,
+        Path(root or WEIGHTS_DIR) / name,
+        config_name=config_name,
+        extra=extra,
+        dtype=dtype,
+        extra_files={CARD_FILE: json.dumps(card, indent=2) + "\n"},
+    )
