@@ -63,13 +63,17 @@ class Stage:
     ``mixes=()`` is a token-wise stage (MLP, cross-attention to replicated conditioning).
     ``method`` forces the embedded method of a stage that mixes every dim (default: the
     planner's choice); ``heads`` (its attention heads, if known) lets the planner avoid
-    Ulysses where heads are fewer than ranks.
+    Ulysses where heads are fewer than ranks. ``embed_if_underfilled``: when every dim the
+    stage leaves free is shorter than the SP size (some ranks would idle, e.g. a 2-step time
+    window at SP 8 under a full-spatial attention), the planner may instead shard a dim the
+    stage mixes and run it with an embedded method, as for a stage that mixes every dim.
     """
 
     name: str
     mixes: tuple[str, ...] = ()
     method: str | None = None
     heads: int | None = None
+    embed_if_underfilled: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.mixes, str):
@@ -226,12 +230,17 @@ def plan_stages(
                 f"stage {stage.name!r} mixes unknown dim(s) {unknown}; the sequence dims are {dims}"
             )
         free = [d for d in dims if d not in stage.mixes]
-        options.append(free or list(dims))  # every dim mixed: an embedded method, any dim
+        underfilled = all(length_of[d] < sp_size for d in free)
+        if stage.embed_if_underfilled and free and underfilled:
+            options.append(list(dims))  # idle ranks on a free dim, or a mixed dim embedded
+        else:
+            options.append(free or list(dims))  # every dim mixed: an embedded method, any dim
+    # the method of stage i sharded on dim d: local on a free dim, else an embedded method
     methods = [
-        "local" if any(d not in st.mixes for d in dims) else choose_method(st, sp_size)
-        for st in stages
+        {d: "local" if d not in st.mixes else choose_method(st, sp_size) for d in opts}
+        for st, opts in zip(stages, options)
     ]
-    method_cost = [embedded_method_cost(m, sp_size) for m in methods]
+    method_cost = [{d: embedded_method_cost(m, sp_size) for d, m in ms.items()} for ms in methods]
 
     k = len(stages)
 
@@ -240,7 +249,7 @@ def plan_stages(
         table: list[dict[str, float]] = [{} for _ in range(k)]
         for i in reversed(range(k)):
             for d in options[i]:
-                here = _stage_cost(d, length_of[d], sp_size) + method_cost[i]
+                here = _stage_cost(d, length_of[d], sp_size) + method_cost[i][d]
                 if i == k - 1:
                     tail = SWITCH_COST if (start is not None and d != start) else 0.0
                 else:
@@ -260,7 +269,7 @@ def plan_stages(
             remaining = (
                 table[i - 1][prev]
                 - _stage_cost(prev, length_of[prev], sp_size)
-                - method_cost[i - 1]
+                - method_cost[i - 1][prev]
             )
             stay_ok = prev in table[i] and abs(table[i][prev] - remaining) < 1e-9
             choice.append(
@@ -289,7 +298,7 @@ def plan_stages(
                 dim,
                 prev if prev not in (None, dim) else None,
                 note,
-                methods[i],
+                methods[i][dim],
             )
         )
     return Plan(dims=dims, lengths=lengths, sp_size=sp_size, periodic=periodic, steps=tuple(steps))
