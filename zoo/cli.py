@@ -1,7 +1,12 @@
-"""``dspzoo`` command line: list the zoo and describe a model.
+"""``dspzoo`` command line: the zoo, its shipped models, and every domain's scripts.
 
-dspzoo list
-dspzoo info stdit-720M      # names ignore case: stdit-720m works too
+dspzoo list                  # every model config with its parameter count
+dspzoo list --pretrained     # the trained models shipped with the package
+dspzoo info stdit-720M       # names ignore case: stdit-720m works too
+dspzoo plan | bench ...      # cost model, benchmark (docs/cost_model.md, docs/benchmark.md)
+dspzoo train <domain> ...    # video, text, protein, weather (see zoo/run_cli.py)
+dspzoo sample|generate|predict|forecast <shipped-name-or-folder> ...
+dspzoo convert --from diffusers <folder> <out>
 
 An unknown name prints the registry's message (with did-you-mean hints) after the usage line
 and exits with status 2, as argparse does for any other bad argument.
@@ -15,6 +20,7 @@ import importlib
 import sys
 
 from .registry import (
+    _match,
     count_parameters,
     create_model,
     format_count,
@@ -22,14 +28,25 @@ from .registry import (
     list_models,
     resolve_name,
 )
+from .shipped import describe_card, model_card, pretrained_table, shipped_names
 
-_DOMAIN_MODULES = ("dspzoo.domains.toy", "dspzoo.domains.video", "dspzoo.domains.text")
+_DOMAIN_MODULES = (
+    "dspzoo.domains.toy",
+    "dspzoo.domains.video",
+    "dspzoo.domains.text",
+    "dspzoo.domains.protein",
+    "dspzoo.domains.weather",
+)
 
 
 def load_domains() -> None:
     """Import the domain packages, which register their model families."""
     for name in _DOMAIN_MODULES:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a domain that exists but fails to import is a real error
+                raise
 
 
 def _meta_count(name: str) -> str:
@@ -38,11 +55,31 @@ def _meta_count(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (bad usage or names exit with 2 via argparse)."""
-    parser = argparse.ArgumentParser(prog="dspzoo", description="dspzoo model zoo")
+    from .run_cli import COMMANDS, add_convert, run_convert, run_passthrough
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        load_domains()
+        return run_passthrough(argv[0], argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="dspzoo",
+        description="dspzoo: multi-dimensional transformers under sequence parallelism",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list models with their parameter counts")
+    listing = sub.add_parser("list", help="list models with their parameter counts")
+    listing.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="list the trained models shipped with the package (data, metrics, command)",
+    )
     info = sub.add_parser("info", help="show a model's config and parameter count")
-    info.add_argument("name", help="model name, e.g. stdit-720M (case-insensitive)")
+    info.add_argument(
+        "name", help="model name, e.g. stdit-720M, or a shipped name (case-insensitive)"
+    )
+    for name, cmd in COMMANDS.items():
+        what = "<model-or-folder>" if cmd.by_family else "<domain>"
+        sub.add_parser(name, help=f"{cmd.help}; `dspzoo {name} {what} --help`", add_help=False)
+    convert = add_convert(sub)
     from .plan_cli import build_parser as plan_parser  # cost model: dspzoo plan --help
 
     plan = plan_parser(sub.add_parser("plan", help="predict FLOPs, bytes, memory, step time"))
@@ -50,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_arguments(sub.add_parser("bench", help="benchmark every SP strategy (launch command)"))
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        load_domains()
+        return run_convert(args, convert)
     if args.command == "bench":
         from ..core.bench.launch import run as bench_run
 
@@ -62,9 +102,15 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         except (KeyError, ValueError, ZeroDivisionError) as exc:
             plan.error(str(exc.args[0]) if exc.args else str(exc))
+    if args.command == "list" and args.pretrained:
+        print(pretrained_table())
+        return 0
     if args.command == "list":
         for name in list_models():
             print(f"{name:<24} {_meta_count(name):>8}")
+        return 0
+    if _match(args.name, shipped_names()) is not None:
+        print(describe_card(model_card(args.name)))
         return 0
     try:
         name = resolve_name(args.name)

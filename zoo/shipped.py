@@ -155,3 +155,45 @@ def ship_pretrained(
         dtype=dtype,
         extra_files={CARD_FILE: json.dumps(card, indent=2) + "\n"},
     )
+
+
+def _metric_text(metrics: dict[str, float]) -> str:
+    return ", ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+    )
+
+
+def pretrained_table(cards: list[ModelCard] | None = None) -> str:
+    """A markdown table of the shipped models (``dspzoo list --pretrained``, ``docs/zoo.md``)."""
+    cards = list_pretrained() if cards is None else cards
+    if not cards:
+        return "no trained models are shipped with this install"
+    rows = [
+        "| name | model | parameters | trained on | metrics | trained with |",
+        "|---|---|---|---|---|---|",
+    ]
+    from .registry import format_count
+
+    for c in cards:
+        rows.append(
+            f"| `{c.name}` | {c.model} | {format_count(c.parameters)} | {c.data} | "
+            f"{_metric_text(c.metrics)} | `{c.command}` |"
+        )
+    return "\n".join(rows)
+
+
+def describe_card(card: ModelCard) -> str:
+    """A model card as text (``dspzoo info <shipped-name>``)."""
+    from .registry import format_count
+
+    lines = [
+        f"{card.name}: trained {card.model} ({format_count(card.parameters)} parameters)",
+        f"  data     {card.data}",
+        f"  metrics  {_metric_text(card.metrics)}",
+        f"  command  {card.command}",
+        f"  eval     {card.eval}",
+        f"  folder   {pretrained_path(card.name)}",
+    ]
+    if card.notes:
+        lines.append(f"  notes    {card.notes}")
+    return "\n".join(lines)
