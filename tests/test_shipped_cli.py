@@ -1,0 +1,162 @@
+"""Shipped models by name, model cards, and the pass-through CLI (``dspzoo train|generate|...``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dspzoo.domains.text  # noqa: F401  (registers bytelm)
+import dspzoo.domains.video  # noqa: F401  (registers stdit)
+from dspzoo.zoo import (
+    create_model,
+    from_pretrained,
+    load_extra,
+    model_card,
+    save_pretrained,
+    ship_pretrained,
+    shipped,
+    shipped_names,
+)
+from dspzoo.zoo.cli import main as cli_main
+
+CARD = dict(
+    data="the standard library's sources",
+    metrics={"val_bpb": 2.5},
+    command="dspzoo train text --model bytelm-tiny --steps 10",
+    eval="dspzoo.domains.text.training.evaluate",
+)
+
+
+@pytest.fixture
+def weights_dir(tmp_path, monkeypatch):
+    """An empty shipped-weights folder in place of the package's."""
+    monkeypatch.setattr(shipped, "WEIGHTS_DIR", tmp_path / "weights")
+    return tmp_path / "weights"
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = cli_main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return (0 if code is None else code), out, err
+
+
+def _bytelm() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return create_model("bytelm-tiny")
+
+
+def test_ship_and_load_by_name(weights_dir) -> None:
+    model = _bytelm()
+    folder = ship_pretrained(
+        model, "bytelm-tiny-stdlib", config_name="bytelm-tiny", extra={"seq_len": 64}, card=CARD
+    )
+    assert folder == weights_dir / "bytelm-tiny-stdlib"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "card.json",
+        "config.json",
+        "model.safetensors",
+    ]
+    assert shipped_names() == ["bytelm-tiny-stdlib"]
+    loaded = from_pretrained("ByteLM-Tiny-STDLIB")  # names ignore case
+    for (key, want), got in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert got.dtype == want.dtype, key  # stored in fp16, loaded back in the model's dtype
+        torch.testing.assert_close(got, want.half().to(want.dtype), rtol=0, atol=0)
+    assert load_extra("bytelm-tiny-stdlib") == {"seq_len": 64}
+    card = model_card("bytelm-tiny-stdlib")
+    assert card.model == "bytelm-tiny" and card.metrics == {"val_bpb": 2.5}
+    assert card.parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_shipping_checks_names_and_cards(weights_dir) -> None:
+    model = _bytelm()
+    with pytest.raises(ValueError, match="must start with 'bytelm-tiny-'"):
+        ship_pretrained(model, "bytelm-tiny", config_name="bytelm-tiny", card=CARD)
+    with pytest.raises(ValueError, match="not of the model's family"):
+        ship_pretrained(model, "stdit-tiny-x", config_name="stdit-tiny", card=CARD)
+    with pytest.raises(ValueError, match=r"lacks \['metrics'\]"):
+        card = {k: v for k, v in CARD.items() if k != "metrics"}
+        ship_pretrained(model, "bytelm-tiny-x", config_name="bytelm-tiny", card=card)
+    assert shipped_names() == []  # nothing half-written is left behind
+
+
+def test_unknown_shipped_name_lists_the_shipped_ones(weights_dir) -> None:
+    ship_pretrained(_bytelm(), "bytelm-tiny-stdlib", config_name="bytelm-tiny", card=CARD)
+    with pytest.raises(KeyError, match=r"did you mean \['bytelm-tiny-stdlib'\].*Shipped models"):
+        from_pretrained("bytelm-tiny-stdli")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained("no/such/folder")  # a path is never looked up by name
+
+
+def test_cli_lists_and_describes_shipped_models(weights_dir, capsys) -> None:
+    code, out, _ = _run(["list", "--pretrained"], capsys)
+    assert code == 0 and "no trained models" in out
+    ship_pretrained(_bytelm(), "bytelm-tiny-stdlib", config_name="bytelm-tiny", card=CARD)
+    code, out, _ = _run(["list", "--pretrained"], capsys)
+    assert code == 0
+    row = [line for line in out.splitlines() if "bytelm-tiny-stdlib" in line]
+    assert len(row) == 1 and "val_bpb 2.5" in row[0] and CARD["command"] in row[0]
+    code, out, _ = _run(["info", "bytelm-tiny-stdlib"], capsys)
+    assert code == 0 and "trained bytelm-tiny" in out and CARD["eval"] in out
+
+
+def test_passthrough_errors_are_one_line_with_status_2(tmp_path, capsys) -> None:
+    code, _, err = _run(["train", "pottery"], capsys)
+    assert code == 2 and "unknown domain 'pottery'" in err and "Traceback" not in err
+    code, out, _ = _run(["train"], capsys)
+    assert code == 2 and "domains: " in out
+    code, _, err = _run(["generate", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "does not exist" in err
+    video = save_pretrained(create_model("stdit-tiny"), tmp_path / "video")
+    code, _, err = _run(["generate", str(video)], capsys)
+    assert code == 2 and "is a 'stdit' model" in err and "['bytelm']" in err
+    code, _, err = _run(["train", "text", "--steps", "-3"], capsys)
+    assert code == 2 and "steps" in err
+
+
+def test_passthrough_runs_the_domain_scripts(tmp_path, capsys) -> None:
+    out_dir = tmp_path / "run"
+    code, _, err = _run(
+        ["train", "text", "--sp", "1", "--model", "bytelm-tiny", "--steps", "2",
+         "--seq-len", "16", "--global-batch", "2", "--eval-every", "0",
+         "--output-dir", str(out_dir)],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert (out_dir / "final" / "model.safetensors").is_file()
+    code, out, err = _run(
+        ["generate", str(out_dir / "final"), "--prompt", "def ", "--max-new", "8"], capsys
+    )
+    assert code == 0, err
+    assert out.startswith("def ") and len(out.rstrip("\n").encode()) >= 4
+
+
+def test_python_dash_m_dspzoo_runs_the_cli() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dspzoo", "train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "video" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("name", shipped_names() or ["(none)"])
+def test_every_shipped_model_loads_by_name_with_a_complete_card(name) -> None:
+    if name == "(none)":
+        pytest.skip("no models shipped in this install")
+    from dspzoo.zoo.cli import load_domains
+
+    load_domains()
+    model = from_pretrained(name)
+    card = model_card(name)
+    assert card.parameters == sum(p.numel() for p in model.parameters())
+    assert card.metrics and all(isinstance(v, (int, float)) for v in card.metrics.values())
+    raw = json.loads((shipped.pretrained_path(name) / "card.json").read_text())
+    assert raw["command"].strip() and raw["eval"].strip()
