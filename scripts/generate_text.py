@@ -22,7 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-dir", required=True, help="a folder written by save_pretrained")
+    parser.add_argument(
+        "--model-dir",
+        required=True,
+        help="a folder written by save_pretrained, or a shipped model's name "
+        "(dspzoo list --pretrained)",
+    )
     parser.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     parser.add_argument("--max-new", type=int, default=200, help="bytes to generate (default: 200)")
     parser.add_argument(

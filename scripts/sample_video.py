@@ -27,7 +27,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-dir", required=True, help="a folder written by save_pretrained")
+    parser.add_argument(
+        "--model-dir",
+        required=True,
+        help="a folder written by save_pretrained, or a shipped model's name "
+        "(dspzoo list --pretrained)",
+    )
     parser.add_argument(
         "--out", default=None, help="output .gif or .mp4 (default: <model-dir>/../samples.gif)"
     )
@@ -103,7 +108,9 @@ def main() -> None:
     if mesh.is_main:
         video = codec.decode(result.latents).clamp(-1, 1)
         grid = video_grid(video, nrow=args.per_class * min(classes, 4))
-        out = Path(args.out) if args.out else model_dir.parent / "samples.gif"
+        # a shipped model (given by name) has no output folder of its own
+        default = model_dir.parent if model_dir.is_dir() else Path("outputs") / model_dir.name
+        out = Path(args.out) if args.out else default / "samples.gif"
         write_video(grid, out, fps=6, upscale=args.upscale)
         strip = save_frame_strip_png(
             video_grid(video[:: args.per_class], nrow=1),

@@ -74,14 +74,17 @@ def shipped_names() -> list[str]:
 
 
 def pretrained_path(name: str) -> Path:
-    """The folder of shipped model ``name`` (case-insensitive); ``KeyError`` names the others."""
+    """The folder of shipped model ``name`` (case-insensitive).
+
+    Raises ``FileNotFoundError`` naming the shipped models when there is none of that name.
+    """
     names = shipped_names()
     key = _match(name, names)
     if key is None:
         close = _close(name, names)
         hint = f"; did you mean {close}?" if close else ""
-        raise KeyError(
-            f"no shipped weights named {name!r}{hint}. Shipped models: {names or 'none'} "
+        raise FileNotFoundError(
+            f"no checkpoint folder or shipped weights named {name!r}{hint}. Shipped models: {names or 'none'} "
             f"(`dspzoo list --pretrained`); a zoo config name such as 'stdit-mini' builds an "
             f"untrained model with create_model(), and a folder written by save_pretrained "
             f"loads with from_pretrained(<folder>)"
@@ -92,13 +95,13 @@ def pretrained_path(name: str) -> Path:
 def resolve_pretrained(path: str | os.PathLike) -> Path:
     """A checkpoint folder as given, or the folder of the shipped model of that name.
 
-    A string that is not an existing folder and contains no path separator is looked up among
-    the shipped names (an unknown one raises ``KeyError`` listing them).
+    A single path component that is not an existing folder is looked up among the shipped
+    names (an unknown one raises ``FileNotFoundError`` listing them).
     """
     as_path = Path(path)
-    if as_path.is_dir() or not isinstance(path, str) or os.sep in path or "/" in path:
+    if as_path.exists() or len(as_path.parts) != 1:
         return as_path
-    return pretrained_path(path)
+    return pretrained_path(as_path.name)
 
 
 def model_card(name: str) -> ModelCard:
