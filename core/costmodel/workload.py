@@ -12,10 +12,24 @@ imports torch modules of the models: shapes come from the config dataclasses alo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..plan import Stage
+
+# family -> builder(name, config, *, batch, frames, spatial, seq_len, context, itemsize, params)
+_BUILDERS: dict[str, Callable[..., Workload]] = {}
+
+
+def register_workload(family: str, builder: Callable[..., Workload]) -> None:
+    """Let :func:`workload_for` (and ``dspzoo plan``) describe the models of ``family``.
+
+    ``builder(name, config, *, batch, frames, spatial, seq_len, context, itemsize, params)``
+    returns the :class:`Workload` of one step (the arguments ``workload_for`` was given; a
+    builder raises ``ValueError`` naming the ones its family needs).
+    """
+    _BUILDERS[family] = builder
 
 
 @dataclass(frozen=True)
@@ -277,6 +291,18 @@ def workload_for(
             frames=frames,
             spatial=spatial,
             batch=batch,
+            context=context,
+            itemsize=itemsize,
+            params=params,
+        )
+    if family in _BUILDERS:
+        return _BUILDERS[family](
+            name,
+            config,
+            batch=batch,
+            frames=frames,
+            spatial=spatial,
+            seq_len=seq_len,
             context=context,
             itemsize=itemsize,
             params=params,
