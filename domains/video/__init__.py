@@ -3,12 +3,16 @@
 Registers the zoo families ``stdit`` and ``latte`` with configs ``tiny`` (CPU tests),
 ``mini`` (the CPU demo), ``small``, ``720M`` (28 layers, hidden 1152, 16 heads) and ``3B`` (36 layers,
 hidden 2048, 32 heads), all with patch (1, 2, 2).
+
+Also registers ``latte1``, the exact architecture of diffusers' ``LatteTransformer3DModel``
+(:mod:`.latte1`), with configs ``tiny`` (tests) and ``latte-1`` (the published Latte-1 size).
 """
 
 from dspzoo.zoo import register_config, register_family
 
 from .dit import VideoDiT, VideoDiTConfig, patchify, unpatchify
 from .latte import Latte
+from .latte1 import Latte1, Latte1Config
 from .stdit import STDiT
 
 _BIG = dict(in_channels=4, patch=(1, 2, 2), max_frames=1024, input_size=(64, 64), cond_dim=4096)
@@ -25,4 +29,25 @@ for _family, _cls in (("stdit", STDiT), ("latte", Latte)):
     for _name, _config in CONFIGS.items():
         register_config(_family, _name, _config)
 
-__all__ = ["CONFIGS", "Latte", "STDiT", "VideoDiT", "VideoDiTConfig", "patchify", "unpatchify"]
+LATTE1_CONFIGS = {
+    "tiny": Latte1Config(
+        heads=4, head_dim=4, depth=2, sample_size=8, video_length=5, caption_channels=12
+    ),
+    "latte-1": Latte1Config(),
+}
+register_family("latte1", Latte1, Latte1Config)
+for _name, _config in LATTE1_CONFIGS.items():
+    register_config("latte1", _name, _config)
+
+__all__ = [
+    "CONFIGS",
+    "LATTE1_CONFIGS",
+    "Latte",
+    "Latte1",
+    "Latte1Config",
+    "STDiT",
+    "VideoDiT",
+    "VideoDiTConfig",
+    "patchify",
+    "unpatchify",
+]

@@ -1,0 +1,21 @@
+"""Converters from other libraries' checkpoint folders to zoo model folders.
+
+``diffusers_latte``: a diffusers ``LatteTransformer3DModel`` folder → a ``latte1`` zoo model
+(``dspzoo convert --from diffusers <folder> <out>``).
+"""
+
+from .diffusers_latte import (
+    ConversionError,
+    convert_diffusers_latte,
+    convert_folder,
+    latte1_config_from_diffusers,
+    name_map,
+)
+
+__all__ = [
+    "ConversionError",
+    "convert_diffusers_latte",
+    "convert_folder",
+    "latte1_config_from_diffusers",
+    "name_map",
+]
