@@ -8,14 +8,18 @@ from .diffusers_latte import (
     ConversionError,
     convert_diffusers_latte,
     convert_folder,
+    diffusers_config,
     latte1_config_from_diffusers,
     name_map,
+    to_diffusers_state_dict,
 )
 
 __all__ = [
     "ConversionError",
     "convert_diffusers_latte",
     "convert_folder",
+    "diffusers_config",
     "latte1_config_from_diffusers",
     "name_map",
+    "to_diffusers_state_dict",
 ]

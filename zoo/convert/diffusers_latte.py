@@ -310,6 +310,46 @@ def convert_state_dict(
     return out
 
 
+def diffusers_config(config: Latte1Config) -> dict[str, Any]:
+    """The ``LatteTransformer3DModel`` config dict of ``config`` (inverse of
+    :func:`latte1_config_from_diffusers`; ``num_embeds_ada_norm`` as Latte-1 has it)."""
+    return {
+        "_class_name": CLASS_NAME,
+        "num_attention_heads": config.heads,
+        "attention_head_dim": config.head_dim,
+        "in_channels": config.in_channels,
+        "out_channels": config.channels_out,
+        "num_layers": config.depth,
+        "dropout": 0.0,
+        "cross_attention_dim": config.hidden if config.cross_attention else None,
+        "attention_bias": config.attention_bias,
+        "sample_size": config.sample_size,
+        "patch_size": config.patch,
+        "activation_fn": config.activation,
+        "num_embeds_ada_norm": 1000,
+        "norm_type": "ada_norm_single",
+        "norm_elementwise_affine": config.norm_elementwise_affine,
+        "norm_eps": config.norm_eps,
+        "caption_channels": config.caption_channels,
+        "video_length": config.video_length,
+    }
+
+
+def to_diffusers_state_dict(model: Latte1) -> dict[str, torch.Tensor]:
+    """A ``latte1`` model's weights under diffusers' names and shapes (inverse of
+    :func:`convert_state_dict`), e.g. to write a diffusers folder from a zoo model."""
+    config, own = model.config, model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for zoo, sources in name_map(config).items():
+        tensor = own[zoo].detach()
+        if zoo == "x_embed.weight":  # Linear over (row, col, channel) → Conv2d [h, C, p, p]
+            p = config.patch
+            tensor = tensor.reshape(-1, p, p, config.in_channels).permute(0, 3, 1, 2)
+        for name, part in zip(sources, tensor.chunk(len(sources), dim=0)):
+            out[name] = part.contiguous()
+    return out
+
+
 # -- entry points ------------------------------------------------------------------------------
 def convert_diffusers_latte(
     folder: str | os.PathLike, *, dtype: torch.dtype | None = None
@@ -358,9 +398,11 @@ __all__ = [
     "convert_diffusers_latte",
     "convert_folder",
     "convert_state_dict",
+    "diffusers_config",
     "latte1_config_from_diffusers",
     "load_diffusers_weights",
     "model_folder",
     "name_map",
     "read_config",
+    "to_diffusers_state_dict",
 ]
