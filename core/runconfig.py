@@ -58,8 +58,16 @@ class RunConfig:
     stop_after: int | None = flag(
         None, "end this session after n steps with a checkpoint (for time-limited jobs)"
     )
+    init_from: str | None = flag(
+        None,
+        "fine-tune: start from these weights (a shipped model's name, see `dspzoo list "
+        "--pretrained`, or a save_pretrained folder) instead of a random init; the model "
+        "config comes from them",
+    )
 
     def __post_init__(self) -> None:
+        if self.init_from:
+            self.model = _model_of_weights(self.init_from, self.model, _default_model(self))
         if self.output_dir is None:
             self.output_dir = f"outputs/{self.model}"
 
@@ -77,6 +85,45 @@ class RunConfig:
                 f"--sp-strategy {self.sp_strategy}: the training scripts do not drive it yet; "
                 f"choose one of {[s for s in STRATEGIES if s not in NOT_WIRED]}"
             )
+
+
+def _default_model(cfg: RunConfig) -> str:
+    return type(cfg).__dataclass_fields__["model"].default
+
+
+def _model_of_weights(init_from: str, model: str, default: str) -> str:
+    """The zoo config ``--init-from``'s weights were saved as; ``--model`` may only agree."""
+    from dspzoo.zoo.pretrained import _read_meta
+    from dspzoo.zoo.registry import resolve_name
+    from dspzoo.zoo.shipped import resolve_pretrained
+
+    saved = _read_meta(resolve_pretrained(init_from)).get("config_name")
+    if not saved:
+        raise ValueError(
+            f"--init-from {init_from}: the folder does not record its zoo config name; pass "
+            f"--model as well"
+        )
+    if model and model != default and resolve_name(model) != resolve_name(saved):
+        raise ValueError(
+            f"--init-from {init_from} holds a {saved} model but --model is {model}; drop "
+            f"--model (it comes from the weights) or pick weights of {model}"
+        )
+    return saved
+
+
+def load_initial_weights(model: Any, cfg: RunConfig) -> Any:
+    """Copy ``--init-from``'s weights into ``model`` (a fine-tune; no-op without the flag).
+
+    Called right after a domain builds its model, before the optimizer and EMA see it, so the
+    run starts from those weights at any layout. A model built for other data (other channels,
+    classes or sizes) is refused with the mismatching keys.
+    """
+    if cfg.init_from:
+        from dspzoo.zoo.pretrained import load_weights
+        from dspzoo.zoo.shipped import resolve_pretrained
+
+        load_weights(model, resolve_pretrained(cfg.init_from))
+    return model
 
 
 def warmup_cosine(cfg: RunConfig) -> Callable[[int], float]:

@@ -88,7 +88,9 @@ def test_shipping_checks_names_and_cards(weights_dir) -> None:
 
 def test_unknown_shipped_name_lists_the_shipped_ones(weights_dir) -> None:
     ship_pretrained(_bytelm(), "bytelm-tiny-stdlib", config_name="bytelm-tiny", card=CARD)
-    with pytest.raises(FileNotFoundError, match=r"did you mean \['bytelm-tiny-stdlib'\].*Shipped models"):
+    with pytest.raises(
+        FileNotFoundError, match=r"did you mean \['bytelm-tiny-stdlib'\].*Shipped models"
+    ):
         from_pretrained("bytelm-tiny-stdli")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         from_pretrained("no/such/folder")  # a path is never looked up by name
@@ -160,3 +162,22 @@ def test_every_shipped_model_loads_by_name_with_a_complete_card(name) -> None:
     assert card.metrics and all(isinstance(v, (int, float)) for v in card.metrics.values())
     raw = json.loads((shipped.pretrained_path(name) / "card.json").read_text())
     assert raw["command"].strip() and raw["eval"].strip()
+
+
+def test_init_from_starts_a_fine_tune_from_saved_weights(tmp_path) -> None:
+    from dspzoo.domains.text.training import TextTrainConfig, build_model
+
+    source = _bytelm()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.5)  # unlike any seeded init
+    folder = save_pretrained(source, tmp_path / "src", config_name="bytelm-tiny")
+    cfg = TextTrainConfig(init_from=str(folder), output_dir=str(tmp_path / "out"))
+    assert cfg.model == "bytelm-tiny"  # the config comes from the weights
+    model = build_model(cfg)
+    for (key, want), got in zip(source.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
+    with pytest.raises(ValueError, match="holds a bytelm-tiny model but --model is bytelm-lss-12l"):
+        TextTrainConfig(init_from=str(folder), model="bytelm-lss-12l")
+    with pytest.raises(FileNotFoundError, match="no checkpoint folder or shipped weights"):
+        TextTrainConfig(init_from="bytelm-tiny-nowhere")

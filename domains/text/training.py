@@ -35,7 +35,7 @@ from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
-from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
+from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
@@ -133,7 +133,7 @@ def build_model(cfg: TextTrainConfig) -> torch.nn.Module:
             f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s learned position table "
             f"(max_len={mc.max_len}); pick a rotary model or a shorter --seq-len"
         )
-    return model
+    return load_initial_weights(model, cfg)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TextTrainConfig) -> torch.optim.Optimizer:

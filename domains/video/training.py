@@ -30,7 +30,7 @@ from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import SampleRandom
-from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
+from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
 
@@ -114,7 +114,7 @@ def build_model(
     latent = cfg.size // codec.factor
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return create_model(
+        model = create_model(
             cfg.model,
             in_channels=codec.latent_channels,
             num_classes=num_classes,
@@ -123,6 +123,7 @@ def build_model(
             class_dropout_prob=cfg.class_dropout,
             cond_dim=0,  # the built-in data has class labels, no text tokens: no cross-attention
         )
+    return load_initial_weights(model, cfg)
 
 
 def sampling_settings(cfg: VideoTrainConfig) -> dict[str, Any]:
