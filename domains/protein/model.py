@@ -1,0 +1,464 @@
+"""An AlphaFold-2 Evoformer trunk with a distogram head, under DSP over two activations.
+
+The trunk carries the MSA activation ``m`` ``[B, S, R, c_m]`` (dims ``s``, ``r``) and the pair
+activation ``z`` ``[B, R, R, c_z]`` (dims ``i``, ``j``); ``r``, ``i`` and ``j`` are the same
+residues. :data:`STAGES` declares what each layer of a block needs whole, and
+:func:`~dspzoo.core.multiplan.plan_multi` decides where each activation is sharded: ``m`` on
+``s`` for row attention and on ``r`` for column attention, the transition and the outer
+product mean; ``z`` on ``i`` for the outgoing update and starting-node attention, on ``j`` for
+the incoming update and ending-node attention — six switches per block, the MSA's switch back to
+``s`` overlapping the pair stack (``switch_async``). The model is written as if on one device;
+with one process every collective is the identity.
+
+Forward: ``model(batch, sp=None, num_recycles=None, rng_key=None, batch_offset=0)`` with the
+features of the protein contract; returns ``distogram_logits`` ``[B, R, R, bins]`` (symmetrised
+as AF2), ``pair`` ``[B, R, R, c_z]`` and ``msa_first_row`` ``[B, R, c_m]``, full on every rank.
+Dropout (training mode, AF2's row-/column-shared masks) is keyed: pass ``rng_key`` (e.g.
+``mix_key(seed, step)``) and ``batch_offset`` (the global index of the batch's first sample);
+the masks are then the one-process masks bit for bit on any sharding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspzoo.core.layout import SeqSpec
+from dspzoo.core.multiplan import (
+    ActShape,
+    Gather,
+    MultiParallel,
+    MultiStage,
+    MultiState,
+    plan_multi,
+)
+from dspzoo.core.rng import mix_key
+from dspzoo.core.runtime import SeqParallel, SeqTensor
+from dspzoo.core.trace import comm_region
+from dspzoo.core.validate import validate_collectively
+
+from .ops import (
+    MSAColumnAttention,
+    MSARowAttentionWithPairBias,
+    OuterProductMean,
+    Transition,
+    TriangleAttention,
+    TriangleMultiplication,
+)
+
+MSA_DIMS = ("s", "r")
+PAIR_DIMS = ("i", "j")
+SAME_AXIS = (("m.r", "z.i", "z.j"),)
+FEATURES = ("aatype", "target_feat", "msa_feat", "residue_index", "seq_mask", "msa_mask")
+
+
+@dataclass(frozen=True)
+class EvoformerConfig:
+    """Sizes of the Evoformer trunk (defaults: AlphaFold 2's published Evoformer)."""
+
+    c_m: int = 256
+    c_z: int = 128
+    num_blocks: int = 48
+    msa_heads: int = 8
+    pair_heads: int = 4
+    c_hidden_msa_att: int = 32
+    c_hidden_pair_att: int = 32
+    c_hidden_opm: int = 32
+    c_hidden_mul: int = 128
+    transition_n: int = 4
+    tf_dim: int = 22
+    msa_dim: int = 49
+    max_relative_position: int = 32
+    distogram_bins: int = 64
+    first_break: float = 2.3125
+    last_break: float = 21.6875
+    num_recycles: int = 3
+    msa_dropout: float = 0.15
+    pair_dropout: float = 0.25
+    chunk_size: int | None = None
+    mul_channel_chunk: int = 32
+    inf: float = 1e9
+    opm_eps: float = 1e-3
+
+
+def evoformer_stages(config: EvoformerConfig) -> tuple[MultiStage, ...]:
+    """One block's stages: what each needs whole, what it gathers (AF2 order)."""
+    c = config
+    return (
+        MultiStage(
+            "msa_row",
+            {"m": "r", "z": ()},
+            gathers=(Gather("z", c.msa_heads, "pair bias"),),
+        ),
+        MultiStage("msa_col", {"m": "s"}),
+        MultiStage("msa_transition", {"m": ()}),
+        MultiStage(
+            "outer_product_mean",
+            {"m": "s", "z": ()},
+            aligned=("m", "z"),
+            gathers=(Gather("m", c.c_hidden_opm, "opm operand"),),
+        ),
+        MultiStage(
+            "tri_mul_out", {"z": "j"}, gathers=(Gather("z", c.c_hidden_mul, "mul operand"),)
+        ),
+        MultiStage("tri_mul_in", {"z": "i"}, gathers=(Gather("z", c.c_hidden_mul, "mul operand"),)),
+        MultiStage(
+            "tri_att_start", {"z": "j"}, gathers=(Gather("z", c.pair_heads, "triangle bias"),)
+        ),
+        MultiStage(
+            "tri_att_end", {"z": "i"}, gathers=(Gather("z", c.pair_heads, "triangle bias"),)
+        ),
+        MultiStage("pair_transition", {"z": ()}),
+    )
+
+
+def evoformer_plan(config: EvoformerConfig, residues: int, msa_depth: int, sp_size: int):
+    """The :class:`~dspzoo.core.multiplan.MultiPlan` of one block at these sizes."""
+    shapes = {
+        "m": ActShape(MSA_DIMS, (msa_depth, residues), config.c_m),
+        "z": ActShape(PAIR_DIMS, (residues, residues), config.c_z),
+    }
+    return plan_multi(shapes, evoformer_stages(config), sp_size, SAME_AXIS)
+
+
+@dataclass
+class BlockContext:
+    """What a block needs besides the activations: masks, dropout keys, chunking."""
+
+    mp: MultiParallel
+    msa_mask: torch.Tensor  # [B, S, R], replicated
+    seq_mask: torch.Tensor  # [B, R], replicated
+    chunk: int | None
+    channel_chunk: int | None
+    training: bool
+    rng_key: int | None
+    batch_offset: int
+    prefix: tuple[int, ...] = ()
+
+    def msa_mask_for(self, spec: SeqSpec) -> torch.Tensor:
+        """The MSA mask laid out like ``m`` under ``spec``: ``[B, S_loc, R_loc]``."""
+        s0, sn = self.mp.local_range(spec, "s")
+        r0, rn = self.mp.local_range(spec, "r")
+        return self.msa_mask[:, s0 : s0 + sn, r0 : r0 + rn]
+
+    def pair_mask_for(self, spec: SeqSpec) -> torch.Tensor:
+        """The pair mask ``seq_mask_i · seq_mask_j`` laid out like ``z``: ``[B, I_loc, J_loc]``."""
+        i0, ni = self.mp.local_range(spec, "i")
+        j0, nj = self.mp.local_range(spec, "j")
+        return self.seq_mask[:, i0 : i0 + ni, None] * self.seq_mask[:, None, j0 : j0 + nj]
+
+    def key(self, *parts: int | str) -> int:
+        """The dropout key of one layer in one recycling iteration."""
+        assert self.rng_key is not None
+        return mix_key(self.rng_key, *self.prefix, *parts)
+
+    def inplace(self, p: float) -> bool:
+        """Whether a layer may add its update in place (no autograd, no dropout)."""
+        return not torch.is_grad_enabled() and not (self.training and p > 0)
+
+    def residual(
+        self, act: SeqTensor, update: torch.Tensor, p: float, shared: tuple[str, ...], name: str
+    ) -> SeqTensor:
+        """``act + dropout(update)`` with the mask shared along ``shared`` (AF2 row/column)."""
+        if self.training and p > 0:
+            upd = self.mp.sp.dropout(
+                act.with_tensor(update), p, self.key(name), shared, True, self.batch_offset
+            )
+            update = upd.tensor
+        return act.with_tensor(act.tensor + update)
+
+
+class EvoformerBlock(nn.Module):
+    """One AF2 Evoformer block (Algorithm 6), on local shards placed by the plan."""
+
+    def __init__(self, config: EvoformerConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.msa_att_row = MSARowAttentionWithPairBias(
+            c.c_m, c.c_z, c.c_hidden_msa_att, c.msa_heads, c.inf
+        )
+        self.msa_att_col = MSAColumnAttention(c.c_m, c.c_hidden_msa_att, c.msa_heads, c.inf)
+        self.msa_transition = Transition(c.c_m, c.transition_n)
+        self.outer_product_mean = OuterProductMean(c.c_m, c.c_z, c.c_hidden_opm, c.opm_eps)
+        self.tri_mul_out = TriangleMultiplication(c.c_z, c.c_hidden_mul, outgoing=True)
+        self.tri_mul_in = TriangleMultiplication(c.c_z, c.c_hidden_mul, outgoing=False)
+        self.tri_att_start = TriangleAttention(
+            c.c_z, c.c_hidden_pair_att, c.pair_heads, starting=True, inf=c.inf
+        )
+        self.tri_att_end = TriangleAttention(
+            c.c_z, c.c_hidden_pair_att, c.pair_heads, starting=False, inf=c.inf
+        )
+        self.pair_transition = Transition(c.c_z, c.transition_n)
+
+    def forward(self, state: MultiState, ctx: BlockContext) -> MultiState:
+        c, mp, chunk = self.config, ctx.mp, ctx.chunk
+        pd, md = c.pair_dropout, c.msa_dropout
+
+        with comm_region("msa_row"):
+            mp.to_stage(state, "msa_row")
+            m, z = state["m"], state["z"]
+            res = m.tensor if ctx.inplace(md) else None
+            upd = self.msa_att_row(
+                m.tensor, ctx.msa_mask_for(m.spec), z.tensor, z.spec, mp, chunk, res
+            )
+            state["m"] = m if res is not None else ctx.residual(m, upd, md, ("s",), "msa_row")
+
+        with comm_region("msa_col"):
+            mp.to_stage(state, "msa_col")
+            m = state["m"]
+            res = m.tensor if ctx.inplace(0.0) else None
+            upd = self.msa_att_col(m.tensor, ctx.msa_mask_for(m.spec), chunk, res)
+            state["m"] = m if res is not None else m.with_tensor(m.tensor + upd)
+
+        with comm_region("msa_transition"):
+            mp.to_stage(state, "msa_transition")
+            m = state["m"]
+            res = m.tensor if ctx.inplace(0.0) else None
+            upd = self.msa_transition(m.tensor, ctx.msa_mask_for(m.spec), chunk, res)
+            state["m"] = m if res is not None else m.with_tensor(m.tensor + upd)
+
+        with comm_region("outer_product_mean"):
+            mp.to_stage(state, "outer_product_mean")
+            m, z = state["m"], state["z"]
+            res = z.tensor if ctx.inplace(0.0) else None
+            upd = self.outer_product_mean(
+                m.tensor, m.spec, ctx.msa_mask, z.spec.sharded or "i", mp, chunk, res
+            )
+            state["z"] = z if res is not None else z.with_tensor(z.tensor + upd)
+
+        pair_layers = (
+            ("tri_mul_out", ("i",)),
+            ("tri_mul_in", ("i",)),
+            ("tri_att_start", ("i",)),
+            ("tri_att_end", ("j",)),
+        )
+        for name, shared in pair_layers:
+            with comm_region(name):
+                mp.to_stage(state, name)
+                z = state["z"]
+                res = z.tensor if ctx.inplace(pd) else None
+                mask = ctx.pair_mask_for(z.spec)
+                layer = getattr(self, name)
+                if name.startswith("tri_mul"):
+                    upd = layer(z.tensor, z.spec, mask, mp, chunk, ctx.channel_chunk, res)
+                else:
+                    upd = layer(z.tensor, z.spec, mask, mp, chunk, res)
+                state["z"] = z if res is not None else ctx.residual(z, upd, pd, shared, name)
+                del z, upd, res
+
+        with comm_region("pair_transition"):
+            mp.to_stage(state, "pair_transition")
+            z = state["z"]
+            res = z.tensor if ctx.inplace(0.0) else None
+            upd = self.pair_transition(z.tensor, ctx.pair_mask_for(z.spec), chunk, res)
+            state["z"] = z if res is not None else z.with_tensor(z.tensor + upd)
+        return state
+
+
+class InputEmbedder(nn.Module):
+    """AF2 Algorithms 3-4: target and MSA features → ``m``; target features and relative
+    positions → ``z`` (OpenFold's names). Computes only this rank's shards."""
+
+    def __init__(self, config: EvoformerConfig) -> None:
+        super().__init__()
+        c = config
+        self.max_rel = c.max_relative_position
+        self.linear_tf_z_i = nn.Linear(c.tf_dim, c.c_z)
+        self.linear_tf_z_j = nn.Linear(c.tf_dim, c.c_z)
+        self.linear_tf_m = nn.Linear(c.tf_dim, c.c_m)
+        self.linear_msa_m = nn.Linear(c.msa_dim, c.c_m)
+        self.linear_relpos = nn.Linear(2 * c.max_relative_position + 1, c.c_z)
+
+    def msa(self, target_feat: torch.Tensor, msa_feat: torch.Tensor) -> torch.Tensor:
+        """``[B, R', 22]``, ``[B, S', R', 49]`` (any slices) → ``m`` ``[B, S', R', c_m]``."""
+        return self.linear_msa_m(msa_feat) + self.linear_tf_m(target_feat)[:, None]
+
+    def pair(
+        self, target_feat: torch.Tensor, residue_index: torch.Tensor, rows: slice, cols: slice
+    ) -> torch.Tensor:
+        """Rows ``rows`` and columns ``cols`` of ``z`` ``[B, R, R, c_z]``."""
+        tf_i = self.linear_tf_z_i(target_feat[:, rows])
+        tf_j = self.linear_tf_z_j(target_feat[:, cols])
+        d = residue_index[:, rows, None] - residue_index[:, None, cols]
+        idx = torch.clamp(d, -self.max_rel, self.max_rel) + self.max_rel
+        # one-hot(idx) @ W^T + b, as a lookup
+        rel = F.embedding(idx, self.linear_relpos.weight.t()) + self.linear_relpos.bias
+        return tf_i[:, :, None] + tf_j[:, None] + rel
+
+
+class RecyclingEmbedder(nn.Module):
+    """AF2 Algorithm 32 without the structure term: LayerNorm of the previous first MSA row and
+    pair, added to the new ones (zeros before the first iteration, as AF2)."""
+
+    def __init__(self, config: EvoformerConfig) -> None:
+        super().__init__()
+        self.layer_norm_m = nn.LayerNorm(config.c_m)
+        self.layer_norm_z = nn.LayerNorm(config.c_z)
+
+
+class EvoformerStack(nn.Module):
+    """The blocks (OpenFold: ``evoformer.blocks``)."""
+
+    def __init__(self, config: EvoformerConfig) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(EvoformerBlock(config) for _ in range(config.num_blocks))
+
+
+class DistogramHead(nn.Module):
+    """AF2 §1.9.8: ``linear(z)`` symmetrised, ``logits + logitsᵀ``."""
+
+    def __init__(self, config: EvoformerConfig) -> None:
+        super().__init__()
+        self.linear = nn.Linear(config.c_z, config.distogram_bins)
+
+
+def _check_features(batch: dict[str, torch.Tensor], config: EvoformerConfig) -> None:
+    """Raise ``ValueError`` naming the feature and the fix for inconsistent inputs."""
+    missing = [k for k in FEATURES if k not in batch]
+    if missing:
+        raise ValueError(
+            f"Evoformer batch is missing feature(s) {missing}; expected {list(FEATURES)}"
+        )
+    aatype, tf, msa = batch["aatype"], batch["target_feat"], batch["msa_feat"]
+    if aatype.dim() != 2:
+        raise ValueError(f"aatype must be [B, R], got shape {tuple(aatype.shape)}")
+    b, r = aatype.shape
+    if tf.dim() != 3 or tf.shape[-1] != config.tf_dim:
+        raise ValueError(
+            f"target_feat must be [B, R, {config.tf_dim}] (AF2 layout), got {tuple(tf.shape)}"
+        )
+    if msa.dim() != 4 or msa.shape[-1] != config.msa_dim:
+        raise ValueError(
+            f"msa_feat must be [B, S, R, {config.msa_dim}] (AF2 layout), got {tuple(msa.shape)}"
+        )
+    s = msa.shape[1]
+    want = {
+        "target_feat": (b, r, config.tf_dim),
+        "msa_feat": (b, s, r, config.msa_dim),
+        "residue_index": (b, r),
+        "seq_mask": (b, r),
+        "msa_mask": (b, s, r),
+    }
+    for key, shape in want.items():
+        got = tuple(batch[key].shape)
+        if got != shape:
+            raise ValueError(
+                f"{key} has shape {got} but aatype [B={b}, R={r}] and msa_feat (S={s}) need "
+                f"{shape}: every feature must have the same residue count R (crop/pad them together)"
+            )
+    if s < 1 or r < 1:
+        raise ValueError(f"Evoformer needs at least one residue and one MSA row, got R={r}, S={s}")
+    for key in ("aatype", "residue_index"):
+        if batch[key].is_floating_point():
+            raise ValueError(f"{key} must be an integer tensor, got {batch[key].dtype}")
+
+
+class Evoformer(nn.Module):
+    """Input embedder, recycling embedder, Evoformer stack and distogram head (zoo family
+    ``evoformer``); see the module docstring for the forward contract."""
+
+    def __init__(self, config: EvoformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.input_embedder = InputEmbedder(config)
+        self.recycling_embedder = RecyclingEmbedder(config)
+        self.evoformer = EvoformerStack(config)
+        self.distogram_head = DistogramHead(config)
+
+    def plan(self, residues: int, msa_depth: int, sp_size: int):
+        """The block plan this model runs at these sizes (print it for the table)."""
+        return evoformer_plan(self.config, residues, msa_depth, sp_size)
+
+    def forward(
+        self,
+        batch: dict[str, torch.Tensor],
+        sp: SeqParallel | None = None,
+        num_recycles: int | None = None,
+        rng_key: int | None = None,
+        batch_offset: int = 0,
+        chunk_size: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        sp = sp or SeqParallel()
+        cfg = self.config
+        validate_collectively(lambda: _check_features(batch, cfg), sp.group, "Evoformer inputs")
+        dropout_on = self.training and (cfg.msa_dropout > 0 or cfg.pair_dropout > 0)
+        if dropout_on and rng_key is None:
+            raise ValueError(
+                "Evoformer in training mode with dropout needs rng_key (e.g. "
+                "dspzoo.core.rng.mix_key(seed, step)) so that the masks are exact under sharding; "
+                "or call model.eval()"
+            )
+        recycles = cfg.num_recycles if num_recycles is None else int(num_recycles)
+        if recycles < 0:
+            raise ValueError(f"num_recycles must be >= 0, got {recycles}")
+        b, s, r, _ = batch["msa_feat"].shape
+        mp = MultiParallel(sp, self.plan(r, s, sp.size), switch_chunk=cfg.c_z // 4 or None)
+        ctx = BlockContext(
+            mp=mp,
+            msa_mask=batch["msa_mask"].float(),
+            seq_mask=batch["seq_mask"].float(),
+            chunk=cfg.chunk_size if chunk_size is None else chunk_size,
+            channel_chunk=cfg.mul_channel_chunk,
+            training=self.training,
+            rng_key=rng_key,
+            batch_offset=batch_offset,
+        )
+        prev_row = batch["msa_feat"].new_zeros(b, r, cfg.c_m)
+        prev_z: SeqTensor | None = None
+        out: dict[str, torch.Tensor] = {}
+        for it in range(recycles + 1):
+            last = it == recycles
+            with torch.set_grad_enabled(last and torch.is_grad_enabled()):
+                ctx.prefix = (it,)
+                state = self._embed(batch, mp, prev_row, prev_z)
+                for k, block in enumerate(self.evoformer.blocks):
+                    with comm_region(f"block{k}"):
+                        ctx.prefix = (it, k)
+                        state = block(state, ctx)
+                with comm_region("exit"):
+                    m_full = mp.exit(state, "m")
+                prev_row = m_full[:, 0].detach()
+                prev_z = SeqTensor(state.acts["z"].tensor.detach(), state.acts["z"].spec)
+                if last:
+                    z = state.acts["z"]
+                    with comm_region("exit"):
+                        logits = sp.exit(z.with_tensor(self.distogram_head.linear(z.tensor)))
+                        pair = sp.exit(z)
+                    out = {
+                        "distogram_logits": logits + logits.transpose(1, 2),
+                        "pair": pair,
+                        "msa_first_row": m_full[:, 0],
+                    }
+        return out
+
+    def _embed(
+        self,
+        batch: dict[str, torch.Tensor],
+        mp: MultiParallel,
+        prev_row: torch.Tensor,
+        prev_z: SeqTensor | None,
+    ) -> MultiState:
+        """This rank's shards of the embedded ``m`` and ``z`` (plus recycling)."""
+        emb, rec = self.input_embedder, self.recycling_embedder
+        m_spec = mp.spec("m", mp.plan.entry("m"))
+        z_spec = mp.spec("z", mp.plan.entry("z"))
+        s0, sn = mp.local_range(m_spec, "s")
+        r0, rn = mp.local_range(m_spec, "r")
+        tf = batch["target_feat"].float()
+        m = emb.msa(tf[:, r0 : r0 + rn], batch["msa_feat"][:, s0 : s0 + sn, r0 : r0 + rn].float())
+        row = rec.layer_norm_m(prev_row[:, r0 : r0 + rn])
+        if s0 == 0 and sn > 0:
+            m = torch.cat([m[:, :1] + row[:, None], m[:, 1:]], 1)
+        i0, ni = mp.local_range(z_spec, "i")
+        j0, nj = mp.local_range(z_spec, "j")
+        ri = batch["residue_index"].long()
+        z = emb.pair(tf, ri, slice(i0, i0 + ni), slice(j0, j0 + nj))
+        if prev_z is None:
+            z = z + rec.layer_norm_z(torch.zeros_like(z))
+        else:
+            z = z + rec.layer_norm_z(mp.switch(prev_z, z_spec.sharded).tensor)
+        return mp.enter({"m": m, "z": z})
