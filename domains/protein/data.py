@@ -26,6 +26,7 @@ import io
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +99,9 @@ def _fasta_records(text: str, where: str) -> list[tuple[str, str]]:
         if line.startswith(">"):
             records.append((line[1:].strip(), []))
         elif not records:
-            raise ProteinDataError(f"{where}: line {number} has sequence data before any '>' header")
+            raise ProteinDataError(
+                f"{where}: line {number} has sequence data before any '>' header"
+            )
         else:
             records[-1][1].append(line)
     out = [(desc, "".join(lines)) for desc, lines in records]
@@ -462,6 +465,26 @@ def _mmcif_loop(data: dict, category: str, keys: Sequence[str], where: str) -> l
     return [{k: columns[k][i] for k in keys} for i in range(n)]
 
 
+def _check_complete(data: dict, text: str, where: str) -> None:
+    """Signs of a cut file: a last line without its newline, or a loop whose columns have
+    different lengths (a row cut short)."""
+    if not text.endswith("\n"):
+        tail = text.rstrip().splitlines()[-1][:60] if text.strip() else ""
+        raise ProteinDataError(
+            f"{where}: the file ends in the middle of a line ({tail!r}): truncated mmCIF"
+        )
+    lengths: dict[str, set[int]] = {}
+    for key, value in data.items():
+        if isinstance(value, list) and "." in key:
+            lengths.setdefault(key.split(".", 1)[0], set()).add(len(value))
+    ragged = sorted(category for category, sizes in lengths.items() if len(sizes) > 1)
+    if ragged:
+        raise ProteinDataError(
+            f"{where}: loop(s) {ragged} have columns of different lengths: truncated or "
+            f"corrupt mmCIF"
+        )
+
+
 def parse_mmcif(path: str | os.PathLike, chains: Sequence[str] | None = None) -> list[Chain]:
     """Protein chains of an mmCIF file, each on its SEQRES sequence.
 
@@ -483,6 +506,7 @@ def parse_mmcif(path: str | os.PathLike, chains: Sequence[str] | None = None) ->
         data = MMCIF2Dict(io.StringIO(text))
     except (ValueError, IndexError, KeyError) as exc:
         raise ProteinDataError(f"{where}: corrupt mmCIF ({exc})") from exc
+    _check_complete(data, text, where)
     entry = entry_of(path)
     entity_types = dict(
         zip(
@@ -493,7 +517,15 @@ def parse_mmcif(path: str | os.PathLike, chains: Sequence[str] | None = None) ->
     scheme = _mmcif_loop(
         data,
         "_pdbx_poly_seq_scheme",
-        ("asym_id", "entity_id", "seq_id", "mon_id", "pdb_seq_num", "pdb_strand_id", "pdb_ins_code"),
+        (
+            "asym_id",
+            "entity_id",
+            "seq_id",
+            "mon_id",
+            "pdb_seq_num",
+            "pdb_strand_id",
+            "pdb_ins_code",
+        ),
         where,
     )
     # one atom_site check: a file cut inside the atom loop has ragged columns
@@ -514,6 +546,24 @@ def parse_mmcif(path: str | os.PathLike, chains: Sequence[str] | None = None) ->
         seqres.setdefault(chain_id, {}).setdefault(seq_id, []).append(row["mon_id"])
         code = "" if row["pdb_ins_code"] in (".", "?") else row["pdb_ins_code"]
         numbering.setdefault(chain_id, {})[(number, code)] = seq_id
+    in_scheme = {row["entity_id"] for row in scheme}
+    for entity_id, kind in entity_types.items():
+        if kind.strip("'\"") == "polypeptide(L)" and entity_id not in in_scheme:
+            raise ProteinDataError(
+                f"{where}: protein entity {entity_id} has no rows in _pdbx_poly_seq_scheme "
+                f"(truncated or inconsistent file)"
+            )
+    entity_lengths: dict[str, int] = {}
+    for entity_id in _mmcif_column(data, "_entity_poly_seq.entity_id", where):
+        entity_lengths[entity_id] = entity_lengths.get(entity_id, 0) + 1
+    for chain_id, positions in seqres.items():
+        entity = next(r["entity_id"] for r in scheme if r["pdb_strand_id"] == chain_id)
+        if len(positions) != entity_lengths.get(entity, len(positions)):
+            raise ProteinDataError(
+                f"{where}: chain {chain_id!r} has {len(positions)} residues in "
+                f"_pdbx_poly_seq_scheme but its entity {entity} has {entity_lengths[entity]} in "
+                f"_entity_poly_seq (truncated or inconsistent file)"
+            )
     wanted = list(seqres) if chains is None else list(chains)
     missing = [c for c in wanted if c not in seqres]
     if missing:
@@ -597,9 +647,12 @@ def _place_by_alignment(
     aligner = PairwiseAligner()
     aligner.mode = "global"
     aligner.match_score, aligner.mismatch_score = 1.0, -1000.0
-    aligner.target_gap_score = -1000.0  # no gap in SEQRES
-    aligner.query_internal_open_gap_score, aligner.query_internal_extend_gap_score = -1.0, -0.01
-    aligner.query_end_gap_score = 0.0
+    with warnings.catch_warnings():  # Biopython >= 1.86 renamed these (insertion/deletion)
+        warnings.simplefilter("ignore")
+        aligner.target_gap_score = -1000.0  # no gap in SEQRES
+        aligner.query_internal_open_gap_score = -1.0  # missing residues: gaps in the observed
+        aligner.query_internal_extend_gap_score = -0.01
+        aligner.query_end_gap_score = 0.0
     target, query = "".join(letters), "".join(observed_letters)
     alignment = aligner.align(target, query)[0]
     placed: dict[int, object] = {}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,7 @@ from .data import (
     STRUCTURE_SUFFIXES,
     Chain,
     ProteinDataError,
+    entry_of,
     merge_msas,
     msa_feat,
     parse_msa,
@@ -108,9 +108,10 @@ class ProteinDataset(Dataset):
         held_out_fraction, split_seed: the entry split (:func:`is_held_out`).
         min_observed: chains with fewer observed residues (with a pseudo-β atom) are skipped.
         max_length: chains with longer SEQRES are skipped (``None``: keep all).
+        held_out_entries: if given, exactly these entries are held out (replaces the hash).
 
     Parsing errors raise :class:`~dspzoo.domains.protein.data.ProteinDataError` naming the file.
-    Samples are parsed once, at construction.
+    The files of this split are parsed once, at construction.
     """
 
     def __init__(
@@ -121,18 +122,21 @@ class ProteinDataset(Dataset):
         split_seed: int = 0,
         min_observed: int = 16,
         max_length: int | None = None,
+        held_out_entries: Sequence[str] | None = None,
     ) -> None:
         if split not in ("train", "held_out", "all"):
             raise ValueError(f"split must be 'train', 'held_out' or 'all', got {split!r}")
         self.folder = Path(folder)
         self.samples: list[Sample] = []
         for path in structure_files(self.folder):
-            chains = parse_structure(path)
-            entry = chains[0].entry
-            held = is_held_out(entry, held_out_fraction, split_seed)
+            entry = entry_of(path)
+            if held_out_entries:
+                held = entry.lower() in {e.lower() for e in held_out_entries}
+            else:
+                held = is_held_out(entry, held_out_fraction, split_seed)
             if split == "train" and held or split == "held_out" and not held:
                 continue
-            for chain in chains:
+            for chain in parse_structure(path):
                 if chain.pseudo_beta_mask.sum() < min_observed:
                     continue
                 if max_length is not None and len(chain) > max_length:

@@ -44,9 +44,7 @@ class Bins:
 
     def boundaries(self, device: Any = None) -> torch.Tensor:
         """``[num_bins - 1]`` boundaries in Å."""
-        return torch.linspace(
-            self.first_break, self.last_break, self.num_bins - 1, device=device
-        )
+        return torch.linspace(self.first_break, self.last_break, self.num_bins - 1, device=device)
 
 
 def pairwise_distances(positions: torch.Tensor) -> torch.Tensor:
@@ -85,9 +83,9 @@ def distogram_loss(
             f"distogram_loss: logits have {logits.shape[-1]} bins, the config {bins.num_bins}"
         )
     targets = distogram_targets(pseudo_beta.float(), bins)
-    nll = F.cross_entropy(
-        logits.float().flatten(0, -2), targets.flatten(), reduction="none"
-    ).view(targets.shape)
+    nll = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none").view(
+        targets.shape
+    )
     pair_mask = pseudo_beta_mask[..., :, None] * pseudo_beta_mask[..., None, :]
     per_sample = (nll * pair_mask).sum((-2, -1)) / (1e-6 + pair_mask.sum((-2, -1)))
     return per_sample.mean()
@@ -169,13 +167,14 @@ def separation_baseline(residue_index: torch.Tensor) -> torch.Tensor:
 def write_contact_png(
     path: str | Path,
     probs: torch.Tensor,
-    pseudo_beta: torch.Tensor,
-    pseudo_beta_mask: torch.Tensor,
+    pseudo_beta: torch.Tensor | None = None,
+    pseudo_beta_mask: torch.Tensor | None = None,
     title: str = "",
     threshold: float = 8.0,
 ) -> Path:
     """One figure: predicted contact probability ``[R, R]`` beside the true contact map (Cβ <
-    ``threshold`` Å; unknown pairs grey). Written with matplotlib's Agg backend."""
+    ``threshold`` Å; unobserved pairs red), or alone when no structure is given. Written with
+    matplotlib's Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,17 +183,22 @@ def write_contact_png(
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    true = (pairwise_distances(pseudo_beta.float()[None])[0] < threshold).float().numpy()
-    known = (pseudo_beta_mask[:, None] * pseudo_beta_mask[None, :]).numpy() > 0
-    true_map = np.where(known, true, np.nan)
-    fig, axes = plt.subplots(1, 2, figsize=(8.4, 4.2), constrained_layout=True)
+    panels = 1 if pseudo_beta is None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 4.2), constrained_layout=True)
+    axes = np.atleast_1d(axes)
     im = axes[0].imshow(probs.float().numpy(), cmap="Blues", vmin=0, vmax=1, origin="upper")
-    axes[0].set_title("predicted P(Cβ–Cβ < 8 Å)")
+    axes[0].set_title(f"predicted P(Cβ–Cβ < {threshold:g} Å)")
     fig.colorbar(im, ax=axes[0], shrink=0.8)
-    cmap = plt.get_cmap("Greys").copy()
-    cmap.set_bad("#f2c6c6")
-    axes[1].imshow(true_map, cmap=cmap, vmin=0, vmax=1, origin="upper")
-    axes[1].set_title("true contacts (red: unobserved)")
+    if pseudo_beta is not None:
+        if pseudo_beta_mask is None:
+            pseudo_beta_mask = torch.ones(pseudo_beta.shape[0])
+        true = pairwise_distances(pseudo_beta.float()[None])[0] < threshold
+        known = (pseudo_beta_mask[:, None] * pseudo_beta_mask[None, :]).numpy() > 0
+        true_map = np.where(known, true.float().numpy(), np.nan)
+        cmap = plt.get_cmap("Greys").copy()
+        cmap.set_bad("#f2c6c6")
+        axes[1].imshow(true_map, cmap=cmap, vmin=0, vmax=1, origin="upper")
+        axes[1].set_title("true contacts (red: unobserved)")
     for ax in axes:
         ax.set_xlabel("residue j")
         ax.set_ylabel("residue i")

@@ -1,0 +1,479 @@
+"""Distogram training of the Evoformer under sequence parallelism, for ``accelerate launch``.
+
+Every rank of an SP group loads the same samples (:func:`dspzoo.core.sp_dataloader`); each
+training step crops them to ``--crop-size`` contiguous residues and subsamples their MSA rows
+with draws keyed by ``(seed, step, global sample index)``
+(:func:`~dspzoo.domains.protein.dataset.training_batch`), so the batch is identical inside an
+SP group, independent of the dp × sp layout, and exact after a resume at any layout. The model
+enters the sharded region itself and returns the gathered distogram; every rank takes the same
+distogram cross-entropy (a loss on replicated outputs, the gradient contract of
+:mod:`dspzoo.core.loss`), and DDP averages gradients over dp × sp.
+
+Evaluation (``--eval-every`` and at the end) runs the held-out chains whole (up to
+``--eval-max-length`` residues) and reports their mean top-L/5 long-range contact precision
+beside two baselines (a sequence-separation-only predictor, and the share of contacts among
+long-range pairs, i.e. a random ranking), and writes predicted-vs-true contact-map PNGs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dspzoo.core import SavedTensorMeter, sp_dataloader
+from dspzoo.core.checkpoint import save_checkpoint
+from dspzoo.core.configflags import check_values, flag
+from dspzoo.core.loop import LoopSettings, run_training_loop
+from dspzoo.core.loss import world_report
+from dspzoo.core.resume import layout_of, mean_step_time, resume_from
+from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
+from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.tensor_parallel_training import TensorParallelTraining
+from dspzoo.core.trace import format_bytes
+
+from .dataset import (
+    BUILTIN_DATA,
+    ProteinDataset,
+    Sample,
+    collate,
+    crop_and_sample,
+    keep_as_list,
+    training_batch,
+)
+from .metrics import (
+    contact_precision,
+    contact_precision_from_probs,
+    contact_probabilities,
+    distogram_loss,
+    pairwise_distances,
+    separation_baseline,
+    write_contact_png,
+)
+
+logger = logging.getLogger("dspzoo.protein.train")
+
+
+@dataclass
+class ProteinTrainConfig(RunConfig):
+    """Everything a training run needs; every field is a command-line flag."""
+
+    model: str = flag("evoformer-small", "zoo model name (see `dspzoo list`)")
+    sp_strategy: str = flag(
+        "dsp",
+        "how the SP group runs the Evoformer (dsp switches the sharded residue/MSA dim between "
+        "stages; the embedded methods shard one dim and communicate inside attention)",
+        tuple(STRATEGIES),
+    )
+    data: str = flag(
+        "builtin",
+        "'builtin' (the real chains shipped in domains/protein/data_files/pdb_chains) or a "
+        "folder of .cif/.pdb files with optional alignments/<entry>_<chain>/*.a3m|*.sto",
+    )
+    crop_size: int = flag(64, "contiguous residues per training crop")
+    max_msa_rows: int = flag(16, "MSA rows per training sample (the query and a random subset)")
+    num_recycles: int | None = flag(
+        None, "recycling iterations in training and evaluation (default: the model config's)"
+    )
+    held_out_fraction: float = flag(0.1, "share of entries held out for evaluation")
+    split_seed: int = flag(0, "seed of the entry split (independent of --seed)")
+    held_out_entries: str = flag(
+        "", "comma-separated entries to hold out (replaces the hashed split when given)"
+    )
+    min_observed: int = flag(16, "skip chains with fewer observed residues")
+    lr: float = flag(1e-3, "peak AdamW learning rate")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    eval_every: int = flag(
+        100, "evaluate on the held-out chains every n steps (0: only at the end)"
+    )
+    eval_max_length: int = flag(256, "held-out chains are cropped to their first n residues")
+    save_every: int = flag(100, "save a checkpoint every n steps (0: only at --stop-after)")
+
+    def validate(self) -> None:
+        """Raise a clear ``ValueError`` for values no run can use."""
+        super().validate()
+        check_values(
+            self,
+            positive=("crop_size", "max_msa_rows", "eval_max_length"),
+            non_negative=("eval_every", "min_observed"),
+        )
+        if not 0.0 < self.held_out_fraction < 1.0:
+            raise ValueError(f"--held-out-fraction must be in (0, 1), got {self.held_out_fraction}")
+        if self.num_recycles is not None and self.num_recycles < 0:
+            raise ValueError(f"--num-recycles must be >= 0, got {self.num_recycles}")
+
+
+def data_folder(data: str) -> Path:
+    """``--data`` as a folder (``builtin``: the shipped chains)."""
+    return BUILTIN_DATA if data == "builtin" else Path(data)
+
+
+def build_datasets(cfg: ProteinTrainConfig) -> tuple[ProteinDataset, ProteinDataset]:
+    """``(train, held_out)`` chains of ``--data`` split by entry."""
+    kwargs = {
+        "held_out_fraction": cfg.held_out_fraction,
+        "split_seed": cfg.split_seed,
+        "min_observed": cfg.min_observed,
+        "held_out_entries": [e.strip() for e in cfg.held_out_entries.split(",") if e.strip()],
+    }
+    folder = data_folder(cfg.data)
+    return (
+        ProteinDataset(folder, "train", **kwargs),
+        ProteinDataset(folder, "held_out", **kwargs),
+    )
+
+
+def build_model(cfg: ProteinTrainConfig) -> torch.nn.Module:
+    """The zoo model; its initial weights depend on ``cfg.seed`` only (global RNG untouched)."""
+    import dspzoo.domains.protein  # noqa: F401  (registers the evoformer family)
+    from dspzoo.zoo import create_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return create_model(cfg.model)
+
+
+def prediction_settings(cfg: ProteinTrainConfig, held_out: list[str]) -> dict[str, Any]:
+    """What prediction and evaluation need besides the weights; saved in the final folder."""
+    return {
+        "num_recycles": cfg.num_recycles,
+        "max_msa_rows": cfg.max_msa_rows,
+        "crop_size": cfg.crop_size,
+        "data": cfg.data,
+        "held_out_fraction": cfg.held_out_fraction,
+        "split_seed": cfg.split_seed,
+        "min_observed": cfg.min_observed,
+        "held_out_entries": cfg.held_out_entries,
+        "eval_max_length": cfg.eval_max_length,
+        "held_out": held_out,
+    }
+
+
+@dataclass
+class TrainingRun:
+    """The live objects of one training session."""
+
+    cfg: ProteinTrainConfig
+    accelerator: Any
+    mesh: Any
+    sp: Any
+    model: torch.nn.Module
+    raw_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    tp: TensorParallelTraining
+    loader: Any
+    held_out: ProteinDataset
+    output_dir: Path
+
+    @property
+    def batch_per_dp(self) -> int:
+        return self.cfg.global_batch // self.mesh.dp_size
+
+
+def setup_run(cfg: ProteinTrainConfig) -> TrainingRun:
+    """Accelerator, mesh, SP context, data, model, optimizer and schedule for ``cfg``."""
+    accelerator, mesh, sp, output_dir = start_run(cfg)
+    train_data, held_out = build_datasets(cfg)
+    tp = TensorParallelTraining(accelerator, mesh, sp)
+    model = tp.shard(build_model(cfg))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
+    # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
+    model, optimizer = tp.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    loader = sp_dataloader(
+        train_data,
+        mesh,
+        cfg.global_batch // mesh.dp_size,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        collate_fn=keep_as_list,
+    )
+    if mesh.is_main:
+        logger.info(
+            "data %s: %d training chains, %d held-out chains (%s)",
+            data_folder(cfg.data),
+            len(train_data),
+            len(held_out),
+            ", ".join(held_out.names),
+        )
+    return TrainingRun(
+        cfg=cfg,
+        accelerator=accelerator,
+        mesh=mesh,
+        sp=sp,
+        model=model,
+        raw_model=accelerator.unwrap_model(model),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        tp=tp,
+        loader=loader,
+        held_out=held_out,
+        output_dir=output_dir,
+    )
+
+
+def restore(run: TrainingRun) -> tuple[int, list[float], list[list]]:
+    """Load ``--resume``'s checkpoint (from any layout); returns ``(step, loss history,
+    evaluation history)`` up to that step."""
+    cfg = run.cfg
+    progress = resume_from(
+        run.accelerator,
+        run.mesh,
+        cfg.resume,
+        run.output_dir / "checkpoints",
+        cfg.seed,
+        {k: getattr(cfg, k) for k in ("global_batch", "seed", "crop_size", "max_msa_rows")},
+    )
+    step = int(progress["step"])
+    evals = [e for e in progress.get("evals", []) if e[0] <= step]
+    return step, list(progress.get("loss_history", []))[:step], evals
+
+
+def step_batch(run: TrainingRun, samples: list[Sample], step: int) -> dict[str, torch.Tensor]:
+    """This DP group's batch of ``step``: keyed crops and MSA rows of its samples."""
+    b = run.batch_per_dp
+    first = step * run.cfg.global_batch + run.mesh.dp_rank * b
+    batch = training_batch(
+        samples,
+        run.cfg.seed,
+        step,
+        range(first, first + len(samples)),
+        run.cfg.crop_size,
+        run.cfg.max_msa_rows,
+    )
+    return {k: v.to(run.accelerator.device) for k, v in batch.items()}
+
+
+def training_step(
+    run: TrainingRun, samples: list[Sample], step: int, meter: SavedTensorMeter | None
+) -> float:
+    """One optimisation step on this DP group's samples; returns the global-batch loss."""
+    batch = step_batch(run, samples, step)
+    run.model.train()
+    with run.accelerator.autocast():
+        with meter if meter is not None else contextlib.nullcontext():
+            out = run.model(batch, sp=run.sp, num_recycles=run.cfg.num_recycles)
+        loss = distogram_loss(
+            out["distogram_logits"],
+            batch["pseudo_beta"],
+            batch["pseudo_beta_mask"],
+            run.raw_model.config,
+        )
+    run.accelerator.backward(loss)
+    run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return world_report(loss)
+
+
+@torch.no_grad()
+def evaluate_samples(
+    model: torch.nn.Module,
+    samples: list[Sample],
+    sp: Any = None,
+    num_recycles: int | None = None,
+    max_length: int | None = 256,
+    png_dir: Path | None = None,
+    autocast: Any = None,
+) -> list[dict[str, Any]]:
+    """Score each chain whole (its first ``max_length`` residues, the first MSA rows up to the
+    model's usual depth): distogram loss, top-L/5 long-range contact precision, and the two
+    baselines. Writes ``<png_dir>/<chain>.png`` when given. Returns one record per chain.
+
+    With ``sp``, every rank of the SP group must pass the same samples.
+    """
+    was_training = model.training
+    model.eval()
+    records = []
+    device = next(model.parameters()).device
+    for sample in samples:
+        cropped = crop_and_sample(sample, max_length, 10**9, key=None)
+        batch = {k: v.to(device) for k, v in collate([cropped]).items()}
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            out = model(batch, sp=sp, num_recycles=num_recycles)
+        logits = out["distogram_logits"].float().cpu()
+        pb, pbm = batch["pseudo_beta"].cpu(), batch["pseudo_beta_mask"].cpu()
+        ri, sm = batch["residue_index"].cpu(), batch["seq_mask"].cpu()
+        precision = contact_precision(logits, pb, pbm, ri, sm, model.config)
+        baseline = contact_precision_from_probs(separation_baseline(ri), pb, pbm, ri, sm)
+        records.append(
+            {
+                "name": str(sample["name"]),
+                "length": int(sm.sum()),
+                "distogram_loss": float(distogram_loss(logits, pb, pbm, model.config)),
+                "precision": float(precision[0]),
+                "baseline_separation": float(baseline[0]),
+                "contact_density": _contact_density(pb[0], pbm[0], ri[0]),
+            }
+        )
+        if png_dir is not None:
+            probs = contact_probabilities(logits, model.config)[0]
+            write_contact_png(
+                png_dir / f"{sample['name']}.png",
+                probs,
+                pb[0],
+                pbm[0],
+                f"{sample['name']}: top-L/5 long-range precision {float(precision[0]):.2f}",
+            )
+    model.train(was_training)
+    return records
+
+
+def _contact_density(pseudo_beta: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> float:
+    """Share of contacts among known ``|i−j| ≥ 24`` pairs: a random ranking's expected precision."""
+    true = pairwise_distances(pseudo_beta[None])[0] < 8.0
+    sep = (index[:, None] - index[None, :]).abs() >= 24
+    known = (mask[:, None] * mask[None, :]) > 0
+    pairs = sep & known & torch.ones_like(sep).triu(1)
+    return float(true[pairs].float().mean()) if pairs.any() else float("nan")
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Means over chains of every figure (NaN-free chains only for the precisions)."""
+    out: dict[str, float] = {"chains": float(len(records))}
+    for key in ("precision", "baseline_separation", "contact_density", "distogram_loss"):
+        values = [r[key] for r in records if not math.isnan(r[key])]
+        out[key] = sum(values) / len(values) if values else float("nan")
+    return out
+
+
+def evaluate(run: TrainingRun, step: int) -> dict[str, float]:
+    """Held-out figures at ``step``: DP group ``d`` scores chains ``d, d + dp, …``; the records
+    are gathered on every rank. The first rank of each DP group writes its chains' PNGs under
+    ``<output-dir>/contact_maps/step_<step>/``."""
+    mine = run.held_out.samples[run.mesh.dp_rank :: run.mesh.dp_size]
+    png_dir = run.output_dir / "contact_maps" / f"step_{step}"
+    writes = run.mesh.sp_rank == 0
+    records = evaluate_samples(
+        run.raw_model,
+        mine,
+        run.sp,
+        run.cfg.num_recycles,
+        run.cfg.eval_max_length,
+        png_dir if writes else None,
+        run.accelerator.autocast,
+    )
+    if dist.is_available() and dist.is_initialized() and run.mesh.dp_size > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, records if writes else [])
+        records = [r for part in gathered for r in part]
+    return summarise(records)
+
+
+def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
+    """Save a resumable checkpoint at ``step`` with the layout and the histories."""
+    cfg = run.cfg
+    progress = {
+        "seed": cfg.seed,
+        "global_batch": cfg.global_batch,
+        "crop_size": cfg.crop_size,
+        "max_msa_rows": cfg.max_msa_rows,
+        "model": cfg.model,
+        "layout": layout_of(run.mesh),
+        "loss_history": history,
+        "evals": evals,
+    }
+    save_checkpoint(
+        run.accelerator, run.output_dir / "checkpoints", step, progress, keep=cfg.keep_checkpoints
+    )
+
+
+def finish(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
+    """Save the final model (with the prediction settings and the last evaluation) when the run
+    is complete; write the histories."""
+    run.accelerator.wait_for_everyone()
+    complete = step >= run.cfg.steps
+    final = run.tp.full_model(run.raw_model) if complete else None  # every rank: gathered
+    if not run.mesh.is_main:
+        return
+    if complete:
+        from dspzoo.zoo import save_pretrained
+
+        protein = prediction_settings(run.cfg, run.held_out.names)
+        training = {"steps": step, "train_loss": history[-1] if history else None}
+        evaluation = evals[-1][1] if evals else None
+        save_pretrained(
+            final,
+            run.output_dir / "final",
+            extra={"protein": protein, "training": training, "evaluation": evaluation},
+        )
+    (run.output_dir / "losses.json").write_text(
+        json.dumps({"train_loss": history, "evals": evals}, indent=1)
+    )
+
+
+def train(cfg: ProteinTrainConfig) -> dict:
+    """Run (or resume) training. Returns on every rank::
+
+    {"losses": this session's losses, "loss_history": all from step 1,
+     "evals": [[step, {figures}], ...], "activation_bytes": ..., "output_dir": ..., "is_main": ...}
+    """
+    run = setup_run(cfg)
+    start_step, history, evals = restore(run) if cfg.resume else (0, [], [])
+
+    def evaluate_now(step: int) -> None:
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            figures = evaluate(run, step)
+            evals.append([step, figures])
+            if run.mesh.is_main:
+                logger.info(
+                    "step %d held-out (%d chains): top-L/5 long-range contact precision %.3f "
+                    "(separation-only baseline %.3f, contact density %.3f), distogram loss %.3f",
+                    step,
+                    int(figures["chains"]),
+                    figures["precision"],
+                    figures["baseline_separation"],
+                    figures["contact_density"],
+                    figures["distogram_loss"],
+                )
+
+    settings = LoopSettings(
+        steps=cfg.steps,
+        start_step=start_step,
+        stop_after=cfg.stop_after,
+        log_every=cfg.log_every,
+        save_every=cfg.save_every,
+        tokens_per_step=cfg.global_batch * cfg.crop_size,
+        loss_name="distogram loss",
+    )
+    session = run_training_loop(
+        settings,
+        run.loader,
+        lambda samples, step, meter: training_step(run, samples, step, meter),
+        lambda step, losses: checkpoint(run, step, losses, evals),
+        run.model.parameters,
+        history,
+        run.mesh.is_main,
+        logger,
+        lambda: run.scheduler.get_last_lr()[0],
+        after_step=evaluate_now,
+    )
+    history = history + session.losses
+    finish(run, session.step, history, evals)
+    if run.mesh.is_main and session.timings:
+        logger.info(
+            "done: %d steps, %.2f s/step, activation memory/rank %s (SP %d, %s)",
+            session.step,
+            mean_step_time(session.timings),
+            format_bytes(session.activation_bytes),
+            run.mesh.sp_size,
+            cfg.sp_strategy,
+        )
+    return {
+        "losses": session.losses,
+        "loss_history": history,
+        "evals": evals,
+        "activation_bytes": session.activation_bytes,
+        "output_dir": str(run.output_dir),
+        "is_main": run.mesh.is_main,
+    }
