@@ -45,12 +45,8 @@ class AxialAttention(nn.Module):
 
     def __init__(self, cfg: Axial3DConfig, over: str, causal: bool = False) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.over, self.causal = (
-            cfg.heads,
-            cfg.hidden // cfg.heads,
-            over,
-            causal,
-        )
+        self.heads, self.head_dim = cfg.heads, cfg.hidden // cfg.heads  # TP shards by heads
+        self.over, self.causal = over, causal
         self.norm = nn.LayerNorm(cfg.hidden)
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
@@ -80,7 +76,8 @@ class Block(nn.Module):
 
 
 class Axial3D(nn.Module):
-    """``[B, T, H, W, 3]`` frames in ``[-1, 1]`` → predicted next frames, same shape."""
+    """``[B, T, H, W, 3]`` frames in ``[-1, 1]`` → predicted next frames (each frame plus the
+    predicted change), same shape."""
 
     def __init__(self, config: Axial3DConfig) -> None:
         super().__init__()
@@ -124,7 +121,7 @@ class Axial3D(nn.Module):
             with comm_region(f"block{i}"):
                 act = block(act, sp)
         out = sp.exit(act.with_tensor(self.head(act.tensor)))  # [B, T, h, w, 3p²], replicated
-        return rearrange(out, "b t h w (p q c) -> b t (h p) (w q) c", p=p, q=p)
+        return video + rearrange(out, "b t h w (p q c) -> b t (h p) (w q) c", p=p, q=p)
 
 
 def workload(
@@ -138,34 +135,20 @@ def workload(
     params: int = 0,
     **_: object,
 ) -> Workload:
-    """The cost model's view of one step on ``frames`` frames of ``spatial`` pixels (H or H, W):
-    dims, lengths and what runs in every stage (``dspzoo plan`` and the harness's byte check)."""
+    """The cost model's view of one step on ``frames`` frames of ``spatial`` (H or (H, W)) pixels:
+    what runs in every stage. Used by ``dspzoo plan`` and the harness's byte check."""
     if frames is None or spatial is None:
-        raise ValueError(f"{name} takes --frames and --latent (the frame size in pixels)")
-    (h, w), p, width = (
-        (spatial,) * 2 if isinstance(spatial, int) else spatial,
-        config.patch,
-        config.channels * config.patch**2,
+        raise ValueError(f"{name} needs --frames and --latent (the frame size in pixels)")
+    h, w = (spatial, spatial) if isinstance(spatial, int) else spatial
+    p, width = config.patch, config.channels * config.patch**2
+    layer = (
+        *(StageSpec(s, attention=s.mixes, tp_pairs=1, adaln=False) for s in STAGES[:3]),
+        StageSpec(STAGES[3], mlp=True, tp_pairs=1, adaln=False),
     )
-    attention = [StageSpec(s, attention=s.mixes, tp_pairs=1, adaln=False) for s in STAGES[:3]]
-    layer = (*attention, StageSpec(STAGES[3], mlp=True, tp_pairs=1, adaln=False))
-    return Workload(
-        name,
-        "axial3d",
-        batch,
-        SEQ_DIMS,
-        (frames, h // p, w // p),
-        config.hidden,
-        config.heads,
-        config.heads,
-        int(config.hidden * config.mlp_ratio),
-        (layer,) * config.depth,
-        STAGES,
-        width,
-        width,
-        params=params,
-        itemsize=itemsize,
-    )
+    return Workload(name, "axial3d", batch, SEQ_DIMS, (frames, h // p, w // p), config.hidden,
+                    config.heads, config.heads, int(config.hidden * config.mlp_ratio),
+                    (layer,) * config.depth, STAGES, width, width, params=params,
+                    itemsize=itemsize)  # fmt: skip
 
 
 register_family("axial3d", Axial3D, Axial3DConfig)

@@ -10,6 +10,9 @@ declaration says it mixes nothing — is caught at the SP size whose plan shards
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ from dspzoo.core.validate import InputValidationError
 from dspzoo.examples.axial3d import Axial3D, Axial3DConfig, Block, workload
 from dspzoo.zoo import create_model, get_config
 
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = Axial3DConfig(patch=2, hidden=16, heads=4, depth=1, max_frames=8, max_side=8)
 FRAMES, HEIGHT, WIDTH = 7, 6, 10  # tokens t = 7, h = 3, w = 5
 
@@ -111,3 +115,14 @@ def test_axial3d_is_a_zoo_model_with_a_cost_model_workload() -> None:
     with pytest.raises(ValueError, match="--frames"):
         workload_for("axial3d-mini", frames=8)
     assert issubclass(InputValidationError, ValueError)
+
+
+def test_the_guide_quotes_the_example_as_it_is() -> None:
+    doc = (ROOT / "docs" / "new_architecture.md").read_text()
+    source = (ROOT / "examples" / "axial3d.py").read_text()
+    blocks = re.findall(r"<!-- listing: examples/axial3d.py -->\n```python\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        assert block in source, block[:200]
+    model_lines = source[: source.index("def workload(")].count("\n")
+    assert model_lines <= 130, model_lines
