@@ -256,6 +256,21 @@ def test_rolling_by_a_lon_patch_rolls_the_forecast(spatial: str) -> None:
             assert error > 1e-3, error
 
 
+def test_dropout_is_keyed() -> None:
+    """Training-mode dropout draws from ``dropout_key`` only: same key, same forecast; another
+    key, another; no key (or eval mode), no dropout."""
+    model = _model(dropout=0.2)
+    inputs = _inputs(model)
+    with torch.no_grad():
+        clean = model.eval()(**inputs, dropout_key=7)
+        model.train()
+        a, b = model(**inputs, dropout_key=7), model(**inputs, dropout_key=7)
+        other, none = model(**inputs, dropout_key=8), model(**inputs)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(none, clean, rtol=0, atol=0)
+    assert _relative_error(a, clean) > 1e-3 and _relative_error(other, a) > 1e-3
+
+
 def test_bad_inputs_raise_clear_errors() -> None:
     model = _model()
     good = _inputs(model)
