@@ -210,6 +210,29 @@ def test_weather_model_under_sp() -> None:
     assert sum(len(r["checks"]) for r in results) == len(CASES) * (4 + 3 + 2)
 
 
+def _harness_model() -> WeatherTransformer:
+    return _model("full", history=2)
+
+
+def _harness_inputs() -> dict:
+    return _inputs(_harness_model())
+
+
+@pytest.mark.slow
+def test_every_strategy_through_the_harness() -> None:
+    """The full-spatial variant with T = 2 under the strategies the spawn above leaves out
+    (megatron_sp, lss, usp, ring_zigzag) at SP 2, 3, 4: output, gradients (full tensors under
+    megatron_sp) and bytes per (op, phase), as :func:`dspzoo.core.harness.check_model` checks."""
+    from dspzoo.core.harness import check_model
+
+    others = ("megatron_sp", "lss", "usp", "ring_zigzag")
+    workload = weather_workload("w", _harness_model().config, batch=2)
+    report = check_model(_harness_model, _harness_inputs, strategies=others, workload=workload)
+    assert {(c.sp, c.strategy) for c in report.checks} == {
+        (n, s) for n in (2, 3, 4) for s in others
+    }
+
+
 # -- single process ---------------------------------------------------------------------------
 def test_starts_as_persistence_on_a_padded_grid() -> None:
     model = create_model("weathertx-tiny", grid=GRID, patch=4)

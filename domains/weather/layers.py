@@ -139,7 +139,7 @@ class WeatherAttention(nn.Module):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads")
-        self.head_dim, self.over = hidden // heads, over
+        self.heads, self.head_dim, self.over = heads, hidden // heads, over
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
