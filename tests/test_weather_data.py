@@ -107,21 +107,31 @@ def test_normalisation_statistics_come_from_the_training_years_only(a1b_e1) -> N
     window = WindowSpec(history=4, leads=(1,), holdout_from=2060)
     train = train_time_index(a1b_e1, window)
     assert a1b_e1.years[train].max() == 2059 and len(train) == 200
-    norm = fit_normalizer(a1b_e1, train)
+    norm = fit_normalizer(a1b_e1, train, "channel")
     expected = a1b_e1.values[:, :200].astype(np.float64)
-    assert norm.mean[0] == pytest.approx(expected.mean(), rel=1e-9)
-    assert norm.std[0] == pytest.approx(expected.std(), rel=1e-9)
-    assert abs(norm.mean[0] - float(a1b_e1.values.astype(np.float64).mean())) > 0.1  # warming
+    assert norm.mean.shape == (1, 1, 1)
+    assert norm.mean.item() == pytest.approx(expected.mean(), rel=1e-9)
+    assert norm.std.item() == pytest.approx(expected.std(), rel=1e-9)
+    assert abs(norm.mean.item() - float(a1b_e1.values.astype(np.float64).mean())) > 0.1  # warming
+    point = fit_normalizer(a1b_e1, train, "point")
+    assert point.mean.shape == (1, 37, 49) and point.std.shape == (1, 1, 1)
+    np.testing.assert_allclose(point.mean[0], expected.mean((0, 1))[0], rtol=1e-12)
+    assert point.std.item() == pytest.approx((expected - expected.mean((0, 1))).std(), rel=1e-9)
     changed = SimpleNamespace(**vars(a1b_e1))
     changed.values = a1b_e1.values.copy()
     changed.values[:, 200:] += 50.0  # the held-out years do not move the statistics
-    again = fit_normalizer(changed, train)
-    assert again.mean[0] == norm.mean[0] and again.std[0] == norm.std[0]
+    for before in (norm, point):
+        again = fit_normalizer(changed, train, before.mode)
+        np.testing.assert_array_equal(again.mean, before.mean)
+        np.testing.assert_array_equal(again.std, before.std)
+    restored = type(point).from_dict(point.to_dict())
+    np.testing.assert_array_equal(restored.normalise(expected), point.normalise(expected))
+    np.testing.assert_allclose(point.denormalise(point.normalise(expected)), expected, rtol=1e-6)
 
 
 def test_splits_by_held_out_years_and_items(a1b_e1) -> None:
     window = WindowSpec(history=3, stride=2, leads=(1, 4), holdout_from=2060)
-    norm = fit_normalizer(a1b_e1, train_time_index(a1b_e1, window))
+    norm = fit_normalizer(a1b_e1, train_time_index(a1b_e1, window), "point")
     train = WeatherWindows(a1b_e1, window, "train", norm)
     test = WeatherWindows(a1b_e1, window, "test", norm)
     target_years = lambda ds: {int(a1b_e1.years[t0 + lead]) for _, t0, lead in ds.samples}  # noqa: E731
@@ -151,7 +161,7 @@ def test_missing_values_are_filled_and_masked_on_ostia() -> None:
     missing = np.isnan(f.values)
     assert 0.1 < missing.mean() < 0.5  # land
     window = WindowSpec(history=2, leads=(1,), holdout_from=2010)
-    ds = WeatherWindows(f, window, "train", fit_normalizer(f, train_time_index(f, window)))
+    ds = WeatherWindows(f, window, "train", fit_normalizer(f, train_time_index(f, window), "point"))
     item = ds[0]
     s, t0, lead = item["index"].tolist()
     assert not item["x"].isnan().any() and not item["target"].isnan().any()
@@ -217,6 +227,8 @@ def test_bad_inputs_give_errors_naming_the_file_and_field(tmp_path: Path, a1b_e1
         WeatherWindows(
             a1b_e1, WindowSpec(holdout_from=2200), "test", fit_normalizer(a1b_e1, np.arange(10))
         )
+    with pytest.raises(WeatherDataError, match="normalisation must be one of"):
+        fit_normalizer(a1b_e1, np.arange(10), "zscore")
     with pytest.raises(WeatherDataError, match="lead times must be >= 1"):
         WindowSpec(leads=(0,))
     assert sample_index(a1b_e1, WindowSpec(history=240, leads=(1,)), "train") == []

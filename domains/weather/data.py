@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -417,12 +418,19 @@ def load_fields(
 # -- normalisation, static fields --------------------------------------------------------------
 
 
+NORMALISATIONS = ("point", "channel")
+
+
 @dataclass(frozen=True)
 class Normalizer:
-    """Per-channel standardisation ``(x - mean) / std`` with statistics of the training split.
+    """Standardisation ``(x − mean) / std`` with statistics of the training split.
 
-    ``mean``/``std`` are float64 ``[C]``; ``static_mean``/``static_std`` ``[K]`` for the static
-    variables.
+    ``mode = "channel"``: ``mean`` and ``std`` are one number per channel (WeatherBench /
+    ClimaX style), arrays ``[C, 1, 1]``. ``mode = "point"``: ``mean`` is the per-grid-point
+    training mean ``[C, lat, lon]`` and ``std`` the per-channel spread of the anomalies from it
+    ``[C, 1, 1]`` — the inputs become standardised anomalies, the better-conditioned choice when
+    the signal to forecast (a year-to-year change) is small next to the spatial pattern.
+    ``static_mean``/``static_std`` ``[K]`` standardise the static variables.
     """
 
     channels: tuple[str, ...]
@@ -430,25 +438,24 @@ class Normalizer:
     std: np.ndarray
     static_mean: np.ndarray
     static_std: np.ndarray
+    mode: str = "channel"
 
-    def normalise(self, x: np.ndarray, axis: int = -3) -> np.ndarray:
-        """``x`` with channels on ``axis`` (default ``[..., C, lat, lon]``) standardised."""
-        shape = [1] * x.ndim
-        shape[axis] = -1
-        return ((x - self.mean.reshape(shape)) / self.std.reshape(shape)).astype(np.float32)
+    def normalise(self, x: np.ndarray) -> np.ndarray:
+        """``x`` ``[..., C, lat, lon]`` standardised (float32)."""
+        return ((x - self.mean) / self.std).astype(np.float32)
 
-    def denormalise(self, x: np.ndarray | torch.Tensor, axis: int = -3) -> Any:
-        shape = [1] * x.ndim
-        shape[axis] = -1
+    def denormalise(self, x: np.ndarray | torch.Tensor) -> Any:
+        """Back to physical units, ``x`` ``[..., C, lat, lon]`` (numpy or torch)."""
         if isinstance(x, torch.Tensor):
-            mean = torch.as_tensor(self.mean, dtype=x.dtype, device=x.device).reshape(shape)
-            std = torch.as_tensor(self.std, dtype=x.dtype, device=x.device).reshape(shape)
+            mean = torch.as_tensor(self.mean, dtype=x.dtype, device=x.device)
+            std = torch.as_tensor(self.std, dtype=x.dtype, device=x.device)
             return x * std + mean
-        return x * self.std.reshape(shape) + self.mean.reshape(shape)
+        return x * self.std + self.mean
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "channels": list(self.channels),
+            "mode": self.mode,
             "mean": self.mean.tolist(),
             "std": self.std.tolist(),
             "static_mean": self.static_mean.tolist(),
@@ -463,16 +470,29 @@ class Normalizer:
             np.asarray(d["std"], dtype=np.float64),
             np.asarray(d.get("static_mean", []), dtype=np.float64),
             np.asarray(d.get("static_std", []), dtype=np.float64),
+            d.get("mode", "channel"),
         )
 
 
-def fit_normalizer(fields: Fields, time_index: np.ndarray) -> Normalizer:
-    """Mean and standard deviation per channel over the times ``time_index`` (the training
-    split) of all trajectories, ignoring missing values."""
+def fit_normalizer(fields: Fields, time_index: np.ndarray, mode: str = "channel") -> Normalizer:
+    """Statistics over the times ``time_index`` (the training split) of all trajectories,
+    ignoring missing values; ``mode`` as in :class:`Normalizer`."""
+    if mode not in NORMALISATIONS:
+        raise WeatherDataError(f"normalisation must be one of {NORMALISATIONS}, got {mode!r}")
     values = fields.values[:, time_index].astype(np.float64)  # [S, n, C, lat, lon]
-    per_channel = np.moveaxis(values, 2, 0).reshape(values.shape[2], -1)
-    mean = np.nanmean(per_channel, axis=1)
-    std = np.nanstd(per_channel, axis=1)
+    c = values.shape[2]
+    per_channel = np.moveaxis(values, 2, 0).reshape(c, -1)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN points (land in an SST file)
+        if mode == "channel":
+            mean = np.nanmean(per_channel, axis=1)[:, None, None]
+            std = np.nanstd(per_channel, axis=1)[:, None, None]
+        else:
+            point = np.nanmean(values.reshape(-1, *values.shape[2:]), axis=0)  # [C, lat, lon]
+            fallback = np.nanmean(per_channel, axis=1)[:, None, None]
+            mean = np.where(np.isfinite(point), point, fallback)
+            anomalies = np.moveaxis(values - mean, 2, 0).reshape(c, -1)
+            std = np.nanstd(anomalies, axis=1)[:, None, None]
     std = np.where(std > 0, std, 1.0)
     if fields.static.shape[0]:
         flat = fields.static.reshape(fields.static.shape[0], -1).astype(np.float64)
@@ -480,7 +500,7 @@ def fit_normalizer(fields: Fields, time_index: np.ndarray) -> Normalizer:
         sstd = np.where(sstd > 0, sstd, 1.0)
     else:
         smean = sstd = np.zeros(0)
-    return Normalizer(fields.channels, mean, std, smean, sstd)
+    return Normalizer(fields.channels, mean, std, smean, sstd, mode)
 
 
 def position_encodings(grid: GridInfo) -> np.ndarray:

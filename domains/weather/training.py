@@ -36,11 +36,13 @@ from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
-from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
+from dspzoo.core.rng import mix_key
+from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
 
 from .data import (
+    NORMALISATIONS,
     Fields,
     GridInfo,
     Normalizer,
@@ -100,6 +102,12 @@ class WeatherTrainConfig(RunConfig):
         "",
         "model config fields to change, 'field=value,...' (e.g. patch=4,hidden=64); recorded "
         "in the saved config",
+    )
+    normalisation: str = flag(
+        "point",
+        "'point': inputs are anomalies from the per-grid-point training mean over one spread "
+        "per channel; 'channel': one mean and spread per channel (WeatherBench style)",
+        NORMALISATIONS,
     )
     history: int = flag(4, "input states per window (T)")
     stride: int = flag(1, "time steps between consecutive input states")
@@ -166,12 +174,13 @@ def load_data(
     levels: tuple[float, ...] = (),
     static_variables: tuple[str, ...] = (),
     normalizer: Normalizer | None = None,
+    normalisation: str = "point",
 ) -> WeatherData:
     """Load ``spec`` and build both splits; statistics from the training years unless
     ``normalizer`` (the one saved with a model) is given."""
     fields = load_fields(spec, variables, levels or None, static_variables)
     train_idx = train_time_index(fields, window)
-    normalizer = normalizer or fit_normalizer(fields, train_idx)
+    normalizer = normalizer or fit_normalizer(fields, train_idx, normalisation)
     climatology = fit_climatology(fields.values, fields.years, fields.months, train_idx)
     return WeatherData(
         fields=fields,
@@ -190,6 +199,7 @@ def data_of(cfg: WeatherTrainConfig) -> WeatherData:
         cfg.window(),
         parse_list(cfg.levels, float),
         parse_list(cfg.static_variables),
+        normalisation=cfg.normalisation,
     )
 
 
@@ -200,15 +210,23 @@ def build_model(cfg: WeatherTrainConfig, data: WeatherData) -> torch.nn.Module:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = create_model(
-            cfg.model,
-            grid=data.fields.grid.shape,
-            variables=tuple(data.fields.channels),
-            history=cfg.history,
-            num_static=data.train.num_static,
-            periodic_lon=data.fields.grid.periodic_lon,
-            **parse_overrides(cfg.overrides),
-        )
+        if cfg.init_from:  # fine-tune: the config (grid, channels, ...) comes from the weights
+            from dspzoo.zoo.pretrained import load_config
+            from dspzoo.zoo.registry import family_info
+            from dspzoo.zoo.shipped import resolve_pretrained
+
+            family, config = load_config(resolve_pretrained(cfg.init_from))
+            model = load_initial_weights(family_info(family).model_cls(config), cfg)
+        else:
+            model = create_model(
+                cfg.model,
+                grid=data.fields.grid.shape,
+                variables=tuple(data.fields.channels),
+                history=cfg.history,
+                num_static=data.train.num_static,
+                periodic_lon=data.fields.grid.periodic_lon,
+                **parse_overrides(cfg.overrides),
+            )
     check_model_fits(model.config, data.fields, data.window)
     max_lead = getattr(model.config, "max_lead", None)
     if max_lead is not None and max(data.window.leads) > max_lead:
@@ -449,14 +467,21 @@ def setup_run(cfg: WeatherTrainConfig) -> TrainingRun:
 
 
 def training_step(
-    run: TrainingRun, batch: dict[str, torch.Tensor], meter: SavedTensorMeter | None
+    run: TrainingRun, batch: dict[str, torch.Tensor], step: int, meter: SavedTensorMeter | None
 ) -> float:
-    """One optimisation step on this rank's share; returns the global batch's loss."""
+    """One optimisation step on this rank's share; returns the global batch's loss.
+
+    Dropout (when the config has it) is keyed by ``(seed, step, DP rank)``: equal inside an SP
+    group, so the sharded model draws the masks one process would.
+    """
     run.model.train()
     static = batch["static"] if run.data.train.num_static else None
+    key = None
+    if getattr(run.raw_model.config, "dropout", 0.0) > 0:
+        key = mix_key(run.cfg.seed, step, "dropout", run.mesh.dp_rank)
     with run.accelerator.autocast():
         with meter if meter is not None else contextlib.nullcontext():
-            pred = run.model(batch["x"], batch["lead_time"], static, sp=run.sp)
+            pred = run.model(batch["x"], batch["lead_time"], static, sp=run.sp, dropout_key=key)
         loss = weighted_mse(pred, batch["target"], batch["mask"], run.lat_weights)
     run.accelerator.backward(loss)
     run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
@@ -574,7 +599,7 @@ def train(cfg: WeatherTrainConfig) -> dict:
     session = run_training_loop(
         settings,
         run.loader,
-        lambda batch, step, meter: training_step(run, batch, meter),
+        lambda batch, step, meter: training_step(run, batch, step, meter),
         lambda step, losses: checkpoint(run, step, losses, evals),
         run.model.parameters,
         history,
