@@ -33,7 +33,9 @@ from dspzoo.core.checkpoint import save_checkpoint
 from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
+from dspzoo.core.methods.megatron import megatron_grad_sync
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
+from dspzoo.core.rng import mix_key
 from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
@@ -178,6 +180,34 @@ class TrainingRun:
         return self.cfg.global_batch // self.mesh.dp_size
 
 
+def prepare_without_ddp(
+    accelerator: Any, tp: TensorParallelTraining, model: torch.nn.Module, optimizer: Any
+) -> tuple[torch.nn.Module, Any]:
+    """``accelerator.prepare`` without DDP: gradients are averaged over dp × sp after the
+    backward pass (:func:`sync_and_clip`), not during it.
+
+    DDP all-reduces gradient buckets asynchronously while the backward pass runs; the
+    Evoformer's backward issues its own collectives on the SP group, which is the world group
+    when there is one SP group, and the two interleave differently on different ranks (gloo
+    then fails with "Received data size doesn't match expected size", intermittently).
+    """
+    if tp.active:  # megatron_sp shards the weights: its own prepare (no DDP either)
+        return tp.prepare(model, optimizer)
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    return model, accelerator.prepare_optimizer(optimizer)
+
+
+def sync_and_clip(run: TrainingRun) -> None:
+    """After ``backward``: every gradient becomes the dp × sp mean, then the global norm is
+    clipped to ``--grad-clip``."""
+    if run.tp.active:
+        run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
+        return
+    megatron_grad_sync(run.raw_model, run.mesh)  # no sharded weights: a plain world mean
+    if run.cfg.grad_clip:
+        run.accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
+
+
 def setup_run(cfg: ProteinTrainConfig) -> TrainingRun:
     """Accelerator, mesh, SP context, data, model, optimizer and schedule for ``cfg``."""
     accelerator, mesh, sp, output_dir = start_run(cfg)
@@ -187,7 +217,7 @@ def setup_run(cfg: ProteinTrainConfig) -> TrainingRun:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
     # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
-    model, optimizer = tp.prepare(model, optimizer)
+    model, optimizer = prepare_without_ddp(accelerator, tp, model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     loader = sp_dataloader(
         train_data,
@@ -238,10 +268,14 @@ def restore(run: TrainingRun) -> tuple[int, list[float], list[list]]:
     return step, list(progress.get("loss_history", []))[:step], evals
 
 
+def first_sample(run: TrainingRun, step: int) -> int:
+    """Global index of this DP group's first sample at ``step``."""
+    return step * run.cfg.global_batch + run.mesh.dp_rank * run.batch_per_dp
+
+
 def step_batch(run: TrainingRun, samples: list[Sample], step: int) -> dict[str, torch.Tensor]:
     """This DP group's batch of ``step``: keyed crops and MSA rows of its samples."""
-    b = run.batch_per_dp
-    first = step * run.cfg.global_batch + run.mesh.dp_rank * b
+    first = first_sample(run, step)
     batch = training_batch(
         samples,
         run.cfg.seed,
@@ -261,7 +295,13 @@ def training_step(
     run.model.train()
     with run.accelerator.autocast():
         with meter if meter is not None else contextlib.nullcontext():
-            out = run.model(batch, sp=run.sp, num_recycles=run.cfg.num_recycles)
+            out = run.model(
+                batch,
+                sp=run.sp,
+                num_recycles=run.cfg.num_recycles,
+                rng_key=mix_key(run.cfg.seed, step, "evoformer-dropout"),
+                batch_offset=first_sample(run, step),
+            )
         loss = distogram_loss(
             out["distogram_logits"],
             batch["pseudo_beta"],
@@ -269,7 +309,7 @@ def training_step(
             run.raw_model.config,
         )
     run.accelerator.backward(loss)
-    run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
+    sync_and_clip(run)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
