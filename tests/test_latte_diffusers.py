@@ -331,3 +331,33 @@ def test_matches_diffusers_at_sp_1_2_3(tmp_path: Path) -> None:
         )
         limit = 1e-12 if dtype == "torch.float64" else 2e-6
         assert rel_diff <= limit, (key, abs_diff, rel_diff)
+
+
+@pytest.mark.slow
+def test_matches_diffusers_at_latte_1_widths(tmp_path: Path) -> None:
+    """Latte-1's published config (hidden 1152 = 16 heads × 72, caption 4096, sample_size 64,
+    16 frames) with 2 of its 28 layer pairs: the converted model gives diffusers' output."""
+    pytest.importorskip("diffusers")
+    from diffusers import LatteTransformer3DModel
+
+    config = diffusers_config(create_model("latte1-latte-1", device="meta").config)
+    config.pop("_class_name")
+    torch.manual_seed(0)
+    reference = LatteTransformer3DModel(**{**config, "num_layers": 2}).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0, 0.02)
+    reference.save_pretrained(tmp_path / "wide")
+    model = convert_diffusers_latte(tmp_path / "wide")
+    g = torch.Generator().manual_seed(1)
+    x, cond = torch.randn(1, 4, 16, 8, 8, generator=g), torch.randn(1, 20, 4096, generator=g)
+    timestep = torch.tensor([500.0])
+    with torch.no_grad():
+        want = reference(x, timestep=timestep, encoder_hidden_states=cond).sample
+        got = model(x, timestep, cond)
+    error = float((got - want).abs().max() / want.abs().max())
+    print(
+        f"\nLatte-1 widths, 2 layer pairs, fp32: max |diff| {float((got - want).abs().max()):.2e}"
+        f" ({error:.2e} of max |ref|)"
+    )
+    assert error <= 2e-6
