@@ -518,7 +518,7 @@ class MultiParallel:
         for target, sw in self.plan.launches_after(previous):
             if sw.activation in state.pending or state.acts[sw.activation].spec.sharded != sw.src:
                 continue
-            with comm_region(target):
+            with comm_region(f"{target}-async"):
                 act = state.acts[sw.activation]
                 handle = comm.switch_async(
                     act.tensor,
@@ -533,8 +533,7 @@ class MultiParallel:
             self._settle(state, name)
             want = step.dim(name)
             if state.acts[name].spec.sharded != want:
-                with comm_region(stage):
-                    state.acts[name] = self.switch(state.acts[name], want)
+                state.acts[name] = self.switch(state.acts[name], want)
         return state
 
     def _settle(self, state: MultiState, name: str) -> None:

@@ -412,7 +412,10 @@ class Evoformer(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for it in range(recycles + 1):
             last = it == recycles
-            with torch.set_grad_enabled(last and torch.is_grad_enabled()):
+            with (
+                torch.set_grad_enabled(last and torch.is_grad_enabled()),
+                comm_region(f"recycle{it}"),
+            ):
                 ctx.prefix = (it,)
                 state = self._embed(batch, mp, prev_row, prev_z)
                 for k, block in enumerate(self.evoformer.blocks):
@@ -435,6 +438,48 @@ class Evoformer(nn.Module):
                     }
         return out
 
+    def trunk(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        seq_mask: torch.Tensor,
+        sp: SeqParallel | None = None,
+        chunk_size: int | None = None,
+        rng_key: int | None = None,
+        batch_offset: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Evoformer blocks alone on replicated ``m`` ``[B, S, R, c_m]`` and ``z``
+        ``[B, R, R, c_z]`` (no embedders, no recycling); returns the full ``(m, z)``."""
+        sp = sp or SeqParallel()
+        b, s, r, _ = m.shape
+        mp = MultiParallel(sp, self.plan(r, s, sp.size))
+        ctx = BlockContext(
+            mp=mp,
+            msa_mask=msa_mask.float(),
+            seq_mask=seq_mask.float(),
+            chunk=self.config.chunk_size if chunk_size is None else chunk_size,
+            channel_chunk=self.config.mul_channel_chunk,
+            training=self.training,
+            rng_key=rng_key,
+            batch_offset=batch_offset,
+        )
+        m_spec = mp.spec("m", None)
+        z_spec = mp.spec("z", None)
+        state = mp.enter(
+            {
+                # copies: the no-grad path adds updates in place
+                "m": sp.shard(m.clone(), m_spec, mp.plan.entry("m")).tensor,
+                "z": sp.shard(z.clone(), z_spec, mp.plan.entry("z")).tensor,
+            }
+        )
+        for k, block in enumerate(self.evoformer.blocks):
+            with comm_region(f"block{k}"):
+                ctx.prefix = (0, k)
+                state = block(state, ctx)
+        with comm_region("exit"):
+            return mp.exit(state, "m"), mp.exit(state, "z")
+
     def _embed(
         self,
         batch: dict[str, torch.Tensor],
@@ -451,8 +496,9 @@ class Evoformer(nn.Module):
         tf = batch["target_feat"].float()
         m = emb.msa(tf[:, r0 : r0 + rn], batch["msa_feat"][:, s0 : s0 + sn, r0 : r0 + rn].float())
         row = rec.layer_norm_m(prev_row[:, r0 : r0 + rn])
-        if s0 == 0 and sn > 0:
-            m = torch.cat([m[:, :1] + row[:, None], m[:, 1:]], 1)
+        # row 0 of the MSA only, written so that every rank uses the layer (DDP sees a gradient)
+        first = (torch.arange(s0, s0 + sn, device=m.device) == 0).to(m.dtype)
+        m = m + first[None, :, None, None] * row[:, None]
         i0, ni = mp.local_range(z_spec, "i")
         j0, nj = mp.local_range(z_spec, "j")
         ri = batch["residue_index"].long()
