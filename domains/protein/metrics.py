@@ -195,8 +195,7 @@ def write_contact_png(
         true = pairwise_distances(pseudo_beta.float()[None])[0] < threshold
         known = (pseudo_beta_mask[:, None] * pseudo_beta_mask[None, :]).numpy() > 0
         true_map = np.where(known, true.float().numpy(), np.nan)
-        cmap = plt.get_cmap("Greys").copy()
-        cmap.set_bad("#f2c6c6")
+        cmap = plt.get_cmap("Greys").with_extremes(bad="#f2c6c6")
         axes[1].imshow(true_map, cmap=cmap, vmin=0, vmax=1, origin="upper")
         axes[1].set_title("true contacts (red: unobserved)")
     for ax in axes:
