@@ -578,8 +578,13 @@ class MultiParallel:
         axis = first + spec.names.index(dim)
         return comm.gather_for_local_use(t, axis, self.sp.group, spec.length(dim))
 
+    def finish(self, state: MultiState) -> MultiState:
+        """Wait for every switch still in flight (the activations stay sharded)."""
+        for name in list(state.pending):
+            self._settle(state, name)
+        return state
+
     def exit(self, state: MultiState, name: str) -> torch.Tensor:
         """The full (replicated) tensor of activation ``name``; finishes pending switches."""
-        for other in list(state.pending):
-            self._settle(state, other)
+        self.finish(state)
         return self.sp.exit(state.acts[name])

@@ -1,0 +1,255 @@
+"""Long proteins: the largest residue count one AF2-width Evoformer block runs forward at.
+
+For each SP size, a doubling then bisection search over the residue count ``R``; every trial
+spawns ``N`` gloo processes that build one ``evoformer-af2`` block (c_m 256, c_z 128, 8 MSA and
+4 pair heads, triangle-multiplication width 128), create *their own shards* of the MSA
+``[1, S, R, 256]`` and pair ``[1, R, R, 128]`` activations (the full pair is never
+materialised), and run the block forward under ``torch.no_grad()`` with chunking (updates added
+in place, gathered operands travelling a few channels at a time, switches chunked over
+channels). Each rank's address space is capped (``RLIMIT_DATA``) at ``--max-mem-gb / N`` so that
+a trial that would not fit fails with an allocation error instead of pressing the machine; a
+trial slower than ``--trial-timeout`` counts as failed too (and is reported as time-limited).
+
+Prints a table (largest R reached, what stopped the search, peak RSS per rank and in total,
+forward time) with the per-rank plan bytes of one block, then the command that reproduces it::
+
+    python scripts/protein_memory.py --sp-sizes 1,2,4 --max-mem-gb 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from dspzoo.core.testing import run_distributed
+
+
+def _trial(
+    rank: int, world: int, residues: int, depth: int, chunk: int, channel_chunk: int, cap: int
+) -> dict[str, float]:
+    """One rank of one trial: build the block and the local shards, run forward, measure."""
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))
+    from dspzoo.core.mesh import build_mesh
+    from dspzoo.core.multiplan import MultiParallel
+    from dspzoo.core.runtime import SeqParallel
+    from dspzoo.domains.protein import CONFIGS
+    from dspzoo.domains.protein.model import BlockContext, EvoformerBlock, evoformer_plan
+
+    sp = SeqParallel(build_mesh(sp_size=world) if world > 1 else None)
+    cfg = replace(CONFIGS["af2"], num_blocks=1, chunk_size=chunk, mul_channel_chunk=channel_chunk)
+    torch.manual_seed(0)
+    block = EvoformerBlock(cfg).eval()
+    plan = evoformer_plan(cfg, residues, depth, world)
+    mp = MultiParallel(sp, plan, switch_chunk=channel_chunk)
+    local = {}
+    for name, channels in (("m", cfg.c_m), ("z", cfg.c_z)):
+        spec = mp.spec(name, plan.entry(name))
+        shape = (1, *spec.local_shape(sp.rank, sp.size), channels)
+        local[name] = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
+    ctx = BlockContext(
+        mp=mp,
+        msa_mask=torch.ones(1, depth, residues),
+        seq_mask=torch.ones(1, residues),
+        chunk=chunk,
+        channel_chunk=channel_chunk,
+        training=False,
+        rng_key=None,
+        batch_offset=0,
+    )
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    with torch.no_grad():
+        state = mp.finish(block(mp.enter(local), ctx))
+    seconds = time.perf_counter() - start
+    finite = bool(torch.isfinite(state.acts["z"].tensor).all())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak": float(peak), "before": float(before), "seconds": seconds, "finite": finite}
+
+
+def run_trial(args: argparse.Namespace, world: int, residues: int) -> tuple[str, list[dict]]:
+    """``("ok" | "memory" | "time" | "error: …", per-rank results)``."""
+    cap = int(args.max_mem_gb * 2**30 / world)
+    try:
+        res = run_distributed(
+            _trial,
+            world,
+            residues,
+            args.msa_depth,
+            args.chunk_size,
+            args.channel_chunk,
+            cap,
+            timeout=args.trial_timeout,
+            env={"OMP_NUM_THREADS": str(args.threads)},
+        )
+    except TimeoutError:
+        return "time", []
+    except AssertionError as exc:
+        text = str(exc)
+        if "can't allocate memory" in text or "MemoryError" in text or "died without" in text:
+            return "memory", []
+        return f"error: {text.splitlines()[-1][:200]}", []
+    if not all(r["finite"] for r in res):
+        return "error: non-finite output", res
+    return "ok", res
+
+
+def search(args: argparse.Namespace, world: int, log) -> dict:
+    """Doubling from ``--start`` then bisection to ``--resolution`` residues."""
+    good: tuple[int, list[dict]] | None = None
+    bad: tuple[int, str] | None = None
+    r = args.start
+    while bad is None and r <= args.max_residues:
+        status, res = run_trial(args, world, r)
+        log(world, r, status, res)
+        if status == "ok":
+            good, r = (r, res), r * 2
+        else:
+            bad = (r, status)
+    while good is not None and bad is not None and bad[0] - good[0] > args.resolution:
+        mid = (good[0] + bad[0]) // 2
+        status, res = run_trial(args, world, mid)
+        log(world, mid, status, res)
+        if status == "ok":
+            good = (mid, res)
+        else:
+            bad = (mid, status)
+    return {"world": world, "good": good, "bad": bad}
+
+
+def predicted_peak(
+    residues: int, world: int, depth: int, chunk: int, channel_chunk: int, base: float = 0.3
+) -> float:
+    """Model of one rank's peak memory (GiB) from the block's largest live tensors (fp32).
+
+    Phases (bytes / 4, ``P = R·⌈R/N⌉`` local pair positions, ``cc`` the channel chunk):
+    triangle multiplication: pair ``P·c_z`` + product ``P·c_mul`` + gathered operand piece
+    ``R²·cc`` + two local operand pieces ``2·P·cc``; triangle attention: pair + whole bias
+    ``R²·H`` + local bias ``P·H`` + one chunk's logits and probabilities ``2·chunk·H·R²``
+    (``⌈R/N⌉·…`` rows at most); a switch: pair in + pair out + pieces ``3·P·cc``. Plus
+    ``base`` GiB for the process (torch, the block's weights). The MSA is small (S·R·c_m).
+    """
+    from dspzoo.domains.protein import CONFIGS
+
+    c = CONFIGS["af2"]
+    r, n = residues, world
+    local = r * -(-r // n)
+    msa = depth * r * c.c_m * 2
+    rows = min(chunk, -(-r // n))
+    mul = local * (c.c_z + c.c_hidden_mul + 2 * channel_chunk) + r * r * channel_chunk
+    att = local * (c.c_z + c.pair_heads) + r * r * c.pair_heads * (1 + 2 * rows)
+    switch = local * (2 * c.c_z + 3 * channel_chunk)
+    return base + 4 * (max(mul, att, switch) + msa) / 2**30
+
+
+def plan_bytes(residues: int, depth: int, world: int) -> tuple[int, int]:
+    """Forward and backward bytes per block on rank 0 (fp32, batch 1)."""
+    from dspzoo.domains.protein import CONFIGS
+    from dspzoo.domains.protein.model import evoformer_plan
+
+    plan = evoformer_plan(CONFIGS["af2"], residues, depth, world)
+    return plan.bytes_per_period(0, 1, 4, "forward"), plan.bytes_per_period(0, 1, 4, "backward")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sp-sizes", default="1,2,4", help="comma-separated SP sizes")
+    p.add_argument("--msa-depth", type=int, default=8, help="MSA rows S")
+    p.add_argument("--start", type=int, default=256, help="first residue count of the doubling")
+    p.add_argument("--max-residues", type=int, default=8192, help="stop doubling here")
+    p.add_argument("--resolution", type=int, default=128, help="bisection stops at this gap")
+    p.add_argument("--chunk-size", type=int, default=4, help="rows per chunk in every layer")
+    p.add_argument(
+        "--channel-chunk", type=int, default=8, help="channels per gathered operand / switch piece"
+    )
+    p.add_argument(
+        "--max-mem-gb", type=float, default=16.0, help="memory cap of all ranks together (GiB)"
+    )
+    p.add_argument("--trial-timeout", type=float, default=1200.0, help="seconds per trial")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    sizes = [int(x) for x in args.sp_sizes.split(",") if x]
+
+    def log(world: int, r: int, status: str, res: list[dict]) -> None:
+        peak = max((x["peak"] for x in res), default=0.0) / 2**30
+        secs = max((x["seconds"] for x in res), default=0.0)
+        print(
+            f"  SP {world}  R={r:>5}  {status:<8} peak/rank {peak:6.2f} GiB  {secs:8.1f} s",
+            flush=True,
+        )
+
+    results = []
+    for world in sizes:
+        print(
+            f"SP {world}: searching (cap {args.max_mem_gb:g} GiB over {world} rank(s))", flush=True
+        )
+        results.append(search(args, world, log))
+
+    print()
+    print(
+        f"Largest R for one af2-width Evoformer block forward (S={args.msa_depth}, chunk "
+        f"{args.chunk_size}, channel chunk {args.channel_chunk}, fp32, no grad), cap "
+        f"{args.max_mem_gb:g} GiB in total:"
+    )
+    print(
+        "| SP | largest R | next tried | stopped by | peak RSS/rank (GiB) | total (GiB) | "
+        "forward (s) | plan fwd bytes/block/rank |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for out in results:
+        world, good, bad = out["world"], out["good"], out["bad"]
+        if good is None:
+            print(
+                f"| {world} | none | {bad[0] if bad else '-'} | {bad[1] if bad else '-'} | | | | |"
+            )
+            continue
+        r, res = good
+        peak = max(x["peak"] for x in res) / 2**30
+        total = sum(x["peak"] for x in res) / 2**30
+        secs = max(x["seconds"] for x in res)
+        fwd, _ = plan_bytes(r, args.msa_depth, world)
+        stop = f"{bad[1]}" if bad else f"--max-residues {args.max_residues}"
+        nxt = bad[0] if bad else "-"
+        print(
+            f"| {world} | {r} | {nxt} | {stop} | {peak:.2f} | {total:.2f} | {secs:.1f} | "
+            f"{fwd / 2**20:.1f} MiB |"
+        )
+        rows.append({"sp": world, "residues": r, "peak_gib": peak, "total_gib": total,
+                     "seconds": secs, "next": nxt, "stopped_by": stop})  # fmt: skip
+    print(
+        "\npredicted peak per rank (scripts/protein_memory.py:predicted_peak) and the largest R "
+        f"it lets fit in {args.max_mem_gb:g} GiB in total:"
+    )
+    for world in sizes:
+        r = args.resolution
+        while predicted_peak(r + args.resolution, world, args.msa_depth, args.chunk_size,
+                             args.channel_chunk) * world <= args.max_mem_gb:  # fmt: skip
+            r += args.resolution
+        measured = next((row for row in rows if row["sp"] == world), None)
+        check = ""
+        if measured:
+            pred = predicted_peak(measured["residues"], world, args.msa_depth, args.chunk_size,
+                                  args.channel_chunk)  # fmt: skip
+            check = f"; at R={measured['residues']}: predicted {pred:.2f}, measured {measured['peak_gib']:.2f} GiB/rank"
+        print(f"  SP {world}: R <= {r}{check}")
+    cmd = " ".join(
+        ["python", "scripts/protein_memory.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    print(f"\nreproduce: OMP_NUM_THREADS={args.threads} {cmd}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())
