@@ -38,6 +38,7 @@ the model declares ``TP_PLAN`` (it shards the declared linears).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,24 @@ class HarnessReport:
     def failures(self) -> list[str]:
         return [line for c in self.checks for line in c.failures]
 
+    def summary(self, per_group: int = 4) -> str:
+        """The failures, grouped by SP size and strategy: the first ``per_group`` lines of the
+        lowest failing rank, and which ranks failed."""
+        groups: dict[tuple[int, str], list[Check]] = {}
+        for c in self.checks:
+            if c.failures:
+                groups.setdefault((c.sp, c.strategy), []).append(c)
+        lines = []
+        for (n, strategy), checks in sorted(groups.items()):
+            first = min(checks, key=lambda c: c.rank)
+            ranks = ", ".join(str(c.rank) for c in sorted(checks, key=lambda c: c.rank))
+            lines.append(f"SP {n}, {strategy}: failed on rank(s) {ranks}")
+            lines += [f"  {line}" for line in first.failures[:per_group]]
+            if len(first.failures) > per_group:
+                more = len(first.failures) - per_group
+                lines.append(f"  … and {more} more on rank {first.rank} (report.failures has all)")
+        return "\n".join(lines)
+
     def table(self) -> str:
         """One row per SP size and strategy: worst errors over the ranks, rank 0's bytes."""
         rows: dict[tuple[int, str], list[Check]] = {}
@@ -136,12 +155,12 @@ class _Case:
     make_inputs: InputsFactory
     forward: Forward
     strategies: tuple[str, ...] | None
-    sp_size: int
     workload: Any
     validates_inputs: bool
     rtol: float
     atol: float
     seed: int
+    timeout: float
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor, atol: float = 0.0) -> float:
@@ -243,20 +262,22 @@ def _worker(rank: int, world: int, case: _Case, sizes: tuple[int, ...]) -> list[
         for n, p in ref_model.named_parameters()
     }
     meshes = _sub_meshes(sizes)
+    # ranks outside a smaller SP group wait here, not in the next group's first collective
+    # (whose timeout is the short one of the process group)
+    waiting = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=case.timeout))
     usp_mesh = build_mesh(world, ulysses_size=2) if world % 2 == 0 and world >= 4 else None
     tensor_parallel = declares_tensor_parallelism(ref_model)
     strategies = case.strategies or tuple(STRATEGIES)
     checks = []
     for n in sizes:
         mesh = meshes[n]
-        if mesh is None:
-            continue
         for strategy in strategies:
             megatron = strategy == "megatron_sp"
-            if megatron and not tensor_parallel:
+            if mesh is None or (megatron and not tensor_parallel):
                 continue
             use = usp_mesh if strategy == "usp" and n == world and usp_mesh else mesh
             checks.append(_check_one(case, use, strategy, megatron, ref_out, ref_grads))
+        dist.barrier(group=waiting)
     return checks
 
 
@@ -366,21 +387,18 @@ def check_model(
         make_inputs,
         forward,
         None if strategies is None else tuple(strategies),
-        sizes[-1],
         workload,
         validates_inputs,
         rtol,
         atol,
         seed,
+        timeout,
     )
     results = run_distributed(_worker, sizes[-1], case, sizes, timeout=timeout)
     report = HarnessReport([c for checks in results for c in checks])
     if raise_on_failure and report.failures:
-        lines = report.failures
-        shown = "\n  ".join(lines[:40]) + (
-            f"\n  … and {len(lines) - 40} more" if len(lines) > 40 else ""
-        )
         raise AssertionError(
-            f"{len(lines)} check(s) failed against one process:\n  {shown}\n\n{report.table()}"
+            f"{len(report.failures)} failure(s) against one process:\n"
+            f"{report.summary()}\n\n{report.table()}"
         )
     return report

@@ -139,3 +139,22 @@ def train(cfg: Axial3DTrainConfig) -> dict:
         (output_dir / "losses.json").write_text(json.dumps(losses))
     return {"losses": session.losses, "eval": figures, "output_dir": str(output_dir),
             "is_main": mesh.is_main}  # fmt: skip
+
+
+@torch.no_grad()
+def prediction_strip(model: torch.nn.Module, path: str, clips: int = 3, frames: int = 8,
+                     size: int = 32) -> None:  # fmt: skip
+    """Save a PNG: per held-out clip, a row of true frames over a row of the model's predictions
+    for them (prediction ``t`` made from frames ``0 … t−1``)."""
+    import numpy as np
+    from PIL import Image
+
+    data = NextFrameShapes(frames, size, clips, seed=1)
+    video = torch.stack([data[i]["video"] for i in range(clips)])  # [N, T, H, W, 3]
+    pred = model.eval()(video)
+    rows = []
+    for true, guess in zip(video, pred):
+        rows += [torch.cat(list(true[1:]), dim=1), torch.cat(list(guess[:-1]), dim=1)]
+    strip = torch.cat(rows, dim=0).clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8)
+    image = Image.fromarray(np.ascontiguousarray(strip.numpy()))
+    image.resize((image.width * 3, image.height * 3), Image.NEAREST).save(path)
