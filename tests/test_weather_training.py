@@ -28,6 +28,7 @@ from dspzoo.domains.weather.training import (
     data_from_extra,
     evaluate_saved,
     parse_overrides,
+    ship_trained,
     train,
 )
 from dspzoo.zoo import from_pretrained, load_extra
@@ -89,6 +90,19 @@ def test_training_saves_statistics_grid_and_the_evaluation_table(trained) -> Non
     model2 = from_pretrained(out / "final")
     assert model2.config.grid == (37, 49) and model2.config.periodic_lon is False
     assert model.config.num_static == 4  # lat/lon encodings
+
+
+def test_shipping_records_the_metrics_of_the_fp16_weights(trained, tmp_path: Path) -> None:
+    _, out = trained
+    card = ship_trained(str(out), "weathertx-tiny-a1b", "the command", root=str(tmp_path))
+    folder = tmp_path / "weathertx-tiny-a1b"
+    stored = json.loads((folder / "card.json").read_text())
+    assert stored["metrics"] == card["metrics"] and stored["command"] == "the command"
+    assert "| air_temperature | 1 | model |" in stored["evaluation_table"]
+    rows, _, _ = evaluate_saved(str(folder))
+    for row in rows:
+        key = f"{row['forecast']}/{row['variable']}/lead{row['lead']}/rmse"
+        assert row["rmse"] == pytest.approx(card["metrics"][key], rel=1e-6), key
 
 
 def test_resume_continues_the_loss_sequence(trained, tmp_path: Path) -> None:

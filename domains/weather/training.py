@@ -630,3 +630,50 @@ def train(cfg: WeatherTrainConfig) -> dict:
         "output_dir": str(run.output_dir),
         "is_main": run.mesh.is_main,
     }
+
+
+def ship_trained(
+    folder: str, name: str, command: str, notes: str = "", root: str | None = None
+) -> dict[str, Any]:
+    """Ship the model of training folder ``folder`` (its ``final/``) into the zoo as ``name``
+    with fp16 weights; the card's metrics are the evaluation of the fp16-rounded weights on
+    the held-out years (what :func:`evaluate_saved` recomputes from the shipped copy).
+
+    Returns the card. ``root``: another folder than ``zoo/weights`` (tests).
+    """
+    from dspzoo.zoo import from_pretrained, load_extra
+    from dspzoo.zoo.shipped import ship_pretrained
+
+    from .metrics import metric_dict
+
+    final = Path(folder) / "final" if (Path(folder) / "final").is_dir() else Path(folder)
+    model = from_pretrained(final, expected_family="weathertx")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())  # the shipped precision
+    extra = load_extra(final)
+    data = data_from_extra(extra)
+    rows = evaluate(model.eval(), data)
+    if not beats_baselines(rows):
+        logger.warning("%s does not beat persistence and climatology everywhere", final)
+    units = dict(zip(data.fields.channels, data.fields.units))
+    w = extra["weather"]
+    card = {
+        "model": json.loads((final / "config.json").read_text()).get("config_name")
+        or "weathertx-small",
+        "data": (
+            f"{w['data']} ({', '.join(data.fields.names)}): {', '.join(w['channels'])}, "
+            f"{data.fields.grid.shape[0]} x {data.fields.grid.shape[1]} grid, years "
+            f"{int(data.fields.years.min())}-{w['window']['holdout_from'] - 1} for training, "
+            f"{w['window']['holdout_from']}-{int(data.fields.years.max())} held out; lead times "
+            f"{w['window']['leads']} steps (years), history {w['window']['history']}"
+        ),
+        "metrics": metric_dict(rows),
+        "command": command,
+        "eval": f"dspzoo.domains.weather.training.evaluate_saved({name!r})",
+        "notes": notes,
+        "evaluation_table": markdown_table(rows, units),
+    }
+    extra = {**extra, "evaluation": rows}
+    ship_pretrained(model, name, config_name=card["model"], extra=extra, card=card, root=root)
+    return card
