@@ -70,22 +70,25 @@ def test_two_steps_at_sp2_equal_sp1_resume_and_predict(folder: Path, tmp_path: P
     assert step == 2 and figures["chains"] == 1 and 0.0 <= figures["precision"] <= 1.0
     assert (tmp_path / "sp1" / "contact_maps" / "step_2" / "4zey_A.png").is_file()
 
-    # the same run on two processes, SP 2 under DSP
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in COMMON.items()]
-    _launch("train_protein.py", "--sp=2", f"--data={folder}", f"--output-dir={tmp_path / 'sp2'}",
-            *flags, cwd=tmp_path)  # fmt: skip
-    logged = json.loads((tmp_path / "sp2" / "losses.json").read_text())
+    # the same run on two processes, SP 2 under DSP, with a checkpoint after step 1
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in COMMON.items() if k != "save_every"]
+    sp2 = tmp_path / "sp2"
+    _launch("train_protein.py", "--sp=2", f"--data={folder}", f"--output-dir={sp2}",
+            "--save-every=1", *flags, cwd=tmp_path)  # fmt: skip
+    logged = json.loads((sp2 / "losses.json").read_text())
     assert logged["train_loss"] == pytest.approx(one["losses"], rel=1e-5)
-    assert logged["evals"][0][1]["distogram_loss"] == pytest.approx(
+    got = logged["evals"][0][1]
+    assert got["distogram_loss"] == pytest.approx(figures["distogram_loss"], rel=1e-5)
+    assert got["precision"] == pytest.approx(figures["precision"], abs=1e-6)
+
+    # the SP 2 checkpoint of step 1 resumed on one process: the uninterrupted run's step 2
+    ckpt = sp2 / "checkpoints" / "step_1"
+    rest = train(_config(tmp_path / "resumed", folder, resume=str(ckpt)))
+    assert len(rest["losses"]) == 1
+    assert rest["loss_history"] == pytest.approx(one["losses"], rel=1e-5)
+    assert rest["evals"][-1][1]["distogram_loss"] == pytest.approx(
         figures["distogram_loss"], rel=1e-5
     )
-    assert logged["evals"][0][1]["precision"] == pytest.approx(figures["precision"], abs=1e-6)
-
-    # stop after one step, resume to the end: the same losses
-    first = train(_config(tmp_path / "cut", folder, stop_after=1))
-    assert not (tmp_path / "cut" / "final").exists()
-    rest = train(_config(tmp_path / "cut", folder, resume="latest"))
-    assert first["losses"] + rest["losses"] == pytest.approx(one["losses"], rel=1e-6)
 
     # prediction from the final model: one process, then two (DSP), identical
     sys.path.insert(0, str(REPO / "scripts"))

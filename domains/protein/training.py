@@ -445,6 +445,7 @@ def finish(run: TrainingRun, step: int, history: list[float], evals: list) -> No
         save_pretrained(
             final,
             run.output_dir / "final",
+            config_name=run.cfg.model,
             extra={"protein": protein, "training": training, "evaluation": evaluation},
         )
     (run.output_dir / "losses.json").write_text(
