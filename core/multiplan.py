@@ -262,24 +262,27 @@ class MultiPlan:
         counts = self.comm_bytes(rank, batch, itemsize)
         fwd = sum(b for (_, _, p), b in counts.items() if p == "forward")
         bwd = sum(b for (_, _, p), b in counts.items() if p == "backward")
-        lines = [
-            f"DSP multi-activation plan over {lengths} at SP size {self.sp_size}: "
-            f"{self.switches_per_period} switch(es) per {'block' if self.periodic else 'pass'}",
-            f"  {'stage':<16} "
-            + " ".join(f"{a:<4}" for a in self.names)
-            + f" {'switch':<24} {'gathers':<28} {'fwd bytes/rank':>14}",
-        ]
+        header = f"DSP multi-activation plan over {lengths} at SP size {self.sp_size}: "
+        header += (
+            f"{self.switches_per_period} switch(es) per {'block' if self.periodic else 'pass'}"
+        )
+        rows = [("stage", *self.names, "switch before", "gathers", "fwd bytes/rank")]
         for step in self.steps:
             st = step.stage
-            dims = " ".join(f"{(step.dim(a) if a in st.touches else '.'):<4}" for a in self.names)
             sw = ", ".join(
-                f"{s.activation}:{s.src}->{s.dst}"
-                + (f" (async after {s.launch_after})" if s.launch_after else "")
+                f"{s.activation} {s.src}->{s.dst}"
+                + (f" (async, from {s.launch_after})" if s.launch_after else "")
                 for s in step.switches
             )
             ga = ", ".join(f"{g.label or g.activation}[{g.channels}]" for g in st.gathers)
             here = sum(b for (n, _, p), b in counts.items() if n == st.name and p == "forward")
-            lines.append(f"  {st.name:<16} {dims} {sw:<24} {ga:<28} {format_bytes(here):>14}")
+            dims = [step.dim(a) if a in st.touches else "." for a in self.names]
+            rows.append((st.name, *dims, sw or "-", ga or "-", format_bytes(here)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = [header]
+        for r in rows:
+            cells = [f"{v:<{w}}" for v, w in zip(r[:-1], widths[:-1])]
+            lines.append("  " + "  ".join(cells) + f"  {r[-1]:>{widths[-1]}}")
         lines.append(
             f"  per {'block' if self.periodic else 'pass'} on rank {rank} (batch {batch}, "
             f"{itemsize}-byte items): forward {format_bytes(fwd)}, backward {format_bytes(bwd)}"

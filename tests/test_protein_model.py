@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import dspzoo.domains.protein  # noqa: F401  (registers the family)
 from dspzoo.core.mesh import build_mesh
+from dspzoo.core.multiplan import ActShape, Gather, MultiStage, plan_multi
 from dspzoo.core.rng import mix_key
 from dspzoo.core.runtime import SeqParallel
 from dspzoo.core.testing import run_distributed
@@ -100,9 +101,26 @@ def test_plan_shards_msa_and_pair_like_dap():
     (sw,) = plan.step_for("msa_row").switches
     assert (sw.activation, sw.src, sw.dst, sw.launch_after) == ("m", "r", "s", "outer_product_mean")
     table = plan.describe()
-    assert "async after outer_product_mean" in table and "pair bias[8]" in table
+    assert "async, from outer_product_mean" in table and "pair bias[8]" in table
     # one process: nothing to send
     assert evoformer_plan(CONFIGS["af2"], R, S, 1).bytes_per_period() == 0
+
+
+def test_multiplan_declarations_are_checked():
+    shapes = {"m": ActShape(("s", "r"), (S, R), 4), "z": ActShape(("i", "j"), (R, R), 2)}
+    ok = (MultiStage("a", {"m": "r"}), MultiStage("b", {"m": "s", "z": ()}, aligned=("m", "z")))
+    plan = plan_multi(shapes, ok, 2, [("m.r", "z.i", "z.j")])
+    assert plan.step_for("b").dim("m") == "r" and plan.switches_per_period == 2
+    with pytest.raises(ValueError, match="unknown activation"):
+        plan_multi(shapes, (MultiStage("a", {"x": ()}),), 2)
+    with pytest.raises(ValueError, match="different lengths"):
+        plan_multi(shapes, ok, 2, [("m.s", "z.i")])
+    with pytest.raises(ValueError, match="on one axis"):
+        plan_multi(shapes, (MultiStage("b", {"m": "r", "z": ()}, aligned=("m", "z")),), 2, [])
+    with pytest.raises(ValueError, match="mixes every dim"):
+        plan_multi(shapes, (MultiStage("c", {"z": ("i", "j")}),), 2)
+    with pytest.raises(ValueError, match="gathers along"):
+        MultiStage("d", {"m": ()}, gathers=(Gather("z", 1),))
 
 
 def test_chunked_equals_unchunked_and_inplace_inference():
