@@ -94,7 +94,7 @@ def test_harness_rejects_bad_arguments_and_measures_relative_error() -> None:
     assert relative_error(a[:2], a) == float("inf")
 
 
-def test_axial3d_is_a_zoo_model_with_a_cost_model_workload() -> None:
+def test_axial3d_is_a_zoo_model_with_a_cost_model_workload(capsys) -> None:
     model = create_model("axial3d-tiny")
     assert isinstance(model, Axial3D) and get_config("axial3d-mini").hidden == 64
     video = make_inputs()["video"]
@@ -114,6 +114,13 @@ def test_axial3d_is_a_zoo_model_with_a_cost_model_workload() -> None:
     assert uly.bytes("all_to_all") > dsp.bytes("all_to_all")
     with pytest.raises(ValueError, match="--frames"):
         workload_for("axial3d-mini", frames=8)
+    from dspzoo.zoo.plan_cli import main as plan_main
+
+    argv = ["axial3d-mini", "--frames", "64", "--latent", "256", "--sp", "1,4", "--strategies"]
+    assert plan_main([*argv, "dsp,ulysses"]) == 0  # the guide's dspzoo plan, in-process
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = {row[1]: row for row in lines if row and row[0] == "4"}  # the SP 4 rows
+    assert rows["dsp"][4:6] == ["54.00", "MiB"] and rows["ulysses"][4:6] == ["114.00", "MiB"]
     assert issubclass(InputValidationError, ValueError)
 
 
@@ -126,3 +133,25 @@ def test_the_guide_quotes_the_example_as_it_is() -> None:
         assert block in source, block[:200]
     model_lines = source[: source.index("def workload(")].count("\n")
     assert model_lines <= 130, model_lines
+
+
+def test_axial3d_trains_and_resumes_exactly(tmp_path: Path) -> None:
+    from dspzoo.examples.axial3d_training import Axial3DTrainConfig, train
+    from dspzoo.zoo import from_pretrained, load_extra
+
+    def config(out: Path, **kw) -> Axial3DTrainConfig:
+        base = dict(model="axial3d-tiny", sp=1, frames=5, size=12, steps=4, global_batch=2,
+                    warmup=2, log_every=1, save_every=0, eval_clips=4, output_dir=str(out))  # fmt: skip
+        return Axial3DTrainConfig(**{**base, **kw})
+
+    full = train(config(tmp_path / "full"))
+    assert len(full["losses"]) == 4 and full["losses"][-1] < full["losses"][0]
+    assert set(full["eval"]) == {"mse", "copy_last_frame_mse"}
+    first = train(config(tmp_path / "cut", stop_after=2))
+    assert not (tmp_path / "cut" / "final").exists() and first["eval"] == {}
+    resumed = train(config(tmp_path / "cut", resume="latest"))
+    assert first["losses"] + resumed["losses"] == pytest.approx(full["losses"], rel=1e-6)
+    assert resumed["eval"]["mse"] == pytest.approx(full["eval"]["mse"], rel=1e-5)
+    model = from_pretrained(tmp_path / "cut" / "final", expected_family="axial3d")
+    assert isinstance(model, Axial3D)
+    assert load_extra(tmp_path / "cut" / "final")["eval"] == resumed["eval"]
