@@ -36,6 +36,7 @@ _DOMAIN_MODULES = (
     "dspzoo.domains.text",
     "dspzoo.domains.protein",
     "dspzoo.domains.weather",
+    "dspzoo.examples.axial3d",
 )
 
 

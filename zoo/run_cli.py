@@ -41,6 +41,7 @@ COMMANDS: dict[str, Command] = {
             "text": "train_text",
             "protein": "train_protein",
             "weather": "train_weather",
+            "axial3d": "train_axial3d",  # the worked example of docs/new_architecture.md
         },
         by_family=False,
     ),
