@@ -124,16 +124,17 @@ def search(args: argparse.Namespace, world: int, log) -> dict:
 
 
 def predicted_peak(
-    residues: int, world: int, depth: int, chunk: int, channel_chunk: int, base: float = 0.3
+    residues: int, world: int, depth: int, chunk: int, channel_chunk: int, base: float = 0.31
 ) -> float:
     """Model of one rank's peak memory (GiB) from the block's largest live tensors (fp32).
 
-    Phases (bytes / 4, ``P = R·⌈R/N⌉`` local pair positions, ``cc`` the channel chunk):
-    triangle multiplication: pair ``P·c_z`` + product ``P·c_mul`` + gathered operand piece
-    ``R²·cc`` + two local operand pieces ``2·P·cc``; triangle attention: pair + whole bias
-    ``R²·H`` + local bias ``P·H`` + one chunk's logits and probabilities ``2·chunk·H·R²``
-    (``⌈R/N⌉·…`` rows at most); a switch: pair in + pair out + pieces ``3·P·cc``. Plus
-    ``base`` GiB for the process (torch, the block's weights). The MSA is small (S·R·c_m).
+    ``P = R·⌈R/N⌉`` local pair positions, ``cc`` the channel chunk, ``h`` the rows of one chunk.
+    Triangle multiplication: pair ``P·c_z`` + product ``P·c_mul`` + gathered operand piece
+    ``R²·cc`` + two local operand pieces ``2·P·cc``. Triangle attention: pair + whole bias
+    ``R²·H`` + local bias ``P·H`` + three live copies of one chunk's logits ``3·h·H·R²``.
+    MSA row attention: pair + whole bias ``R²·8`` + ``3·h·8·R²`` logits (``h ≤ S/N`` rows).
+    A switch: pair in + pair out + pieces ``3·P·cc``. Plus ``base`` GiB for the process (torch,
+    the block's weights) and the MSA (``S·R·c_m``, twice). Allocator slack is not modelled.
     """
     from dspzoo.domains.protein import CONFIGS
 
@@ -142,10 +143,12 @@ def predicted_peak(
     local = r * -(-r // n)
     msa = depth * r * c.c_m * 2
     rows = min(chunk, -(-r // n))
+    msa_rows = min(chunk, -(-depth // n))
     mul = local * (c.c_z + c.c_hidden_mul + 2 * channel_chunk) + r * r * channel_chunk
-    att = local * (c.c_z + c.pair_heads) + r * r * c.pair_heads * (1 + 2 * rows)
+    att = local * (c.c_z + c.pair_heads) + r * r * c.pair_heads * (1 + 3 * rows)
+    row = local * c.c_z + r * r * c.msa_heads * (1 + 3 * msa_rows)
     switch = local * (2 * c.c_z + 3 * channel_chunk)
-    return base + 4 * (max(mul, att, switch) + msa) / 2**30
+    return base + 4 * (max(mul, att, row, switch) + msa) / 2**30
 
 
 def plan_bytes(residues: int, depth: int, world: int) -> tuple[int, int]:
