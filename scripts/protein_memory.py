@@ -73,6 +73,45 @@ def _trial(
     return {"peak": float(peak), "before": float(before), "seconds": seconds, "finite": finite}
 
 
+def _activations(rank: int, world: int, residues: int, depth: int) -> float:
+    """Bytes autograd saves on this rank for one af2-width block forward (training)."""
+    from dspzoo.core.mesh import build_mesh
+    from dspzoo.core.multiplan import MultiParallel
+    from dspzoo.core.runtime import SeqParallel
+    from dspzoo.core.trace import SavedTensorMeter
+    from dspzoo.domains.protein import CONFIGS
+    from dspzoo.domains.protein.model import BlockContext, EvoformerBlock, evoformer_plan
+
+    sp = SeqParallel(build_mesh(sp_size=world) if world > 1 else None)
+    cfg = replace(CONFIGS["af2"], num_blocks=1)
+    torch.manual_seed(0)
+    block = EvoformerBlock(cfg).eval()  # no dropout masks: the layers' own saved tensors
+    plan = evoformer_plan(cfg, residues, depth, world)
+    mp = MultiParallel(sp, plan)
+    local = {}
+    for name, channels in (("m", cfg.c_m), ("z", cfg.c_z)):
+        spec = mp.spec(name, plan.entry(name))
+        shape = (1, *spec.local_shape(sp.rank, sp.size), channels)
+        local[name] = torch.randn(shape, requires_grad=True)
+    ctx = BlockContext(mp, torch.ones(1, depth, residues), torch.ones(1, residues), None, None,
+                       False, None, 0)  # fmt: skip
+    with SavedTensorMeter(block.parameters()) as meter:
+        mp.finish(block(mp.enter(local), ctx))
+    return float(meter.bytes)
+
+
+def activation_table(residues: int, depth: int, sizes: list[int]) -> None:
+    """Saved-for-backward bytes per rank of one af2-width block at each SP size."""
+    print(f"\nactivation memory of one af2-width block (training, fp32, R={residues}, S={depth}):")
+    print("| SP | saved for backward per rank (MiB) | ratio to SP 1 |\n|---|---|---|")
+    first = None
+    for world in sizes:
+        per_rank = run_distributed(_activations, world, residues, depth, timeout=1200)
+        worst = max(per_rank) / 2**20
+        first = first or worst
+        print(f"| {world} | {worst:.1f} | {worst / first:.2f} |", flush=True)
+
+
 def run_trial(args: argparse.Namespace, world: int, residues: int) -> tuple[str, list[dict]]:
     """``("ok" | "memory" | "time" | "error: …", per-rank results)``."""
     cap = int(args.max_mem_gb * 2**30 / world)
@@ -177,8 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trial-timeout", type=float, default=1200.0, help="seconds per trial")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument(
+        "--activations",
+        type=int,
+        default=0,
+        metavar="R",
+        help="instead: saved-for-backward bytes per rank of one block at R residues",
+    )
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.sp_sizes.split(",") if x]
+    if args.activations:
+        activation_table(args.activations, args.msa_depth, sizes)
+        cmd = " ".join(["python", "scripts/protein_memory.py", *(argv or sys.argv[1:])])
+        print(f"\nreproduce: OMP_NUM_THREADS={args.threads} {cmd}")
+        return 0
 
     def log(world: int, r: int, status: str, res: list[dict]) -> None:
         peak = max((x["peak"] for x in res), default=0.0) / 2**30
