@@ -34,7 +34,7 @@ from dspzoo.domains.weather.training import (
 from dspzoo.zoo import from_pretrained, load_extra
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = "weathertx-small-a1b"
+SHIPPED = "weathertx-small-a1b-e1"
 
 
 def _config(out: Path, **kw) -> WeatherTrainConfig:
