@@ -357,6 +357,14 @@ def _check_features(batch: dict[str, torch.Tensor], config: EvoformerConfig) -> 
             raise ValueError(f"{key} must be an integer tensor, got {batch[key].dtype}")
 
 
+def _check_strategy(sp: SeqParallel) -> None:
+    if sp.size > 1 and sp.strategy.name != "dsp":
+        raise ValueError(
+            f"the Evoformer runs under the 'dsp' strategy only (core.multiplan plans its MSA and "
+            f"pair activations together); got {sp.strategy.name!r}"
+        )
+
+
 class Evoformer(nn.Module):
     """Input embedder, recycling embedder, Evoformer stack and distogram head (zoo family
     ``evoformer``); see the module docstring for the forward contract."""
@@ -384,6 +392,7 @@ class Evoformer(nn.Module):
     ) -> dict[str, torch.Tensor]:
         sp = sp or SeqParallel()
         cfg = self.config
+        _check_strategy(sp)
         validate_collectively(lambda: _check_features(batch, cfg), sp.group, "Evoformer inputs")
         dropout_on = self.training and (cfg.msa_dropout > 0 or cfg.pair_dropout > 0)
         if dropout_on and rng_key is None:
@@ -452,6 +461,7 @@ class Evoformer(nn.Module):
         """The Evoformer blocks alone on replicated ``m`` ``[B, S, R, c_m]`` and ``z``
         ``[B, R, R, c_z]`` (no embedders, no recycling); returns the full ``(m, z)``."""
         sp = sp or SeqParallel()
+        _check_strategy(sp)
         b, s, r, _ = m.shape
         mp = MultiParallel(sp, self.plan(r, s, sp.size))
         ctx = BlockContext(
