@@ -132,7 +132,9 @@ def train(cfg: Axial3DTrainConfig) -> dict:
     final = tp.full_model(raw) if figures else None  # collective
     if mesh.is_main:
         if final is not None:
-            save_pretrained(final, output_dir / "final", extra={"eval": figures})
+            save_pretrained(
+                final, output_dir / "final", config_name=cfg.model, extra={"eval": figures}
+            )
             logger.info("held-out next-frame MSE %.4f (copy last frame: %.4f)",
                         figures["mse"], figures["copy_last_frame_mse"])  # fmt: skip
         losses = {"mse": history + session.losses, "eval": figures}

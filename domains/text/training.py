@@ -286,7 +286,9 @@ def finish(run: TrainingRun, step: int, history: list[float], evals: list) -> No
             "train_bpb": history[-1] if history else None,
             "val_bpb": evals[-1][1] if evals else None,
         }
-        save_pretrained(final, run.output_dir / "final", extra={"training": training})
+        save_pretrained(
+            final, run.output_dir / "final", config_name=run.cfg.model, extra={"training": training}
+        )
     (run.output_dir / "losses.json").write_text(
         json.dumps({"train_bpb": history, "val_bpb": evals})
     )

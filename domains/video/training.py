@@ -309,7 +309,10 @@ def finish(run: TrainingRun, step: int, history: list[float], start_step: int) -
         from dspzoo.zoo import save_pretrained
 
         save_pretrained(
-            final, run.output_dir / "final", extra={"sampling": sampling_settings(run.cfg)}
+            final,
+            run.output_dir / "final",
+            config_name=run.cfg.model,
+            extra={"sampling": sampling_settings(run.cfg)},
         )
     (run.output_dir / "losses.json").write_text(json.dumps(history))
     plot_losses(
