@@ -28,7 +28,7 @@ from dspzoo.core.configflags import flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, resume_from
-from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
+from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.domains.video.data import MovingShapesConfig, MovingShapesDataset
 
@@ -90,7 +90,7 @@ def train(cfg: Axial3DTrainConfig) -> dict:
     accelerator, mesh, sp, output_dir = start_run(cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = create_model(cfg.model)
+        model = load_initial_weights(create_model(cfg.model), cfg)  # --init-from: a fine-tune
     tp = TensorParallelTraining(accelerator, mesh, sp)
     model = tp.shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
