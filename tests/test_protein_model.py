@@ -292,6 +292,8 @@ def _sp_worker(rank: int, world: int) -> dict[str, float]:
             assert key in str(exc), exc
         else:
             raise AssertionError(f"bad {key} accepted on rank {rank}")
+    with pytest.raises(ValueError, match="'dsp' strategy only"):
+        model(batch, sp=SeqParallel(mesh, strategy="ulysses"))
     return report
 
 
