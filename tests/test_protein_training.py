@@ -124,7 +124,13 @@ def test_flags_describe_themselves_and_reject_bad_values(capsys) -> None:
     assert "--crop-size" in text and "--num-recycles" in text and "--held-out-entries" in text
     cfg = parse_args([])
     assert cfg.model == "evoformer-small" and cfg.sp_strategy == "dsp" and cfg.data == "builtin"
-    for bad in (["--crop-size", "0"], ["--held-out-fraction", "1.5"], ["--num-recycles", "-1"]):
+    bad_values = (
+        ["--crop-size", "0"],
+        ["--held-out-fraction", "1.5"],
+        ["--sp-strategy", "ulysses"],
+        ["--num-recycles", "-1"],
+    )
+    for bad in bad_values:
         with pytest.raises(SystemExit) as info:
             parse_args(bad)
         assert info.value.code == 2

@@ -106,6 +106,11 @@ class ProteinTrainConfig(RunConfig):
             positive=("crop_size", "max_msa_rows", "eval_max_length"),
             non_negative=("eval_every", "min_observed"),
         )
+        if self.sp_strategy != "dsp":
+            raise ValueError(
+                f"--sp-strategy {self.sp_strategy}: the Evoformer runs under 'dsp' only (its MSA "
+                f"and pair activations are planned together, core/multiplan.py)"
+            )
         if not 0.0 < self.held_out_fraction < 1.0:
             raise ValueError(f"--held-out-fraction must be in (0, 1), got {self.held_out_fraction}")
         if self.num_recycles is not None and self.num_recycles < 0:
