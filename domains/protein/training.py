@@ -70,8 +70,8 @@ class ProteinTrainConfig(RunConfig):
     model: str = flag("evoformer-small", "zoo model name (see `dspzoo list`)")
     sp_strategy: str = flag(
         "dsp",
-        "how the SP group runs the Evoformer (dsp switches the sharded residue/MSA dim between "
-        "stages; the embedded methods shard one dim and communicate inside attention)",
+        "sequence-parallel strategy; the Evoformer runs under dsp only (the MSA and pair "
+        "activations switch their sharded residue/MSA dims between stages)",
         tuple(STRATEGIES),
     )
     data: str = flag(
