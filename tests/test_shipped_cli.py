@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +182,15 @@ def test_init_from_starts_a_fine_tune_from_saved_weights(tmp_path) -> None:
         TextTrainConfig(init_from=str(folder), model="bytelm-lss-12l")
     with pytest.raises(FileNotFoundError, match="no checkpoint folder or shipped weights"):
         TextTrainConfig(init_from="bytelm-tiny-nowhere")
+
+
+def test_the_zoo_page_is_current() -> None:
+    """docs/zoo.md is generated from the registry and the cards: regenerate it when they change."""
+    done = subprocess.run(
+        [sys.executable, "scripts/zoo_page.py", "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr

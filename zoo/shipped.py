@@ -160,9 +160,12 @@ def ship_pretrained(
     )
 
 
-def _metric_text(metrics: dict[str, float]) -> str:
-    return ", ".join(
-        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+def _metric_text(metrics: dict[str, float], limit: int | None = None) -> str:
+    items = list(metrics.items())
+    shown = items[:limit] if limit else items
+    text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown)
+    return text + (
+        f", … ({len(items) - len(shown)} more: `dspzoo info`)" if len(shown) < len(items) else ""
     )
 
 
@@ -180,7 +183,7 @@ def pretrained_table(cards: list[ModelCard] | None = None) -> str:
     for c in cards:
         rows.append(
             f"| `{c.name}` | {c.model} | {format_count(c.parameters)} | {c.data} | "
-            f"{_metric_text(c.metrics)} | `{c.command}` |"
+            f"{_metric_text(c.metrics, limit=3)} | `{c.command}` |"
         )
     return "\n".join(rows)
 
