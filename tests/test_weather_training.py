@@ -184,7 +184,7 @@ def test_flags_and_overrides(capsys) -> None:
 def test_two_steps_and_a_rollout_at_sp2_equal_one_process(trained, tmp_path: Path) -> None:
     """One 2-process launch (gloo): 2 training steps at SP 2 (DSP) repeat the one-process
     losses and weights; the SP-2 rollout of the trained model equals the one-process one."""
-    reference = train(_config(tmp_path / "sp1", steps=2))
+    reference = train(_config(tmp_path / "sp1", steps=2, leads="1"))
     _, out = trained
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -230,7 +230,7 @@ def _driver(out: str, trained_final: str) -> None:
 
     from dspzoo.core import SeqParallel, build_mesh
 
-    result = train(_config(Path(out) / "sp2", sp=2, steps=2))
+    result = train(_config(Path(out) / "sp2", sp=2, steps=2, leads="1"))
     model = from_pretrained(trained_final).eval()
     data = data_from_extra(load_extra(trained_final))
     sp = SeqParallel(build_mesh(2), strategy="dsp")
