@@ -567,8 +567,11 @@ def evaluate_pretrained(
     return summarise(records), records
 
 
-def ship_trained(final_dir: str, command: str, name: str = "evoformer-small-pdb") -> Path:
-    """Ship a ``train_protein.py`` final model as ``name`` (fp16 weights, model card).
+def ship_trained(
+    final_dir: str, command: str, name: str = "evoformer-small-pdb", notes: str = ""
+) -> Path:
+    """Ship a ``train_protein.py`` final model as ``name`` (fp16 weights, model card;
+    ``notes`` are appended to the card's notes).
 
     The card's metrics are computed on the fp16-rounded weights that are shipped (so
     :func:`evaluate_pretrained` of the shipped name reproduces them).
@@ -596,9 +599,9 @@ def ship_trained(final_dir: str, command: str, name: str = "evoformer-small-pdb"
     card = {
         "model": config_name,
         "data": (
-            f"{len(settings['held_out'])} held-out / the rest for training of the real protein "
-            f"chains in domains/protein/data_files/pdb_chains (PDB entries; crops of "
-            f"{settings['crop_size']} residues, up to {settings['max_msa_rows']} MSA rows)"
+            f"real PDB protein chains ({data_folder(settings.get('data', 'builtin')).name}, "
+            f"split by entry: {len(settings['held_out'])} chains held out), crops of "
+            f"{settings['crop_size']} residues, up to {settings['max_msa_rows']} MSA rows"
         ),
         "metrics": {
             "held_out_top_l5_long_range_precision": summary["precision"],
@@ -613,8 +616,8 @@ def ship_trained(final_dir: str, command: str, name: str = "evoformer-small-pdb"
             f"Top-L/5 long-range (|i-j| >= 24) Cβ contact precision, mean over chains, beside a "
             f"sequence-separation-only predictor and the contact density (a random ranking's "
             f"expected precision). {config.num_blocks} blocks, c_m {config.c_m}, c_z "
-            f"{config.c_z}; recycles {settings.get('num_recycles')}."
-        ),
+            f"{config.c_z}; recycles {settings.get('num_recycles')}. {notes}"
+        ).strip(),
         "held_out_chains": records,
     }
     return ship_pretrained(
