@@ -86,9 +86,16 @@ class GatedAttention(nn.Module):
         k = rearrange(self.linear_k(x), split, h=self.heads)
         v = rearrange(self.linear_v(x), split, h=self.heads)
         logits = q @ k.transpose(-1, -2)
-        for b in biases:
-            logits = logits + b
-        o = torch.softmax(logits, dim=-1) @ v
+        if torch.is_grad_enabled():
+            for b in biases:
+                logits = logits + b
+            weights = torch.softmax(logits, dim=-1)
+        else:  # inference: one buffer for logits and weights
+            for b in biases:
+                logits.add_(b)
+            weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+            weights.div_(weights.sum(-1, keepdim=True))
+        o = weights @ v
         o = rearrange(o, "b a h l d -> b a l (h d)")
         return self.linear_o(o * torch.sigmoid(self.linear_g(x)))
 
@@ -294,18 +301,25 @@ class TriangleMultiplication(nn.Module):
         c_hidden = self.linear_a_p.out_features
         step = c_hidden if chunk is None or channel_chunk is None else channel_chunk
         parts = []
+        p = None if torch.is_grad_enabled() else z.new_empty((*z.shape[:-1], c_hidden))
         for c0 in range(0, c_hidden, step):
             c1 = min(c_hidden, c0 + step)
             a = self._operand(z, mask, "a", c0, c1, chunk)
             b = self._operand(z, mask, "b", c0, c1, chunk)
             if self.outgoing:  # rows i local, b's rows j gathered
                 b = mp.gather(b, z_spec)
-                parts.append(torch.einsum("bikc,bjkc->bijc", a, b))
+                part = torch.einsum("bikc,bjkc->bijc", a, b)
             else:  # columns j local, a's columns i gathered
                 a = mp.gather(a, z_spec)
-                parts.append(torch.einsum("bkic,bkjc->bijc", a, b))
+                part = torch.einsum("bkic,bkjc->bijc", a, b)
             del a, b
-        p = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+            if p is None:
+                parts.append(part)
+            else:  # inference: straight into the product buffer
+                p[..., c0:c1] = part
+            del part
+        if p is None:
+            p = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         del parts
 
         def run(lo: int, hi: int) -> torch.Tensor:
