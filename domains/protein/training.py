@@ -36,7 +36,7 @@ from dspzoo.core.loss import world_report
 from dspzoo.core.methods.megatron import megatron_grad_sync
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import mix_key
-from dspzoo.core.runconfig import RunConfig, start_run, warmup_cosine
+from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
@@ -144,7 +144,8 @@ def build_model(cfg: ProteinTrainConfig) -> torch.nn.Module:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return create_model(cfg.model)
+        model = create_model(cfg.model)
+    return load_initial_weights(model, cfg)  # --init-from: a fine-tune
 
 
 def prediction_settings(cfg: ProteinTrainConfig, held_out: list[str]) -> dict[str, Any]:
