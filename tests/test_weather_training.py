@@ -21,7 +21,7 @@ import torch
 
 import dspzoo.domains.weather  # noqa: F401  (registers weathertx)
 from dspzoo.domains.weather.data import WeatherDataError
-from dspzoo.domains.weather.forecast import forecast_from, rollout
+from dspzoo.domains.weather.forecast import forecast_from, rollout, rollout_skill
 from dspzoo.domains.weather.metrics import rmse
 from dspzoo.domains.weather.training import (
     WeatherTrainConfig,
@@ -134,6 +134,14 @@ def test_rollout_reuses_its_forecasts_and_the_forecast_files(trained, tmp_path: 
     assert fc.rmse["model"][1, 0] == pytest.approx(
         rmse(fc.forecast[1:2], truth, data.fields.grid.lat)[0]
     )
+    skill = rollout_skill(model, data, (2096, 2097), steps=3)  # 2 starts; 2097's 3rd step: none
+    first, second = (
+        forecast_from(model, data, 0, t0, 3, 1).rmse["model"][:, 0] for t0 in (236, 237)
+    )
+    np.testing.assert_allclose(
+        skill["model"][:2, 0], np.sqrt((first[:2] ** 2 + second[:2] ** 2) / 2)
+    )
+    assert skill["model"][2, 0] == pytest.approx(first[2])
     with pytest.raises(WeatherDataError, match="stride that is a multiple"):
         rollout(model, normed, 2, lead=2, stride=1, static=static[0])
 

@@ -156,6 +156,34 @@ def forecast_from(
     )
 
 
+def rollout_skill(
+    model: torch.nn.Module,
+    data: WeatherData,
+    init_years: tuple[int, int],
+    steps: int,
+    lead: int = 1,
+    sp: Any = None,
+) -> dict[str, np.ndarray]:
+    """RMSE per lead ``[steps, C]`` of rollouts from every initial year in ``init_years``
+    (inclusive) of every trajectory: the square root of the mean MSE over initial times, as
+    WeatherBench 2 averages; steps past the data's end are left out."""
+    f = data.fields
+    starts = np.flatnonzero((f.years >= init_years[0]) & (f.years <= init_years[1]))
+    if starts.size == 0:
+        raise WeatherDataError(f"no initial time in the years {init_years}")
+    sums: dict[str, np.ndarray] = {}
+    counts = np.zeros((steps, 1))
+    for s in range(f.values.shape[0]):
+        for t0 in starts:
+            fc = forecast_from(model, data, s, int(t0), steps, lead, sp)
+            seen = np.isfinite(fc.rmse["model"][:, :1])
+            counts += seen
+            for name, r in fc.rmse.items():
+                sums[name] = sums.get(name, 0.0) + np.nan_to_num(r**2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return {name: np.sqrt(total / counts) for name, total in sums.items()}
+
+
 def _valid_times(data: WeatherData, fc: Forecast) -> np.ndarray:
     """Decoded valid times; past the data's end they continue with the data's last step."""
     times = data.fields.times
