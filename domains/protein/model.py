@@ -393,7 +393,10 @@ class Evoformer(nn.Module):
         sp = sp or SeqParallel()
         cfg = self.config
         _check_strategy(sp)
-        validate_collectively(lambda: _check_features(batch, cfg), sp.group, "Evoformer inputs")
+        device = batch["msa_feat"].device if "msa_feat" in batch else "cpu"
+        validate_collectively(
+            lambda: _check_features(batch, cfg), sp.group, "Evoformer inputs", device
+        )
         dropout_on = self.training and (cfg.msa_dropout > 0 or cfg.pair_dropout > 0)
         if dropout_on and rng_key is None:
             raise ValueError(
