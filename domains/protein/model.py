@@ -393,7 +393,7 @@ class Evoformer(nn.Module):
         sp = sp or SeqParallel()
         cfg = self.config
         _check_strategy(sp)
-        device = batch["msa_feat"].device if "msa_feat" in batch else "cpu"
+        device = getattr(batch.get("msa_feat"), "device", "cpu")
         validate_collectively(
             lambda: _check_features(batch, cfg), sp.group, "Evoformer inputs", device
         )
