@@ -168,12 +168,13 @@ def predicted_peak(
     """Model of one rank's peak memory (GiB) from the block's largest live tensors (fp32).
 
     ``P = R·⌈R/N⌉`` local pair positions, ``cc`` the channel chunk, ``h`` the rows of one chunk.
-    Triangle multiplication: pair ``P·c_z`` + product ``P·c_mul`` + gathered operand piece
-    ``R²·cc`` + two local operand pieces ``2·P·cc``. Triangle attention: pair + whole bias
-    ``R²·H`` + local bias ``P·H`` + three live copies of one chunk's logits ``3·h·H·R²``.
-    MSA row attention: pair + whole bias ``R²·8`` + ``3·h·8·R²`` logits (``h ≤ S/N`` rows).
-    A switch: pair in + pair out + pieces ``3·P·cc``. Plus ``base`` GiB for the process (torch,
-    the block's weights) and the MSA (``S·R·c_m``, twice). Allocator slack is not modelled.
+    Triangle multiplication: pair ``P·c_z`` + product ``P·c_mul`` + the gathered operand piece
+    and its contiguous copy for the product ``2·R²·cc`` + local pieces ``4·P·cc``. Triangle
+    attention: pair + whole bias ``R²·H`` + local bias ``P·H`` + one chunk's logits (the
+    weights reuse their buffer without autograd) ``h·H·R²``. MSA row attention: pair + whole
+    bias ``R²·8`` + ``h·8·R²`` logits (``h ≤ S/N`` rows). A switch: pair in + pair out + pieces
+    ``3·P·cc``. Plus ``base`` GiB for the process (torch, the block's weights) and the MSA
+    (``S·R·c_m``, twice). Allocator slack is not modelled.
     """
     from dspzoo.domains.protein import CONFIGS
 
@@ -183,9 +184,9 @@ def predicted_peak(
     msa = depth * r * c.c_m * 2
     rows = min(chunk, -(-r // n))
     msa_rows = min(chunk, -(-depth // n))
-    mul = local * (c.c_z + c.c_hidden_mul + 2 * channel_chunk) + r * r * channel_chunk
-    att = local * (c.c_z + c.pair_heads) + r * r * c.pair_heads * (1 + 3 * rows)
-    row = local * c.c_z + r * r * c.msa_heads * (1 + 3 * msa_rows)
+    mul = local * (c.c_z + c.c_hidden_mul + 4 * channel_chunk) + 2 * r * r * channel_chunk
+    att = local * (c.c_z + c.pair_heads) + r * r * c.pair_heads * (1 + rows)
+    row = local * c.c_z + r * r * c.msa_heads * (1 + msa_rows)
     switch = local * (2 * c.c_z + 3 * channel_chunk)
     return base + 4 * (max(mul, att, row, switch) + msa) / 2**30
 
