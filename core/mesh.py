@@ -107,7 +107,7 @@ def build_mesh(
         )
     if not (dist.is_available() and dist.is_initialized()):
         if sp_size != 1:
-            raise RuntimeError(
+            raise ValueError(
                 f"sp_size={sp_size} needs torch.distributed: launch with "
                 f"`accelerate launch --multi_gpu --num_processes {sp_size} ...` or `torchrun "
                 f"--nproc_per_node {sp_size} ...` (got a single process)"

@@ -57,6 +57,8 @@ def main() -> None:
         "--upscale", type=int, default=4, help="nearest-neighbour upscaling of the output"
     )
     args = parser.parse_args()
+    if args.steps < 1 or args.per_class < 1 or args.upscale < 1:
+        parser.error("--steps, --per-class and --upscale must be >= 1")
 
     import torch.distributed as dist
 

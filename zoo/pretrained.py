@@ -98,8 +98,10 @@ def save_pretrained(
         fsync_path(weights)
         for name, text in (extra_files or {}).items():
             if Path(name).name != name or name in (CONFIG_FILE, WEIGHTS_FILE):
-                raise ValueError(f"extra_files: {name!r} must be a plain file name other than "
-                                 f"{CONFIG_FILE} and {WEIGHTS_FILE}")
+                raise ValueError(
+                    f"extra_files: {name!r} must be a plain file name other than "
+                    f"{CONFIG_FILE} and {WEIGHTS_FILE}"
+                )
             fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -176,6 +178,17 @@ def _build_config(config_cls: type, values: dict[str, Any]) -> Any:
     return config_cls(**{k: _from_json(hints.get(k), v) for k, v in values.items()})
 
 
+def _family_registered(family: str) -> Any:
+    """The family record, importing the zoo's domains first if it is not registered yet."""
+    try:
+        return family_info(family)
+    except KeyError:
+        from .cli import load_domains  # a checkpoint of a built-in family: register them all
+
+        load_domains()
+        return family_info(family)
+
+
 def load_extra(path: str | os.PathLike) -> dict[str, Any]:
     """The ``extra`` settings saved with the checkpoint folder (or shipped name) ``path``."""
     from .shipped import resolve_pretrained
@@ -188,7 +201,7 @@ def load_config(path: str | os.PathLike) -> tuple[str, Any]:
     from .shipped import resolve_pretrained
 
     meta = _read_meta(resolve_pretrained(path))
-    fam = family_info(meta["family"])
+    fam = _family_registered(meta["family"])
     return fam.name, _build_config(fam.config_cls, meta["config"])
 
 
