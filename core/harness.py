@@ -191,8 +191,12 @@ def _run(case: _Case, sp: SeqParallel, megatron: bool) -> tuple[torch.Tensor, nn
     return out.detach(), model
 
 
-def _grads(model: nn.Module, sp: SeqParallel, mesh: SPMesh | None, megatron: bool) -> dict:
-    """Full gradients, SP-group mean (identical on every rank of the group)."""
+def full_gradients(
+    model: nn.Module, sp: SeqParallel, mesh: SPMesh | None, megatron: bool
+) -> dict[str, torch.Tensor]:
+    """Full-sample gradients after a backward pass, identical on every rank of the SP group:
+    the SP-group mean of the local gradients (the gradient contract), or under ``megatron_sp``
+    (``megatron=True``) the full tensors reassembled after Megatron's gradient sync."""
     if megatron:
         from .methods.megatron import gather_full, megatron_grad_sync
 
@@ -298,7 +302,7 @@ def _check_one(
     try:
         with trace_comm() as tracer:
             out, model = _run(case, sp, megatron)
-        grads = _grads(model, sp, mesh, megatron)
+        grads = full_gradients(model, sp, mesh, megatron)
     except Exception as exc:  # a broken model: report it with the others
         return Check(
             n,

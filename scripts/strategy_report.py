@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from dspzoo.core.costmodel import formulas
 from dspzoo.core.costmodel.formulas import CommCount
+from dspzoo.core.harness import full_gradients
 from dspzoo.core.layout import shard_sizes
 from dspzoo.core.methods.ring import zigzag_lengths
 
@@ -448,18 +449,7 @@ def run_strategy(
 
 def sp_grads(model: torch.nn.Module, sp: Any, mesh: Any, strategy: str) -> dict[str, torch.Tensor]:
     """Full-sample gradients: the SP mean (gradient contract), or Megatron's sync and gather."""
-    if strategy == "megatron_sp":
-        from dspzoo.core.methods.megatron import gather_full, megatron_grad_sync
-
-        megatron_grad_sync(model, mesh)
-        return gather_full(model, sp.group, grads=True)
-    out = {}
-    for name, p in model.named_parameters():
-        g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-        if sp.size > 1:
-            dist.all_reduce(g, group=sp.group)
-        out[name] = g / sp.size
-    return out
+    return full_gradients(model, sp, mesh, megatron=strategy == "megatron_sp")
 
 
 # -- report -------------------------------------------------------------------------------------
