@@ -45,6 +45,22 @@ class LoopSettings:
     tokens_per_step: int
     loss_name: str = "loss"
 
+    @classmethod
+    def of_run(
+        cls, cfg: Any, start_step: int, tokens_per_step: int, loss_name: str = "loss"
+    ) -> LoopSettings:
+        """The settings a training config (a :class:`~dspzoo.core.runconfig.RunConfig`) asks
+        for: its ``steps``, ``stop_after``, ``log_every`` and ``save_every``."""
+        return cls(
+            steps=cfg.steps,
+            start_step=start_step,
+            stop_after=cfg.stop_after,
+            log_every=cfg.log_every,
+            save_every=cfg.save_every,
+            tokens_per_step=tokens_per_step,
+            loss_name=loss_name,
+        )
+
 
 @dataclass
 class LoopResult:

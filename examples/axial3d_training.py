@@ -119,10 +119,7 @@ def train(cfg: Axial3DTrainConfig) -> dict:
         progress = {"layout": layout_of(mesh), "loss_history": losses}
         save_checkpoint(accelerator, ckpt_dir, step, progress, keep=cfg.keep_checkpoints)
 
-    settings = LoopSettings(
-        cfg.steps, start, cfg.stop_after, cfg.log_every, cfg.save_every,
-        cfg.global_batch * cfg.frames * cfg.size**2, "mse",
-    )  # fmt: skip
+    settings = LoopSettings.of_run(cfg, start, cfg.global_batch * cfg.frames * cfg.size**2, "mse")
     session = run_training_loop(
         settings, loader, step_fn, save, model.parameters, history, mesh.is_main, logger,
         lambda: scheduler.get_last_lr()[0],

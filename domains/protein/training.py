@@ -484,14 +484,8 @@ def train(cfg: ProteinTrainConfig) -> dict:
                     figures["distogram_loss"],
                 )
 
-    settings = LoopSettings(
-        steps=cfg.steps,
-        start_step=start_step,
-        stop_after=cfg.stop_after,
-        log_every=cfg.log_every,
-        save_every=cfg.save_every,
-        tokens_per_step=cfg.global_batch * cfg.crop_size,
-        loss_name="distogram loss",
+    settings = LoopSettings.of_run(
+        cfg, start_step, cfg.global_batch * cfg.crop_size, "distogram loss"
     )
     session = run_training_loop(
         settings,

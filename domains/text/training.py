@@ -310,15 +310,7 @@ def train(cfg: TextTrainConfig) -> dict:
             if run.mesh.is_main:
                 logger.info("step %d validation %.4f bits/byte", step, evals[-1][1])
 
-    settings = LoopSettings(
-        steps=cfg.steps,
-        start_step=start_step,
-        stop_after=cfg.stop_after,
-        log_every=cfg.log_every,
-        save_every=cfg.save_every,
-        tokens_per_step=run.tokens_per_step,
-        loss_name="bits/byte",
-    )
+    settings = LoopSettings.of_run(cfg, start_step, run.tokens_per_step, "bits/byte")
     session = run_training_loop(
         settings,
         run.loader,

@@ -331,14 +331,7 @@ def train(cfg: VideoTrainConfig) -> dict:
     """
     run = setup_run(cfg)
     start_step, history = restore(run) if cfg.resume else (0, [])
-    settings = LoopSettings(
-        steps=cfg.steps,
-        start_step=start_step,
-        stop_after=cfg.stop_after,
-        log_every=cfg.log_every,
-        save_every=cfg.save_every,
-        tokens_per_step=cfg.global_batch * run.tokens_per_sample(),
-    )
+    settings = LoopSettings.of_run(cfg, start_step, cfg.global_batch * run.tokens_per_sample())
     session = run_training_loop(
         settings,
         run.loader,

@@ -587,15 +587,7 @@ def train(cfg: WeatherTrainConfig) -> dict:
             if run.mesh.is_main:
                 logger.info("step %d held-out model RMSE %.4f", step, evals[-1][1])
 
-    settings = LoopSettings(
-        steps=cfg.steps,
-        start_step=start_step,
-        stop_after=cfg.stop_after,
-        log_every=cfg.log_every,
-        save_every=cfg.save_every,
-        tokens_per_step=run.samples_per_step,
-        loss_name="mse",
-    )
+    settings = LoopSettings.of_run(cfg, start_step, run.samples_per_step, "mse")
     session = run_training_loop(
         settings,
         run.loader,
