@@ -138,6 +138,24 @@ def warmup_cosine(cfg: RunConfig) -> Callable[[int], float]:
     return fn
 
 
+def train_loader(cfg: RunConfig, dataset: Any, mesh: Any, **options: Any) -> Any:
+    """This DP group's share of every global batch of ``dataset``, in the run's sample order.
+
+    ``sp_dataloader`` with ``--global-batch / dp`` samples per step, ``--seed`` and
+    ``--num-workers``; ``options`` (``device``, ``collate_fn``) go to it unchanged.
+    """
+    from .data import sp_dataloader
+
+    return sp_dataloader(
+        dataset,
+        mesh,
+        cfg.global_batch // mesh.dp_size,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        **options,
+    )
+
+
 def start_run(cfg: RunConfig) -> tuple[Any, Any, Any, Path]:
     """Validate ``cfg``, build ``(accelerator, mesh, sp)`` and the output folder.
 

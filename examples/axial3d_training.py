@@ -22,13 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from dspzoo.core import sp_dataloader
 from dspzoo.core.checkpoint import save_checkpoint
 from dspzoo.core.configflags import flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, resume_from
-from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
+from dspzoo.core.runconfig import (
+    RunConfig,
+    load_initial_weights,
+    start_run,
+    train_loader,
+    warmup_cosine,
+)
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.domains.video.data import MovingShapesConfig, MovingShapesDataset
 
@@ -98,7 +103,7 @@ def train(cfg: Axial3DTrainConfig) -> dict:
     model, optimizer = tp.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     data = NextFrameShapes(cfg.frames, cfg.size, 4096, seed=0)
-    loader = sp_dataloader(data, mesh, cfg.global_batch // mesh.dp_size, seed=cfg.seed)
+    loader = train_loader(cfg, data, mesh)
     ckpt_dir, start, history = output_dir / "checkpoints", 0, []
     if cfg.resume:
         progress = resume_from(accelerator, mesh, cfg.resume, ckpt_dir, cfg.seed, {})

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dspzoo.core import SavedTensorMeter, sp_dataloader
+from dspzoo.core import SavedTensorMeter
 from dspzoo.core.checkpoint import save_checkpoint
 from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
@@ -36,7 +36,13 @@ from dspzoo.core.loss import world_report
 from dspzoo.core.methods.megatron import megatron_grad_sync
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import mix_key
-from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
+from dspzoo.core.runconfig import (
+    RunConfig,
+    load_initial_weights,
+    start_run,
+    train_loader,
+    warmup_cosine,
+)
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
@@ -225,14 +231,7 @@ def setup_run(cfg: ProteinTrainConfig) -> TrainingRun:
     # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
     model, optimizer = prepare_without_ddp(accelerator, tp, model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    loader = sp_dataloader(
-        train_data,
-        mesh,
-        cfg.global_batch // mesh.dp_size,
-        seed=cfg.seed,
-        num_workers=cfg.num_workers,
-        collate_fn=keep_as_list,
-    )
+    loader = train_loader(cfg, train_data, mesh, collate_fn=keep_as_list)
     if mesh.is_main:
         logger.info(
             "data %s: %d training chains, %d held-out chains (%s)",

@@ -29,13 +29,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dspzoo.core import SavedTensorMeter, sp_dataloader
+from dspzoo.core import SavedTensorMeter
 from dspzoo.core.checkpoint import save_checkpoint
 from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
-from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
+from dspzoo.core.runconfig import (
+    RunConfig,
+    load_initial_weights,
+    start_run,
+    train_loader,
+    warmup_cosine,
+)
 from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
@@ -158,14 +164,7 @@ def setup_run(cfg: TextTrainConfig) -> TrainingRun:
     # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
     model, optimizer = tp.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    loader = sp_dataloader(
-        train_data,
-        mesh,
-        cfg.global_batch // mesh.dp_size,
-        seed=cfg.seed,
-        num_workers=cfg.num_workers,
-        device=accelerator.device,
-    )
+    loader = train_loader(cfg, train_data, mesh, device=accelerator.device)
     return TrainingRun(
         cfg=cfg,
         accelerator=accelerator,

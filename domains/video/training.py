@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dspzoo.core import SavedTensorMeter, sp_dataloader, sp_mse
+from dspzoo.core import SavedTensorMeter, sp_mse
 from dspzoo.core.checkpoint import save_checkpoint
 from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.ema import EMA
@@ -30,7 +30,13 @@ from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import SampleRandom
-from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
+from dspzoo.core.runconfig import (
+    RunConfig,
+    load_initial_weights,
+    start_run,
+    train_loader,
+    warmup_cosine,
+)
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
 
@@ -183,14 +189,7 @@ def setup_run(cfg: VideoTrainConfig) -> TrainingRun:
     ema = EMA(raw_model, cfg.ema) if cfg.ema else None  # of this rank's shards when sharded
     if ema is not None:
         accelerator.register_for_checkpointing(tp.checkpointable(ema))
-    loader = sp_dataloader(
-        dataset,
-        mesh,
-        cfg.global_batch // mesh.dp_size,
-        seed=cfg.seed,
-        num_workers=cfg.num_workers,
-        device=accelerator.device,
-    )
+    loader = train_loader(cfg, dataset, mesh, device=accelerator.device)
     return TrainingRun(
         cfg=cfg,
         accelerator=accelerator,

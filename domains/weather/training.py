@@ -30,14 +30,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspzoo.core import SavedTensorMeter, sp_dataloader
+from dspzoo.core import SavedTensorMeter
 from dspzoo.core.checkpoint import save_checkpoint
 from dspzoo.core.configflags import check_values, flag
 from dspzoo.core.loop import LoopSettings, run_training_loop
 from dspzoo.core.loss import world_report
 from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import mix_key
-from dspzoo.core.runconfig import RunConfig, load_initial_weights, start_run, warmup_cosine
+from dspzoo.core.runconfig import (
+    RunConfig,
+    load_initial_weights,
+    start_run,
+    train_loader,
+    warmup_cosine,
+)
 from dspzoo.core.tensor_parallel_training import TensorParallelTraining
 from dspzoo.core.trace import format_bytes
 
@@ -439,14 +445,7 @@ def setup_run(cfg: WeatherTrainConfig) -> TrainingRun:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
     model, optimizer = tp.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    loader = sp_dataloader(
-        data.train,
-        mesh,
-        cfg.global_batch // mesh.dp_size,
-        seed=cfg.seed,
-        num_workers=cfg.num_workers,
-        device=accelerator.device,
-    )
+    loader = train_loader(cfg, data.train, mesh, device=accelerator.device)
     return TrainingRun(
         cfg=cfg,
         accelerator=accelerator,
