@@ -1,4 +1,4 @@
-"""Token-wise MLP and adaLN modulation."""
+"""Token-wise MLP, adaLN modulation and the adaLN output layer."""
 
 from __future__ import annotations
 
@@ -52,3 +52,18 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``gate`` (``[B, C]`` or broadcastable with ``x``) times ``x`` ``[B, *tokens, C]``."""
     return x * _per_token(gate, x)
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated LayerNorm + linear, per token: ``[B, *tokens, C]`` → ``[B, *tokens, out]``
+    under conditioning ``c`` ``[B, C]`` (or broadcastable, see :func:`modulate`)."""
+
+    def __init__(self, hidden: int, out_dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.linear = nn.Linear(hidden, out_dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.ada(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(x), shift, scale))

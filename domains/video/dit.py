@@ -17,7 +17,7 @@ from torch import nn
 
 from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d, sincos_2d
-from dspzoo.core.layers.mlp import modulate
+from dspzoo.core.layers.mlp import FinalLayer
 from dspzoo.core.validate import validate_collectively
 
 SEQ_DIMS = ("t", "s")
@@ -98,20 +98,6 @@ def unpatchify(
         q=ph,
         r=pw,
     )
-
-
-class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm + linear to patch space, per token."""
-
-    def __init__(self, hidden: int, out_dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
-        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
-        self.linear = nn.Linear(hidden, out_dim)
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.ada(c).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm(x), shift, scale))
 
 
 class VideoDiT(nn.Module):

@@ -38,7 +38,7 @@ from torch import nn
 
 from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d
-from dspzoo.core.layers.mlp import Mlp, gated, modulate
+from dspzoo.core.layers.mlp import FinalLayer, Mlp, gated, modulate
 from dspzoo.core.rng import mix_key
 from dspzoo.core.validate import validate_collectively
 
@@ -173,20 +173,6 @@ class WeatherBlock(nn.Module):
         shift, scale, gate = mods[-3:]
         branch = self.mlp(modulate(self.norm(act.tensor), shift, scale), act.spec, sp)
         return self._residual(act, branch, gate, sp, key("mlp"))
-
-
-class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm + linear to the ``V·p·p`` pixels of each patch."""
-
-    def __init__(self, hidden: int, out_dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
-        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
-        self.linear = nn.Linear(hidden, out_dim)
-
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.ada(cond).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm(x), shift, scale))
 
 
 class WeatherTransformer(nn.Module):
