@@ -25,16 +25,7 @@ import torch
 from dspzoo.zoo import from_pretrained, load_extra, ship_pretrained
 from dspzoo.zoo.cli import load_domains
 from dspzoo.zoo.pretrained import _read_meta
-from dspzoo.zoo.shipped import resolve_pretrained
-
-
-def _fp16_round_trip(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with its weights rounded to fp16 as shipped (kept in fp32)."""
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            if tensor.is_floating_point():
-                tensor.copy_(tensor.half().float())
-    return model
+from dspzoo.zoo.shipped import resolve_pretrained, round_to_shipped_precision
 
 
 def video_card(model: torch.nn.Module, extra: dict) -> dict:
@@ -78,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     load_domains()
     torch.manual_seed(0)
-    model = _fp16_round_trip(from_pretrained(args.folder).eval())
+    model = round_to_shipped_precision(from_pretrained(args.folder).eval())
     extra = load_extra(args.folder)
     card = CARDS[args.domain](model, extra) | {"command": args.command, "notes": args.notes}
     # folders written before training recorded it: the run's train_config.json names the model

@@ -115,6 +115,17 @@ def list_pretrained() -> list[ModelCard]:
     return [model_card(n) for n in shipped_names()]
 
 
+def round_to_shipped_precision(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.Module:
+    """Round ``model``'s floating-point weights and buffers to ``dtype`` in place, keeping its
+    own dtype: the model as :func:`ship_pretrained` will store it, so figures measured on it
+    are the figures of the shipped copy. Returns ``model``."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.to(dtype).to(tensor.dtype))
+    return model
+
+
 def ship_pretrained(
     model: nn.Module,
     name: str,

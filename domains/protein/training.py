@@ -572,13 +572,10 @@ def ship_trained(
     """
     import dspzoo.domains.protein  # noqa: F401
     from dspzoo.zoo import from_pretrained, load_config, load_extra
-    from dspzoo.zoo.shipped import ship_pretrained
+    from dspzoo.zoo.shipped import round_to_shipped_precision, ship_pretrained
 
     extra = load_extra(final_dir)
-    model = from_pretrained(final_dir, expected_family="evoformer")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.half().float())
+    model = round_to_shipped_precision(from_pretrained(final_dir, expected_family="evoformer"))
     settings = extra["protein"]
     records = evaluate_samples(
         model,

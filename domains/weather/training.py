@@ -633,15 +633,12 @@ def ship_trained(
     Returns the card. ``root``: another folder than ``zoo/weights`` (tests).
     """
     from dspzoo.zoo import from_pretrained, load_extra
-    from dspzoo.zoo.shipped import ship_pretrained
+    from dspzoo.zoo.shipped import round_to_shipped_precision, ship_pretrained
 
     from .metrics import metric_dict
 
     final = Path(folder) / "final" if (Path(folder) / "final").is_dir() else Path(folder)
-    model = from_pretrained(final, expected_family="weathertx")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.half().float())  # the shipped precision
+    model = round_to_shipped_precision(from_pretrained(final, expected_family="weathertx"))
     extra = load_extra(final)
     data = data_from_extra(extra)
     rows = evaluate(model.eval(), data)
