@@ -1,59 +1,38 @@
-"""Stage declarations and the switch-schedule planner.
+"""Single-activation stage declarations and plans: the one-activation case of the planner.
 
 A model declares its sequence dims and, for each computation stage, the dims it *mixes*
-(needs whole). Under DSP a stage runs locally when the sharded dim is one it does not mix;
-the planner picks the sharded dim of every stage so that the number of switches, each moving
-``(M/N)·(N−1)/N`` elements per rank whatever the pair of dims, is minimal. Ties prefer dims
-that ``N`` divides, dims long enough to give every rank a row, and switching as late as
-possible (so a switch sits right before the stage that needs it).
+(needs whole) and what it computes there (``op``: ``"attention"``, ``"generic"`` for a
+convolution, pooling or any op that needs its dims whole, or a registered kind). Under DSP a
+stage runs locally when the sharded dim is one it does not mix; a switch (one all-to-all)
+moves the sharding between stages that need different dims. Stages usually repeat (one
+transformer layer after another): plans are periodic by default and count the switch from
+the last stage back to the first.
 
-Stages usually repeat (one transformer layer after another): :func:`plan_stages` treats the
-stage list as periodic by default and counts the switch from the last stage back to the first.
-
-A plan says, per stage, the sharded dim **and the method** that runs the stage:
-
-* ``local``: the stage does not mix the sharded dim, so it runs with no communication (DSP);
-* an embedded method (``ulysses``, ``ring``, ``lss``, ``usp``) for a stage whose attention mixes
-  the sharded dim: a stage that mixes *every* dim in an otherwise-DSP model (a *hybrid* plan,
-  the method chosen by communication volume), or every mixing stage under a fixed-dim
-  embedded strategy (:func:`plan_fixed`).
-
-Costs are in units of one switch, ``(M/N)·(N−1)/N`` elements per rank (``M``: the activation's
-global size). Per attention stage an embedded method sends, per rank: Ulysses four all-to-alls
-(q, k, v, output) = 4 units; Ring and LSS receive the other ranks' K and V,
-``2·(N−1)·M/N`` elements = ``2N`` units. Megatron-SP (``megatron_sp``, tensor parallelism
-over the SP group) all-gathers the sequence before each column-parallel linear and
-reduce-scatters after its row-parallel partner: ``2·(N−1)·M/N`` elements = ``2N`` units per
-linear pair, on every stage.
+A plan says, per stage, the sharded dim **and the method** that runs the stage (``local``, an
+embedded method such as ``ulysses`` or ``ring`` for a stage whose attention mixes the sharded
+dim, ``gather`` for a generic op that mixes every dim, ``megatron_sp`` on every stage under
+tensor parallelism). The choice and its costs are the planner's
+(:mod:`dspzoo.core.planner`), priced from the method registry
+(:mod:`dspzoo.core.methods.registry`); this module only declares and presents.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SWITCH_COST = 1.0
-UNEVEN_COST = 1e-3  # per stage sharded on a dim N does not divide (imbalanced shards)
-UNDERFILLED_COST = 100.0  # per stage sharded on a dim shorter than N (idle ranks)
+from .methods.registry import METHODS, get_method, get_op_kind
+from .planner import DEFAULT_PRICING, DSP_POLICY, ActShape, MultiPlan, MultiStage, Policy, Pricing
+from .planner import plan as plan_activations
 
+# names kept for code written against the earlier API: both lists are read from the registry
+EMBEDDED_METHODS = tuple(
+    m.name
+    for m in METHODS.values()
+    if m.entry and not m.tensor_parallel and m.layout == "contiguous"
+)
+TENSOR_PARALLEL_METHODS = tuple(m.name for m in METHODS.values() if m.tensor_parallel)
 
-EMBEDDED_METHODS = ("ulysses", "ring", "lss", "usp")
-# tensor-parallel methods: every stage runs with them (the MLPs are sharded too), never chosen
-# per stage by the DSP planner
-TENSOR_PARALLEL_METHODS = ("megatron_sp",)
-METHODS = ("local", *EMBEDDED_METHODS, *TENSOR_PARALLEL_METHODS)
-
-
-def embedded_method_cost(method: str, sp_size: int) -> float:
-    """Forward bytes per rank of one attention stage under ``method``, in switch units."""
-    if method == "local":
-        return 0.0
-    if method == "ulysses":
-        return 4.0
-    if method in ("ring", "lss", "usp"):
-        return 2.0 * sp_size
-    if method == "megatron_sp":  # per linear pair: all-gather + reduce-scatter of M
-        return 2.0 * sp_size
-    raise ValueError(f"unknown attention method {method!r}; known: {list(METHODS)}")
+_ACT = "x"  # the one activation of a single-activation plan
 
 
 @dataclass(frozen=True)
@@ -74,15 +53,32 @@ class Stage:
     method: str | None = None
     heads: int | None = None
     embed_if_underfilled: bool = False
+    op: str = "attention"
 
     def __post_init__(self) -> None:
         if isinstance(self.mixes, str):
             object.__setattr__(self, "mixes", (self.mixes,))
+        get_op_kind(self.op)
         if self.method is not None and self.method not in EMBEDDED_METHODS:
             raise ValueError(
                 f"stage {self.name!r}: method must be one of {list(EMBEDDED_METHODS)}, got "
                 f"{self.method!r}"
             )
+        if self.method is not None and not get_method(self.method).runs(self.op):
+            raise ValueError(
+                f"stage {self.name!r}: method {self.method!r} does not run {self.op!r} ops"
+            )
+
+    def as_multi(self) -> MultiStage:
+        """This stage as the one-activation case of the planner's :class:`MultiStage`."""
+        return MultiStage(
+            self.name,
+            {_ACT: self.mixes},
+            op=self.op,
+            method=self.method,
+            heads=self.heads,
+            embed_if_underfilled=self.embed_if_underfilled,
+        )
 
 
 @dataclass(frozen=True)
@@ -177,23 +173,61 @@ class Plan:
         return "\n".join(lines)
 
 
-def _stage_cost(dim: str, length: int, sp_size: int) -> float:
+def _note(dim: str, length: int, sp_size: int) -> str:
     if length < sp_size:
-        return UNDERFILLED_COST
-    return UNEVEN_COST if length % sp_size else 0.0
+        return f"{dim}={length} < SP size {sp_size}: some ranks idle"
+    if length % sp_size:
+        return f"{dim}={length} not divisible by {sp_size}: uneven shards"
+    return ""
 
 
-def choose_method(stage: Stage, sp_size: int) -> str:
-    """The embedded method for a stage that mixes every dim: the cheapest that fits.
+def plan_from_multi(multi: MultiPlan) -> Plan:
+    """The single-activation :class:`Plan` view of a one-activation :class:`MultiPlan`."""
+    ((act, shape),) = multi.shapes
+    lengths = dict(zip(shape.dims, shape.lengths))
+    steps = []
+    for step in multi.steps:
+        dim = step.dim(act)
+        steps.append(
+            PlanStep(
+                step.stage.name,
+                step.stage.mixed(act),
+                dim,
+                step.switches[0].src if step.switches else None,
+                _note(dim, lengths[dim], multi.sp_size),
+                step.method(act),
+            )
+        )
+    return Plan(
+        dims=shape.dims,
+        lengths=shape.lengths,
+        sp_size=multi.sp_size,
+        periodic=multi.periodic,
+        steps=tuple(steps),
+        strategy=multi.strategy,
+        layout=multi.layout,
+    )
 
-    Ulysses (4 units) unless the stage's heads are fewer than the ranks (then some ranks would
-    hold no head and idle); otherwise Ring (``2N`` units, no head constraint).
-    """
-    if stage.method is not None:
-        return stage.method
-    if stage.heads is not None and stage.heads < sp_size:
-        return "ring"
-    return min(("ulysses", "ring"), key=lambda m: embedded_method_cost(m, sp_size))
+
+def _single(
+    dims: tuple[str, ...],
+    lengths: tuple[int, ...],
+    stages: tuple[Stage, ...] | list[Stage],
+    sp_size: int,
+    periodic: bool,
+    policy: Policy,
+    pricing: Pricing,
+) -> Plan:
+    dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
+    if len(dims) != len(lengths):
+        raise ValueError(f"{len(dims)} dims {dims} but {len(lengths)} lengths {lengths}")
+    if not stages:
+        raise ValueError("a plan needs at least one stage")
+    shapes = {_ACT: ActShape(dims, lengths, 1)}
+    multi = plan_activations(
+        shapes, [s.as_multi() for s in stages], sp_size, (), periodic, policy, pricing
+    )
+    return plan_from_multi(multi)
 
 
 def plan_stages(
@@ -202,8 +236,9 @@ def plan_stages(
     stages: tuple[Stage, ...] | list[Stage],
     sp_size: int,
     periodic: bool = True,
+    pricing: Pricing = DEFAULT_PRICING,
 ) -> Plan:
-    """Choose the sharded dim of every stage to minimise communication.
+    """DSP's plan: the sharded dim of every stage, switching between stages as needed.
 
     Args:
         dims: sequence dim names, e.g. ``("t", "h", "w")``.
@@ -212,96 +247,12 @@ def plan_stages(
         sp_size: ranks in the SP group.
         periodic: the stages repeat, so the last stage is followed by the first.
 
-    A stage that mixes every dim cannot keep any dim whole-free: it gets an embedded method
-    (:func:`choose_method`; ``Stage.method`` forces one) on whichever dim is cheapest, and the
-    plan becomes a hybrid. Raises ``ValueError`` for unknown dims.
+    The one-activation case of :func:`dspzoo.core.planner.plan` under the DSP policy: a stage
+    that mixes every dim runs with the cheapest hybrid method of its op kind (``Stage.method``
+    forces one; a generic op is gathered whole), and the plan becomes a hybrid. Raises
+    ``ValueError`` for unknown dims.
     """
-    dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
-    if len(dims) != len(lengths):
-        raise ValueError(f"{len(dims)} dims {dims} but {len(lengths)} lengths {lengths}")
-    if not stages:
-        raise ValueError("plan_stages needs at least one stage")
-    length_of = dict(zip(dims, lengths))
-    options: list[list[str]] = []
-    for stage in stages:
-        unknown = [d for d in stage.mixes if d not in length_of]
-        if unknown:
-            raise ValueError(
-                f"stage {stage.name!r} mixes unknown dim(s) {unknown}; the sequence dims are {dims}"
-            )
-        free = [d for d in dims if d not in stage.mixes]
-        underfilled = all(length_of[d] < sp_size for d in free)
-        if stage.embed_if_underfilled and free and underfilled:
-            options.append(list(dims))  # idle ranks on a free dim, or a mixed dim embedded
-        else:
-            options.append(free or list(dims))  # every dim mixed: an embedded method, any dim
-    # the method of stage i sharded on dim d: local on a free dim, else an embedded method
-    methods = [
-        {d: "local" if d not in st.mixes else choose_method(st, sp_size) for d in opts}
-        for st, opts in zip(stages, options)
-    ]
-    method_cost = [{d: embedded_method_cost(m, sp_size) for d, m in ms.items()} for ms in methods]
-
-    k = len(stages)
-
-    def cost_to_go(start: str | None) -> list[dict[str, float]]:
-        """``table[i][d]``: least cost of stages ``i..k-1`` with stage ``i`` sharded on ``d``."""
-        table: list[dict[str, float]] = [{} for _ in range(k)]
-        for i in reversed(range(k)):
-            for d in options[i]:
-                here = _stage_cost(d, length_of[d], sp_size) + method_cost[i][d]
-                if i == k - 1:
-                    tail = SWITCH_COST if (start is not None and d != start) else 0.0
-                else:
-                    tail = min(
-                        table[i + 1][e] + (SWITCH_COST if e != d else 0.0) for e in options[i + 1]
-                    )
-                table[i][d] = here + tail
-        return table
-
-    best: tuple[float, list[str]] | None = None
-    for first in options[0]:
-        table = cost_to_go(first if periodic else None)
-        total = table[0][first]
-        choice = [first]
-        for i in range(1, k):
-            prev = choice[-1]
-            remaining = (
-                table[i - 1][prev]
-                - _stage_cost(prev, length_of[prev], sp_size)
-                - method_cost[i - 1][prev]
-            )
-            stay_ok = prev in table[i] and abs(table[i][prev] - remaining) < 1e-9
-            choice.append(
-                prev
-                if stay_ok
-                else min(
-                    options[i], key=lambda e, p=prev: table[i][e] + (SWITCH_COST if e != p else 0.0)
-                )
-            )
-        if best is None or total < best[0] - 1e-9:
-            best = (total, choice)
-    assert best is not None
-    choice = best[1]
-    steps = []
-    for i, (stage, dim) in enumerate(zip(stages, choice)):
-        prev = choice[i - 1] if i > 0 else (choice[-1] if periodic else None)
-        note = ""
-        if length_of[dim] < sp_size:
-            note = f"{dim}={length_of[dim]} < SP size {sp_size}: some ranks idle"
-        elif length_of[dim] % sp_size:
-            note = f"{dim}={length_of[dim]} not divisible by {sp_size}: uneven shards"
-        steps.append(
-            PlanStep(
-                stage.name,
-                stage.mixes,
-                dim,
-                prev if prev not in (None, dim) else None,
-                note,
-                methods[i][dim],
-            )
-        )
-    return Plan(dims=dims, lengths=lengths, sp_size=sp_size, periodic=periodic, steps=tuple(steps))
+    return _single(dims, lengths, stages, sp_size, periodic, DSP_POLICY, pricing)
 
 
 def plan_fixed(
@@ -313,60 +264,27 @@ def plan_fixed(
     dim: str | None = None,
     periodic: bool = True,
     layout: str = "contiguous",
+    pricing: Pricing = DEFAULT_PRICING,
 ) -> Plan:
-    """The plan of a fixed-dim embedded strategy: one dim sharded throughout, no switches.
+    """The plan of a fixed-dim embedded strategy: one dim sharded throughout.
 
-    Every stage that mixes the sharded ``dim`` runs with ``method``; the others run locally.
-    A tensor-parallel ``method`` (``megatron_sp``) is put in force on *every* stage: its
-    linears (attention and MLP alike) gather the sequence and shard heads / hidden units.
-    ``dim`` defaults to the longest dim (ties: the first), the most balanced choice.
+    Every stage that mixes the sharded ``dim`` runs with ``method`` when the method runs the
+    stage's op kind; a stage it cannot run (a convolution under Ring) gets its dims whole by a
+    switch, as DSP would. A tensor-parallel ``method`` (``megatron_sp``) is put in force on
+    *every* stage. ``dim`` defaults to the longest dim (ties: the first).
     ``layout="zigzag"`` (ring only) cuts the dim into ``2N`` chunks, rank ``r`` holding chunks
     ``r`` and ``2N−1−r``, which balances causal attention's work over the ring.
     """
-    known = (*EMBEDDED_METHODS, *TENSOR_PARALLEL_METHODS)
-    if method not in known:
-        raise ValueError(f"method must be one of {list(known)}, got {method!r}")
-    every_stage = method in TENSOR_PARALLEL_METHODS
-    if layout not in ("contiguous", "zigzag") or (layout == "zigzag" and method != "ring"):
-        raise ValueError(f"layout {layout!r} is not available with method {method!r}")
-    dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
-    if len(dims) != len(lengths):
-        raise ValueError(f"{len(dims)} dims {dims} but {len(lengths)} lengths {lengths}")
-    if not stages:
-        raise ValueError("plan_fixed needs at least one stage")
-    length_of = dict(zip(dims, lengths))
-    if dim is None:
-        dim = max(dims, key=lambda d: (length_of[d], -dims.index(d)))
-    if dim not in length_of:
-        raise ValueError(f"cannot shard unknown dim {dim!r}; the sequence dims are {dims}")
-    for stage in stages:
-        unknown = [d for d in stage.mixes if d not in length_of]
-        if unknown:
-            raise ValueError(
-                f"stage {stage.name!r} mixes unknown dim(s) {unknown}; the sequence dims are {dims}"
-            )
-    note = ""
-    if length_of[dim] < sp_size:
-        note = f"{dim}={length_of[dim]} < SP size {sp_size}: some ranks idle"
-    elif length_of[dim] % sp_size:
-        note = f"{dim}={length_of[dim]} not divisible by {sp_size}: uneven shards"
-    steps = tuple(
-        PlanStep(
-            stage.name,
-            stage.mixes,
-            dim,
-            None,
-            note,
-            method if every_stage or dim in stage.mixes else "local",
+    chosen = get_method(method)
+    if layout == "zigzag" and method == "ring":
+        chosen = get_method("ring_zigzag")
+    if not chosen.entry or chosen.name in ("local", "switch", "gather"):
+        raise ValueError(
+            f"method must be one of {[*EMBEDDED_METHODS, *TENSOR_PARALLEL_METHODS]}, got {method!r}"
         )
-        for stage in stages
-    )
-    return Plan(
-        dims=dims,
-        lengths=lengths,
-        sp_size=sp_size,
-        periodic=periodic,
-        steps=steps,
-        strategy=method if layout == "contiguous" else f"{method}_{layout}",
-        layout=layout,
-    )
+    if layout != chosen.layout:
+        raise ValueError(f"layout {layout!r} is not available with method {method!r}")
+    if dim is not None and dim not in dims:
+        raise ValueError(f"cannot shard unknown dim {dim!r}; the sequence dims are {tuple(dims)}")
+    policy = Policy("fixed", chosen.name, dim, chosen.layout)
+    return _single(dims, lengths, stages, sp_size, periodic, policy, pricing)

@@ -19,17 +19,26 @@ sets the method, ``attention`` runs locally or through the method.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from . import comm
-from .layout import SeqSpec
+from .layout import SeqSpec, shard_sizes
 from .mesh import SPMesh
+from .methods.megatron import gather_sequence, row_parallel_output
+from .methods.registry import get_method
+from .methods.ring import zigzag_gather, zigzag_split
 from .plan import Plan, Stage
+from .sharded_rng import seq_dropout
+from .strategies import get_strategy
 from .strategies.base import Strategy
+from .strategies.dispatch import sharded_attention
 from .trace import comm_region
+
+PLAN_CACHE_SIZE = 64  # plans kept per runtime (least recently used dropped)
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,14 @@ class SeqParallel:
         strategy: a name from :data:`dspzoo.core.strategies.STRATEGIES` (``"dsp"``,
             ``"ulysses"``, ``"ring"``, ``"lss"``, ``"usp"``) or a :class:`Strategy` instance.
         dim: for an embedded strategy, the sequence dim to shard (default: the longest).
+        switch_chunk: in no-grad mode, switch in pieces of at most this many channels into a
+            preallocated output (bounds the send/receive buffers; the same bytes).
+
+    The runtime checks the contract between plan and model as it runs: a stage planned with
+    a method whose op kind is called through the runtime (``sp.attention`` for attention,
+    ``sp.tp_enter`` under Megatron-SP) must make that call while the stage is in force;
+    otherwise the next ``to_stage`` / ``exit`` raises (the same error on every rank, which
+    all run the same plan), instead of returning silently wrong outputs.
     """
 
     def __init__(
@@ -78,15 +95,16 @@ class SeqParallel:
         mesh: SPMesh | None = None,
         strategy: str | Strategy = "dsp",
         dim: str | None = None,
+        switch_chunk: int | None = None,
     ) -> None:
-        from .strategies import get_strategy
-
         self.mesh = mesh
         self.group: Any = None if mesh is None else mesh.sp_group
         self.size = comm.group_size(self.group)
         self.rank = comm.group_rank(self.group)
         self.strategy = get_strategy(strategy, dim) if isinstance(strategy, str) else strategy
-        self._plans: dict[tuple, Plan] = {}
+        self.switch_chunk = switch_chunk
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+        self._open: tuple[str, str, str, str] | None = None  # (stage, method, entry, dim)
 
     def __repr__(self) -> str:
         return f"SeqParallel(size={self.size}, rank={self.rank}, strategy={self.strategy.name!r})"
@@ -97,10 +115,14 @@ class SeqParallel:
     ) -> Plan:
         """The (cached) plan for these dims, lengths and stages at this group's size."""
         key = (tuple(names), tuple(lengths), tuple(stages))
-        if key not in self._plans:
+        if key in self._plans:
+            self._plans.move_to_end(key)
+        else:
             self._plans[key] = self.strategy.plan(
                 tuple(names), tuple(lengths), tuple(stages), self.size
             )
+            if len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
         return self._plans[key]
 
     # -- entering and leaving the sharded region --------------------------------------------
@@ -114,6 +136,7 @@ class SeqParallel:
         """Replicated ``x`` → :class:`SeqTensor` sharded on the plan's entry dim."""
         spec = SeqSpec.of(x, tuple(names), first_axis)
         plan = self.plan(spec.names, spec.lengths, tuple(stages))
+        self._open = None  # a new pass: nothing left in force from an interrupted one
         return self.shard(x, spec, plan.entry, plan)
 
     def shard(
@@ -126,21 +149,18 @@ class SeqParallel:
 
     def _split(self, t: torch.Tensor, axis: int, layout: str) -> torch.Tensor:
         if layout == "zigzag" and self.size > 1:
-            from .methods.ring import zigzag_split
-
             return zigzag_split(t, axis, self.group)
         return comm.split(t, axis, self.group)
 
     def exit(self, act: SeqTensor) -> torch.Tensor:
         """Sharded :class:`SeqTensor` → replicated tensor (identical use on every rank)."""
+        self._close_stage()
         spec = act.spec
         if spec.sharded is None:
             return act.tensor
         axis, length = spec.axis(spec.sharded), spec.length(spec.sharded)
         with comm_region("exit"):
             if spec.layout == "zigzag" and self.size > 1:
-                from .methods.ring import zigzag_gather
-
                 return zigzag_gather(act.tensor, axis, self.group, length)
             return comm.gather(act.tensor, axis, self.group, length)
 
@@ -156,10 +176,39 @@ class SeqParallel:
                 f"switch: the activation is sharded in the {act.spec.layout!r} layout, which "
                 f"only fixed-dim plans use; it cannot switch from {src!r} to {dim!r}"
             )
-        out = comm.switch(
-            act.tensor, act.spec.axis(src), act.spec.axis(dim), self.group, act.spec.length(src)
+        out = self._switch_tensor(
+            act.tensor, act.spec.axis(src), act.spec.axis(dim), act.spec.length(src)
         )
         return SeqTensor(out, act.spec.with_sharded(dim), act.plan)
+
+    def _switch_tensor(
+        self, x: torch.Tensor, src: int, dst: int, length: int, chunk: int | None = None
+    ) -> torch.Tensor:
+        """One switch of ``x`` from axis ``src`` to ``dst``; in pieces of ``chunk`` (default
+        ``switch_chunk``) channels into a preallocated output when gradients are off."""
+        chunk = self.switch_chunk if chunk is None else chunk
+        if self.size == 1:
+            return x
+        if torch.is_grad_enabled() or chunk is None or x.shape[-1] <= chunk:
+            return comm.switch(x, src, dst, self.group, length)
+        shape = list(x.shape)
+        shape[src], shape[dst] = length, shard_sizes(x.shape[dst], self.size)[self.rank]
+        out = x.new_empty(shape)
+        for c0 in range(0, x.shape[-1], chunk):
+            part = x[..., c0 : c0 + chunk]
+            out[..., c0 : c0 + chunk] = comm.switch(part, src, dst, self.group, length)
+        return out
+
+    def switch_async(self, act: SeqTensor, dim: str) -> tuple[comm.SwitchHandle, SeqSpec]:
+        """Launch the switch of ``act`` to ``dim``; ``handle.wait()`` gives the local tensor of
+        the returned spec. Overlaps whatever runs before the wait."""
+        src = act.spec.sharded
+        if src is None or src == dim:
+            raise ValueError(f"switch_async: nothing to switch ({src!r} -> {dim!r})")
+        handle = comm.switch_async(
+            act.tensor, act.axis(src), act.axis(dim), self.group, act.spec.length(src)
+        )
+        return handle, act.spec.with_sharded(dim)
 
     # -- stages and attention ---------------------------------------------------------------
     def to_stage(self, act: SeqTensor, stage: str) -> SeqTensor:
@@ -169,10 +218,42 @@ class SeqParallel:
             raise ValueError(
                 "to_stage: the activation has no plan; create it with sp.enter(..., stages=...)"
             )
+        self._close_stage()
         step = act.plan.step_for(stage)
         with comm_region(stage):
+            if act.spec.sharded is None:  # after a gather stage: keep this rank's rows again
+                act = self.shard(act.tensor, act.spec, step.sharded, act.plan)
             act = self.switch(act, step.sharded)
+            if step.method == "gather" and self.size > 1:
+                spec = act.spec
+                axis = spec.axis(step.sharded)
+                whole = comm.gather_for_local_use(
+                    act.tensor, axis, self.group, spec.length(step.sharded)
+                )
+                return SeqTensor(whole, spec.with_sharded(None).with_method("gather"), act.plan)
+        entry = get_method(step.method).entry
+        if entry and self.size > 1 and step.sharded in step.mixes:
+            self._open = (stage, step.method, entry, step.sharded)
         return replace(act, spec=act.spec.with_method(step.method))
+
+    def _close_stage(self) -> None:
+        """Raise if the stage in force was planned with a method it never called."""
+        if self._open is None:
+            return
+        stage, method, entry, dim = self._open
+        self._open = None
+        raise RuntimeError(
+            f"stage {stage!r} was planned to run with {method!r} over the sharded dim {dim!r}, "
+            f"which works only through {entry}(...), but the stage never called it: its output "
+            f"would be silently wrong. If the stage computes something other than attention "
+            f"(a convolution, pooling, an FFT, a custom mixer), declare it: "
+            f"Stage({stage!r}, mixes=..., op='generic'), and every strategy will give it its "
+            f"dims whole; if it does attend, call sp.attention for it."
+        )
+
+    def _used(self, entry: str) -> None:
+        if self._open is not None and self._open[2] == entry:
+            self._open = None
 
     def attention(
         self,
@@ -192,8 +273,9 @@ class SeqParallel:
         Local when the sharded dim is not attended over; otherwise the plan's method
         (Ulysses, Ring, LSS, USP) communicates. Returns ``[B, *seq_local, H, D]``.
         """
-        from .strategies.dispatch import sharded_attention
-
+        over_dims = (over,) if isinstance(over, str) else tuple(over)
+        if spec.sharded in over_dims and spec.method != "local":
+            self._used("sp.attention")
         return sharded_attention(self, q, k, v, spec, over, mask, causal, scale)
 
     # -- lockstep helpers -------------------------------------------------------------------
@@ -242,8 +324,6 @@ class SeqParallel:
         global index of the local batch's first sample. The global RNG is not touched. See
         :mod:`dspzoo.core.sharded_rng`.
         """
-        from .sharded_rng import seq_dropout
-
         return seq_dropout(self, act, p, key, shared_along, training, batch_offset)
 
     # -- tensor parallelism (megatron_sp) ---------------------------------------------------
@@ -254,10 +334,9 @@ class SeqParallel:
         all-gathered (backward: reduce-scatter) and returned with a replicated spec, so the
         block's attention over any dim runs locally on its local heads. Otherwise ``(x, spec)``.
         """
-        if spec.method != "megatron_sp" or self.size == 1:
+        if not get_method(spec.method).tensor_parallel or self.size == 1:
             return x, spec
-        from .methods.megatron import gather_sequence
-
+        self._used("sp.tp_enter")
         return gather_sequence(x, spec, self.group)
 
     def tp_exit(self, linear: torch.nn.Module, y: torch.Tensor, spec: SeqSpec) -> torch.Tensor:
@@ -267,8 +346,6 @@ class SeqParallel:
         heads / hidden units are reduce-scattered onto ``spec``'s sharded dim (backward:
         all-gather) and the bias is added once, after the reduction. Otherwise ``linear(y)``.
         """
-        if spec.method != "megatron_sp" or self.size == 1:
+        if not get_method(spec.method).tensor_parallel or self.size == 1:
             return linear(y)
-        from .methods.megatron import row_parallel_output
-
         return row_parallel_output(linear, y, spec, self.group)

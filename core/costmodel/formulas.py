@@ -36,63 +36,29 @@ shards). **Memory**: :func:`activation_bytes` (what autograd saves, see its docs
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 
 from ..layout import shard_sizes
+from ..methods.registry import (
+    AttentionShape,
+    CommCount,
+    gather_bytes,
+    get_method,
+    megatron_pair_bytes,
+    switch_bytes,
+)
 from ..methods.ring import zigzag_lengths
-from ..methods.ulysses import kv_heads_aligned
 from ..plan import Plan
+from ..strategies import get_strategy
 from .workload import StageSpec, Workload
 
 OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
 PHASES = ("forward", "backward")
 
 
-def stats_itemsize(itemsize: int) -> int:
-    """Bytes of Ring's softmax statistics / dK-dV accumulators: fp64 stays, else fp32."""
-    return 8 if itemsize == 8 else 4
-
-
-class CommCount(defaultdict):
-    """``{(op, phase): [count, bytes]}`` with helpers; missing keys read as ``[0, 0]``."""
-
-    def __init__(self) -> None:
-        super().__init__(lambda: [0, 0])
-
-    def add(self, op: str, phase: str, nbytes: int, count: int = 1) -> None:
-        entry = self[(op, phase)]
-        entry[0] += count
-        entry[1] += int(nbytes)
-
-    def bytes(self, op: str | None = None, phase: str | None = None) -> int:
-        return sum(
-            b
-            for (o, p), (_, b) in self.items()
-            if (op is None or o == op) and (phase is None or p == phase)
-        )
-
-    def count(self, op: str | None = None, phase: str | None = None) -> int:
-        return sum(
-            c
-            for (o, p), (c, _) in self.items()
-            if (op is None or o == op) and (phase is None or p == phase)
-        )
-
-    def collectives(self, phase: str | None = None) -> dict[str, int]:
-        """``{op: count}`` (for the latency term)."""
-        out: dict[str, int] = defaultdict(int)
-        for (o, p), (c, _) in self.items():
-            if phase is None or p == phase:
-                out[o] += c
-        return dict(out)
-
-
 # -- plans -----------------------------------------------------------------------------------
 def make_plan(workload: Workload, strategy: str, sp_size: int, dim: str | None = None) -> Plan:
     """The plan the runtime makes for ``workload`` under ``strategy`` at ``sp_size``."""
-    from ..strategies import get_strategy
-
     return get_strategy(strategy, dim).plan(
         workload.dims, workload.lengths, workload.period, sp_size
     )
@@ -100,101 +66,6 @@ def make_plan(workload: Workload, strategy: str, sp_size: int, dim: str | None =
 
 def _sizes(length: int, n: int, layout: str) -> list[int]:
     return zigzag_lengths(length, n) if layout == "zigzag" else shard_sizes(length, n)
-
-
-# -- per-method byte formulas (one attention, one rank) -------------------------------------
-def ulysses_bytes(
-    out: CommCount,
-    seq: list[int],
-    r: int,
-    bf: int,
-    heads: int,
-    kv_heads: int,
-    d: int,
-    isz: int,
-) -> None:
-    """Ulysses on folded ``[bf, seq[r], H, d]`` q (``Hkv`` for k, v): see the module doc."""
-    n, length = len(seq), sum(seq)
-    src = dst_len = seq  # any contiguous split, no padding
-    exchanges = []  # (head count of the tensor, width per head)
-    if kv_heads != heads and kv_heads_aligned(heads, kv_heads, n):
-        exchanges = [(heads, d), (kv_heads, 2 * d)]
-    else:
-        exchanges = [(heads, 3 * d)]
-    for h, width in exchanges:
-        hs = shard_sizes(h, n)
-        out.add("all_to_all", "forward", src[r] * (h - hs[r]) * bf * width * isz)
-        out.add("all_to_all", "backward", hs[r] * (length - src[r]) * bf * width * isz)
-    hq = shard_sizes(heads, n)
-    out.add("all_to_all", "forward", hq[r] * (length - dst_len[r]) * bf * d * isz)
-    out.add("all_to_all", "backward", dst_len[r] * (heads - hq[r]) * bf * d * isz)
-
-
-def ring_bytes(
-    out: CommCount, seq: list[int], r: int, bf: int, kv_heads: int, d: int, isz: int
-) -> None:
-    """Ring attention over ``seq`` (tokens per rank) on rank ``r``: see the module doc."""
-    n = len(seq)
-    if n == 1:
-        block = seq[0] * bf * kv_heads * d
-        out.add("p2p", "backward", 2 * block * stats_itemsize(isz), count=2)
-        return
-    for s in range(n):
-        block = seq[(r - s) % n] * bf * kv_heads * d
-        if s < n - 1:
-            out.add("p2p", "forward", 2 * block * isz, count=2)
-            out.add("p2p", "backward", 2 * block * isz, count=2)
-        out.add("p2p", "backward", 2 * block * stats_itemsize(isz), count=2)
-
-
-def lss_bytes(out: CommCount, seq: list[int], bf: int, kv_heads: int, d: int, isz: int) -> None:
-    """LSS: one all-gather of ``[k|v]`` forward, one reduce-scatter backward (padded chunks)."""
-    n = len(seq)
-    chunk = max(seq) * bf * kv_heads * 2 * d * isz
-    out.add("all_gather", "forward", (n - 1) * chunk)
-    out.add("reduce_scatter", "backward", (n - 1) * chunk)
-
-
-def usp_bytes(
-    out: CommCount,
-    seq: list[int],
-    r: int,
-    ulysses: int,
-    bf: int,
-    heads: int,
-    kv_heads: int,
-    d: int,
-    isz: int,
-) -> None:
-    """USP: Ulysses (q, k, v and the output, unfused) inside ``ulysses`` ranks, Ring across."""
-    u = ulysses
-    segments = [sum(seq[j : j + u]) for j in range(0, len(seq), u)]
-    slot, ur = divmod(r, u)
-    split = seq[slot * u : (slot + 1) * u]
-    seg = segments[slot]
-    kv_eff = kv_heads
-    if u > 1:
-        if heads % u or kv_heads % u:
-            kv_eff = heads
-        for h in (heads, kv_eff, kv_eff):
-            hs = shard_sizes(h, u)
-            out.add("all_to_all", "forward", split[ur] * (h - hs[ur]) * bf * d * isz)
-            out.add("all_to_all", "backward", hs[ur] * (seg - split[ur]) * bf * d * isz)
-        hq = shard_sizes(heads, u)
-        out.add("all_to_all", "forward", hq[ur] * (seg - split[ur]) * bf * d * isz)
-        out.add("all_to_all", "backward", split[ur] * (heads - hq[ur]) * bf * d * isz)
-    kv_local = shard_sizes(kv_eff, u)[ur]
-    if len(segments) > 1:  # a one-slot ring (R = 1) is plain Ulysses: the runtime sends nothing
-        ring_bytes(out, segments, slot, bf, kv_local, d, isz)
-
-
-def megatron_pair_bytes(out: CommCount, sizes: list[int], rest_elems: int, isz: int) -> None:
-    """One Megatron linear pair: all-gather + reduce-scatter forward, their adjoints backward."""
-    n = len(sizes)
-    chunk = (n - 1) * max(sizes) * rest_elems * isz
-    for op in ("all_gather", "reduce_scatter"):
-        for phase in PHASES:
-            out.add(op, phase, chunk)
 
 
 # -- the walk --------------------------------------------------------------------------------
@@ -231,24 +102,25 @@ def comm_bytes(
 
     if validate:
         out.add("validate", "forward", 2 * (n - 1) * 4 // n)
-    cur = plan.entry
+    cur, gathered = plan.entry, False
     for layer in workload.layers:
         for spec in layer:
             step = plan.step_for(spec.name)
-            if step.sharded != cur:
-                a, z = sizes(cur), sizes(step.sharded)
-                other = rest((cur, step.sharded)) * c
-                out.add("all_to_all", "forward", a[rank] * (sum(z) - z[rank]) * other * isz)
-                out.add("all_to_all", "backward", z[rank] * (sum(a) - a[rank]) * other * isz)
-                cur = step.sharded
-            method = step.method
-            if method == "megatron_sp":
+            if step.sharded != cur and not gathered:
+                other = rest((cur, step.sharded)) * c * isz
+                switch_bytes(out, sizes(cur), sizes(step.sharded), rank, other)
+            cur = step.sharded
+            method = get_method(step.method)
+            gathered = method.name == "gather"
+            if gathered:
+                gather_bytes(out, sizes(cur), rest((cur,)) * c * isz)
+            elif method.tensor_parallel:
                 for _ in range(spec.tp_pairs):
                     megatron_pair_bytes(out, sizes(cur), rest((cur,)) * c, isz)
-                continue
-            if not spec.attention or cur not in spec.attention or method == "local":
-                continue
-            attention_bytes(out, workload, spec, method, cur, sizes(cur), rank, ulysses_size)
+            elif spec.attention and cur in spec.attention and method.name != "local":
+                attention_bytes(
+                    out, workload, spec, step.method, cur, sizes(cur), rank, ulysses_size
+                )
     if exit_gather:
         z = sizes(cur)
         out.add(
@@ -273,17 +145,16 @@ def attention_bytes(
     per_row = math.prod(lengths[d] for d in over if d != sharded)
     seq = [s * per_row for s in sharded_sizes]
     bf = workload.batch * math.prod(v for k, v in lengths.items() if k not in over)
-    h, hkv, d, isz = workload.heads, workload.kv_heads, workload.head_dim, workload.itemsize
-    if method == "ulysses":
-        ulysses_bytes(out, seq, rank, bf, h, hkv, d, isz)
-    elif method == "ring":
-        ring_bytes(out, seq, rank, bf, hkv, d, isz)
-    elif method == "lss":
-        lss_bytes(out, seq, bf, hkv, d, isz)
-    elif method == "usp":
-        usp_bytes(out, seq, rank, ulysses_size, bf, h, hkv, d, isz)
-    else:
-        raise ValueError(f"no byte formula for attention method {method!r}")
+    shape = AttentionShape(
+        tuple(seq),
+        bf,
+        workload.heads,
+        workload.kv_heads,
+        workload.head_dim,
+        workload.itemsize,
+        ulysses_size,
+    )
+    get_method(method).attention_bytes(out, shape, rank)
 
 
 def comm_bytes_all_ranks(
@@ -408,7 +279,7 @@ def _stage_elements(
     """
     c, h, hkv, d = wl.hidden, wl.heads, wl.kv_heads, wl.head_dim
     ckv = hkv * d
-    tp = method == "megatron_sp" and spec.tp_pairs
+    tp = get_method(method).tensor_parallel and spec.tp_pairs
     local = full = 0.0
     if spec.attention:
         if wl.family == "bytelm":
@@ -422,8 +293,7 @@ def _stage_elements(
             # x, LN out, modulated input, q k v, out, proj input (a copy when the attended
             # dims are folded out of place), proj output (gated), lse
             local += 9 * c + 2 + h
-        if method == "lss":  # the gathered K and V of the other ranks
-            local += 2 * ckv * (n - 1)
+        local += get_method(method).saved_elements_per_token(ckv, n)
     if spec.cross and wl.context:
         local += 3 * c + h  # q input, q, out
     if spec.mlp:

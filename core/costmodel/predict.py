@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import Plan, Stage, plan_fixed, plan_stages
+from ..plan import Plan
+from ..strategies.auto import auto_plan  # noqa: F401  (re-exported: strategy="auto")
 from .cluster import Cluster, get_cluster
 from .formulas import (
     CommCount,
@@ -234,85 +235,3 @@ def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
     else:
         lines.append("recommendation: nothing fits; raise the SP sizes or use recompute / ZeRO")
     return "\n".join(lines)
-
-
-# -- strategy="auto": the cheapest method per stage ----------------------------------------
-AUTO_CANDIDATES = ("ulysses", "ring", "lss")
-
-
-def _attention_units(method: str, n: int, heads: int | None) -> float:
-    """Forward+backward bytes of one attention stage in switch units ``E·(N−1)/N`` (MHA).
-
-    Ulysses: 4 forward + 4 backward; Ring: 2N forward (K, V of N−1 blocks) + 2N forward-size
-    again plus 2N·(fp32 accumulators, counted at the activation's size) backward = 6N;
-    LSS: 2N forward + 2N backward = 4N. Ulysses is out when heads < N (idle ranks).
-    """
-    if method == "ulysses":
-        return float("inf") if heads is not None and heads < n else 8.0
-    if method == "ring":
-        return 6.0 * n
-    if method == "lss":
-        return 4.0 * n
-    raise ValueError(method)
-
-
-def auto_plan(
-    dims: tuple[str, ...],
-    lengths: tuple[int, ...],
-    stages: tuple[Stage, ...],
-    sp_size: int,
-) -> Plan:
-    """The plan ``strategy="auto"`` runs: the least predicted communication bytes per layer.
-
-    Candidates: DSP's plan (switches between stages, hybrid where a stage mixes every dim) and
-    every fixed-dim embedded plan (Ulysses, Ring, LSS on each dim). Cost of a plan, in units of
-    one switch ``E·(N−1)/N`` (forward + backward, MHA, activation dtype): 2 per switch, and per
-    attention stage that mixes the sharded dim :func:`_attention_units` (Ulysses 8 — impossible
-    when the stage declares fewer heads than ranks —, LSS 4N, Ring 6N). Stages that mix no
-    sharded dim are free. Ties keep the earlier candidate (DSP first). With a hybrid DSP plan
-    the embedded stage's method is also the cheapest of the three. On a default cluster this
-    is the byte ranking: every candidate has the same FLOPs, so the fastest predicted plan is
-    the one that sends least (latency terms aside).
-    """
-    dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
-    n = sp_size
-    heads = [s.heads for s in stages]
-
-    def method_for(stage: Stage) -> str:
-        return min(AUTO_CANDIDATES, key=lambda m: _attention_units(m, n, stage.heads))
-
-    forced = tuple(
-        s
-        if s.method is not None or any(d not in s.mixes for d in dims)
-        else Stage(s.name, s.mixes, method_for(s), s.heads)
-        for s in stages
-    )
-    candidates: list[tuple[float, Plan]] = []
-    dsp = plan_stages(dims, lengths, forced, n)
-    cost = 2.0 * dsp.switches_per_period + sum(
-        _attention_units(step.method, n, h)
-        for step, h in zip(dsp.steps, heads)
-        if step.method != "local"
-    )
-    candidates.append((cost, dsp))
-    for method in AUTO_CANDIDATES:
-        for dim in dims:
-            if dict(zip(dims, lengths))[dim] < n and len(dims) > 1:
-                continue
-            plan = plan_fixed(dims, lengths, stages, n, method, dim)
-            cost = sum(
-                _attention_units(method, n, h)
-                for step, h in zip(plan.steps, heads)
-                if step.method != "local"
-            )
-            candidates.append((cost, plan))
-    best = min(candidates, key=lambda c: c[0])[1]
-    return Plan(
-        dims=best.dims,
-        lengths=best.lengths,
-        sp_size=best.sp_size,
-        periodic=best.periodic,
-        steps=best.steps,
-        strategy="auto",
-        layout=best.layout,
-    )

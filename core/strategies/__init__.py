@@ -18,10 +18,13 @@ A strategy is a planning policy; the runtime executes any plan the same way.
 
 from __future__ import annotations
 
+from .auto import Auto
 from .base import Strategy, local_attention
 from .dsp import DSP
 from .embedded import Embedded
 
+# the one strategy list: name -> what it does (every comparison iterates over it; ``auto`` is
+# built by name too but is not a fixed method to compare)
 STRATEGIES: dict[str, str] = {
     "dsp": "Dynamic Sequence Parallelism (switch between stages; hybrid for all-dim stages)",
     "ulysses": "DeepSpeed-Ulysses (sequence ↔ head all-to-all around attention)",
@@ -35,9 +38,7 @@ STRATEGIES: dict[str, str] = {
 
 def get_strategy(name: str, dim: str | None = None) -> Strategy:
     """Instantiate the strategy called ``name``; ``dim`` fixes an embedded strategy's dim."""
-    if name == "auto":  # the cost model's cheapest plan (dspzoo.core.costmodel.auto_plan)
-        from ..costmodel.auto import Auto
-
+    if name == "auto":
         return Auto(dim)
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; available: {sorted(STRATEGIES)}")
@@ -45,9 +46,7 @@ def get_strategy(name: str, dim: str | None = None) -> Strategy:
         if dim is not None:
             raise ValueError("the dsp strategy plans its sharded dims itself; do not pass dim")
         return DSP()
-    if name == "ring_zigzag":
-        return Embedded("ring", dim, layout="zigzag")
     return Embedded(name, dim)
 
 
-__all__ = ["DSP", "STRATEGIES", "Embedded", "Strategy", "get_strategy", "local_attention"]
+__all__ = ["DSP", "STRATEGIES", "Auto", "Embedded", "Strategy", "get_strategy", "local_attention"]

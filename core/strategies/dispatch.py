@@ -15,77 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..layout import SeqSpec, shard_sizes
+from ..layout import SeqSpec
+from ..methods.registry import get_method
 from .base import fold_attention_dims, local_attention, unfold_attention_dims
 
 if TYPE_CHECKING:
     from ..runtime import SeqParallel
-
-
-def _usp_split(seq_lengths: list[int], ulysses: int, sp_rank: int) -> tuple[list[int], list[int]]:
-    """USP's view of an SP split: per-ring-slot segments, and this slot's per-Ulysses-rank split."""
-    segments = [sum(seq_lengths[j : j + ulysses]) for j in range(0, len(seq_lengths), ulysses)]
-    slot = sp_rank // ulysses
-    return segments, seq_lengths[slot * ulysses : (slot + 1) * ulysses]
-
-
-def run_method(
-    method: str,
-    sp: SeqParallel,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seq_lengths: list[int],
-    causal: bool,
-    scale: float | None,
-    layout: str = "contiguous",
-) -> torch.Tensor:
-    """Call the embedded attention method ``method`` on folded ``[Bf, L_local, H, D]`` tensors."""
-    from .. import methods
-
-    if method == "ulysses":
-        return methods.ulysses_attention(
-            q, k, v, group=sp.group, seq_lengths=seq_lengths, causal=causal, scale=scale
-        )
-    if method == "ring":
-        return methods.ring_attention(
-            q,
-            k,
-            v,
-            group=sp.group,
-            seq_lengths=seq_lengths,
-            causal=causal,
-            scale=scale,
-            layout=layout,
-        )
-    if method == "lss":
-        return methods.lss_attention(
-            q, k, v, group=sp.group, seq_lengths=seq_lengths, causal=causal, scale=scale
-        )
-    if method == "usp":
-        mesh = sp.mesh
-        ulysses = 1 if mesh is None else mesh.ulysses_size
-        segments, split = _usp_split(seq_lengths, ulysses, sp.rank)
-        if causal and split != shard_sizes(sum(split), ulysses):
-            raise ValueError(f"usp: causal attention needs a balanced split, got {split}")
-        return methods.usp_attention(
-            q,
-            k,
-            v,
-            ulysses_group=None if mesh is None else mesh.ulysses_group,
-            ring_group=sp.group if ulysses == 1 else mesh.ring_group,
-            seq_lengths=segments,
-            causal=causal,
-            scale=scale,
-            ulysses_lengths=split,
-        )
-    if method == "megatron_sp":
-        raise RuntimeError(
-            "megatron_sp: this attention mixes the sharded dim, but the model did not gather "
-            "the sequence first; tensor-parallel models declare TP_PLAN on their projection "
-            "modules and call sp.tp_enter / sp.tp_exit around them (see core/layers/attention.py)"
-        )
-    raise ValueError(f"unknown attention method {method!r}")
 
 
 def sharded_attention(
@@ -130,5 +65,5 @@ def sharded_attention(
     qf, moved = fold_attention_dims(q, spec, order)
     kf, _ = fold_attention_dims(k, spec, order)
     vf, _ = fold_attention_dims(v, spec, order)
-    out = run_method(method, sp, qf, kf, vf, seq_lengths, causal, scale, layout)
+    out = get_method(method).attention(sp, qf, kf, vf, seq_lengths, causal, scale, layout)
     return unfold_attention_dims(out, moved, spec, order)

@@ -1,7 +1,8 @@
-"""Embedded sequence parallelism: one dim sharded throughout, attention over it communicates."""
+"""Embedded sequence parallelism: one dim sharded throughout, stages over it use a method."""
 
 from __future__ import annotations
 
+from ..methods.registry import get_method
 from ..plan import Plan, Stage, plan_fixed
 from .base import Strategy
 
@@ -9,17 +10,24 @@ from .base import Strategy
 class Embedded(Strategy):
     """Shard one dim for the whole model and run every stage that mixes it with ``method``.
 
+    A stage whose op kind the method cannot run (a convolution under Ring) gets its dims
+    whole the DSP way instead (a switch), so the plan is exact for any stage list.
+
     Args:
-        method: ``"ulysses"``, ``"ring"``, ``"lss"`` or ``"usp"``.
+        method: a registered method with an attention entry (``"ulysses"``, ``"ring"``,
+            ``"ring_zigzag"``, ``"lss"``, ``"usp"``, ``"megatron_sp"``).
         dim: the sharded sequence dim (default: the longest).
-        layout: ``"contiguous"``, or ``"zigzag"`` for ring (causal load balancing).
+        layout: ``"contiguous"``, or ``"zigzag"`` for ring (the ``ring_zigzag`` method).
     """
 
     def __init__(self, method: str, dim: str | None = None, layout: str = "contiguous") -> None:
-        self.name = method if layout == "contiguous" else f"{method}_{layout}"
-        self.method = method
+        if method == "ring" and layout == "zigzag":
+            method = "ring_zigzag"
+        registered = get_method(method)
+        self.name = method
+        self.method = "ring" if registered.layout == "zigzag" else method
         self.dim = dim
-        self.layout = layout
+        self.layout = registered.layout
 
     def plan(
         self,
@@ -33,4 +41,4 @@ class Embedded(Strategy):
         )
 
     def __repr__(self) -> str:
-        return f"Embedded({self.method!r}, dim={self.dim!r}, layout={self.layout!r})"
+        return f"Embedded({self.name!r}, dim={self.dim!r})"

@@ -1,0 +1,85 @@
+"""``strategy="auto"``: the candidate plan that sends least, priced from the method registry.
+
+Candidates: DSP's plan (switches between stages; on a stage that mixes every dim the cheapest
+of Ulysses, Ring and LSS) and every fixed-dim plan of Ulysses, Ring and LSS on each dim long
+enough to feed every rank. Cost of a plan, in switch units forward + backward: 2 per switch
+plus each stage's method cost (:meth:`Method.plan_cost`; Ulysses is out where a stage has
+fewer heads than ranks). Ties keep the earlier candidate (DSP first). Every candidate has the
+same FLOPs, so on any cluster the cheapest here is the byte ranking of the cost model
+(latency terms aside).
+"""
+
+from __future__ import annotations
+
+from ..methods.registry import get_method
+from ..plan import Plan, Stage, plan_fixed, plan_stages
+from .base import Strategy
+
+CANDIDATES = ("ulysses", "ring", "lss")
+
+
+def plan_units(plan: Plan, stages: tuple[Stage, ...]) -> float:
+    """Forward + backward switch units of one period of ``plan``."""
+    heads = {s.name: s.heads for s in stages}
+    cost = 2.0 * plan.switches_per_period
+    for step in plan.steps:
+        if step.method != "local":
+            cost += get_method(step.method).plan_cost(plan.sp_size, heads[step.stage])
+    return cost
+
+
+def auto_plan(
+    dims: tuple[str, ...], lengths: tuple[int, ...], stages: tuple[Stage, ...], sp_size: int
+) -> Plan:
+    """The plan ``strategy="auto"`` runs (module docstring)."""
+    dims, lengths, stages = tuple(dims), tuple(lengths), tuple(stages)
+    n = sp_size
+
+    def cheapest(stage: Stage) -> str:
+        runnable = [m for m in CANDIDATES if get_method(m).runs(stage.op)]
+        return min(runnable, key=lambda m: get_method(m).plan_cost(n, stage.heads))
+
+    forced = tuple(
+        s
+        if s.method is not None
+        or any(d not in s.mixes for d in dims)
+        or not any(get_method(m).runs(s.op) for m in CANDIDATES)
+        else Stage(s.name, s.mixes, cheapest(s), s.heads, s.embed_if_underfilled, s.op)
+        for s in stages
+    )
+    candidates = [plan_stages(dims, lengths, forced, n)]
+    length_of = dict(zip(dims, lengths))
+    for method in CANDIDATES:
+        for dim in dims:
+            if length_of[dim] < n and len(dims) > 1:
+                continue
+            candidates.append(plan_fixed(dims, lengths, stages, n, method, dim))
+    best = min(candidates, key=lambda p: plan_units(p, stages))
+    return Plan(
+        dims=best.dims,
+        lengths=best.lengths,
+        sp_size=best.sp_size,
+        periodic=best.periodic,
+        steps=best.steps,
+        strategy="auto",
+        layout=best.layout,
+    )
+
+
+class Auto(Strategy):
+    """Per stage, DSP's switch or an embedded method, whichever sends least."""
+
+    name = "auto"
+
+    def __init__(self, dim: str | None = None) -> None:
+        if dim is not None:
+            raise ValueError("the auto strategy chooses its sharded dims itself; do not pass dim")
+
+    def plan(
+        self,
+        names: tuple[str, ...],
+        lengths: tuple[int, ...],
+        stages: tuple[Stage, ...],
+        sp_size: int,
+    ) -> Plan:
+        return auto_plan(names, lengths, stages, sp_size)
