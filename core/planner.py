@@ -366,9 +366,7 @@ def _hybrid_method(stage: MultiStage, n: int, policy: Policy) -> str | None:
     ]
     if candidates:
         return min(candidates, key=lambda m: m.plan_cost(n, stage.heads)).name
-    if get_method("gather").runs(stage.op) or stage.op == "generic":
-        return "gather"
-    return None
+    return "gather" if get_method("gather").runs(stage.op) else None
 
 
 def _act_options(
@@ -385,12 +383,8 @@ def _act_options(
             return [(dim, policy.method if method.tensor_parallel else "local")]  # type: ignore[list-item]
         if method.runs(stage.op):
             return [(dim, method.name)]  # type: ignore[list-item]
-        if policy.layout != "contiguous":
-            raise ValueError(
-                f"stage {stage.name!r} computes a {stage.op!r} op over {dim!r}, which "
-                f"{policy.method} cannot run, and the {policy.layout} layout of {dim!r} "
-                f"cannot be switched away from; use the plain 'ring' strategy or 'dsp'"
-            )
+        if policy.layout != "contiguous":  # the layout stays: gather the stage's dims whole
+            return [(dim, "gather")]  # type: ignore[list-item]
         # an op the method cannot run: get the dims whole the DSP way
     if not touched:
         return [(d, "local") for d in (free or shape.dims)]

@@ -30,7 +30,7 @@ from .layout import SeqSpec, shard_sizes
 from .mesh import SPMesh
 from .methods.megatron import gather_sequence, row_parallel_output
 from .methods.registry import get_method
-from .methods.ring import zigzag_gather, zigzag_split
+from .methods.ring import zigzag_gather, zigzag_positions, zigzag_split
 from .plan import Plan, Stage
 from .sharded_rng import seq_dropout
 from .strategies import get_strategy
@@ -225,16 +225,31 @@ class SeqParallel:
                 act = self.shard(act.tensor, act.spec, step.sharded, act.plan)
             act = self.switch(act, step.sharded)
             if step.method == "gather" and self.size > 1:
-                spec = act.spec
-                axis = spec.axis(step.sharded)
-                whole = comm.gather_for_local_use(
-                    act.tensor, axis, self.group, spec.length(step.sharded)
-                )
-                return SeqTensor(whole, spec.with_sharded(None).with_method("gather"), act.plan)
+                whole = self._gather_whole(act)
+                return SeqTensor(whole, act.spec.with_sharded(None).with_method("gather"), act.plan)
         entry = get_method(step.method).entry
         if entry and self.size > 1 and step.sharded in step.mixes:
             self._open = (stage, step.method, entry, step.sharded)
         return replace(act, spec=act.spec.with_method(step.method))
+
+    def _gather_whole(self, act: SeqTensor) -> torch.Tensor:
+        """The whole activation on every rank for a stage each rank then uses for its own rows
+        (all-gather for local use; backward: reduce-scatter), in either layout."""
+        spec, dim = act.spec, act.spec.sharded
+        axis, length = spec.axis(dim), spec.length(dim)
+        if spec.layout == "contiguous":
+            return comm.gather_for_local_use(act.tensor, axis, self.group, length)
+        sizes = spec.shard_lengths(dim, self.size)
+        longest, x = max(sizes), act.tensor
+        if x.shape[axis] < longest:  # pad to equal chunks, gather, put rows in true order
+            pad = list(x.shape)
+            pad[axis] = longest - x.shape[axis]
+            x = torch.cat([x, x.new_zeros(pad)], dim=axis)
+        full = comm.gather_for_local_use(x, axis, self.group, self.size * longest)
+        order = torch.empty(length, dtype=torch.long)
+        for r in range(self.size):
+            order[zigzag_positions(length, self.size, r)] = torch.arange(sizes[r]) + r * longest
+        return full.index_select(axis, order.to(full.device))
 
     def _close_stage(self) -> None:
         """Raise if the stage in force was planned with a method it never called."""
