@@ -38,7 +38,7 @@ from .layout import shard_sizes
 from .methods.registry import get_method, get_op_kind, methods_for
 from .trace import format_bytes
 
-DEFAULT_COMPUTE_WEIGHT = 4.0
+DEFAULT_COMPUTE_WEIGHT = 16.0
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dspzoo.core.costmodel import formulas
-from dspzoo.core.costmodel.formulas import CommCount
 from dspzoo.core.harness import full_gradients
 from dspzoo.core.layout import shard_sizes
+from dspzoo.core.methods.registry import (
+    METHODS,
+    AttentionShape,
+    CommCount,
+    get_method,
+    megatron_pair_bytes,
+)
 from dspzoo.core.methods.ring import zigzag_lengths
 
 MiB = 2**20
@@ -81,49 +86,24 @@ def switch_bytes(
     return lead * src[r] * (dst_len - dst[r]) * row * itemsize
 
 
-def ulysses_bytes(bf: int, seq: list[int], attn: Attn, r: int, itemsize: int) -> tuple[int, int]:
-    """(forward, backward) of Ulysses on folded ``[bf, seq_r, H, D]`` tensors (cost model)."""
-    h, hkv, d = attn.heads, attn.kv_heads, attn.head_dim
-    return _phases(lambda out: formulas.ulysses_bytes(out, seq, r, bf, h, hkv, d, itemsize))
-
-
-def ring_bytes(
-    bf: int, seq: list[int], kv_heads: int, head_dim: int, r: int, itemsize: int
+def method_bytes(
+    method: str, bf: int, seq: list[int], attn: Attn, r: int, itemsize: int, ulysses: int = 1
 ) -> tuple[int, int]:
-    """(forward, backward) of ring attention: K and V passed ``N−1`` times forward; backward
-    the same plus the dK/dV accumulators of all ``N`` steps in fp32 (cost model)."""
-    return _phases(lambda out: formulas.ring_bytes(out, seq, r, bf, kv_heads, head_dim, itemsize))
-
-
-def lss_bytes(
-    bf: int, seq: list[int], kv_heads: int, head_dim: int, itemsize: int
-) -> tuple[int, int]:
-    """(forward, backward) of LSS: one all-gather of ``[k|v]``, its reduce-scatter (cost model)."""
-    return _phases(lambda out: formulas.lss_bytes(out, seq, bf, kv_heads, head_dim, itemsize))
-
-
-def usp_bytes(
-    bf: int, seq: list[int], attn: Attn, ulysses: int, r: int, itemsize: int
-) -> tuple[int, int]:
-    """(forward, backward) of USP: Ulysses in groups of ``ulysses``, ring across (cost model)."""
-    h, hkv, d = attn.heads, attn.kv_heads, attn.head_dim
-    return _phases(lambda out: formulas.usp_bytes(out, seq, r, ulysses, bf, h, hkv, d, itemsize))
+    """(forward, backward) bytes of one attention under ``method`` on folded ``[bf, seq_r, H,
+    D]`` tensors: the method registry's formula (the cost model's and the tracer's)."""
+    shape = AttentionShape(
+        tuple(seq), bf, attn.heads, attn.kv_heads, attn.head_dim, itemsize, ulysses
+    )
+    return _phases(lambda out: get_method(method).attention_bytes(out, shape, r))
 
 
 def megatron_bytes(lead: int, sizes: list[int], hidden: int, itemsize: int) -> tuple[int, int]:
     """(forward, backward) of one Megatron-SP linear pair: all-gather + reduce-scatter of the
     ``[.., C]`` activation, mirrored in the backward (cost model)."""
-    return _phases(lambda out: formulas.megatron_pair_bytes(out, sizes, lead * hidden, itemsize))
+    return _phases(lambda out: megatron_pair_bytes(out, sizes, lead * hidden, itemsize))
 
 
-FORMULA_TEXT = {
-    "switch": "2·(M/N)(N−1)/N per axial layer (1 unit per switch)",
-    "ulysses": "4·(M/N)(N−1)/N per attention stage over the sharded dim (GQA: 2+2·Hkv/H)",
-    "ring": "fwd 2·(N−1)·M_kv/N (K,V passed N−1 times); bwd same + 2·M_kv·stats dK/dV",
-    "lss": "fwd all-gather (N−1)·M_kv·2/N of [K|V]; bwd reduce-scatter, same",
-    "usp": "Ulysses 4·(M/N)(U−1)/U in groups of U + ring over N/U slots",
-    "megatron_sp": "2·(N−1)·M/N per linear pair each way (all-gather + reduce-scatter)",
-}
+FORMULA_TEXT = {name: m.formula for name, m in METHODS.items() if m.formula}
 
 
 # -- the plan, walked block by block -------------------------------------------------------------
@@ -174,25 +154,16 @@ def block_formula(
             kinds["switch"] = kinds.get("switch", 0) + b + back
             cur = step.sharded
         method = step.method
-        if method in ("local", "megatron_sp") or cur not in step.mixes:
+        if get_method(method).tensor_parallel or method == "local" or cur not in step.mixes:
             continue
         rest = math.prod(lengths[d] for d in step.mixes if d != cur)
         bf = batch * math.prod(lengths[d] for d in names if d not in step.mixes)
         split = zigzag_lengths(lengths[cur], n) if zigzag else shard_sizes(lengths[cur], n)
         seq = [s * rest for s in split]
-        if method == "ulysses":
-            f, b = ulysses_bytes(bf, seq, attn, r, itemsize)
-        elif method == "ring":
-            f, b = ring_bytes(bf, seq, attn.kv_heads, attn.head_dim, r, itemsize)
-        elif method == "lss":
-            f, b = lss_bytes(bf, seq, attn.kv_heads, attn.head_dim, itemsize)
-        elif method == "usp":
-            f, b = usp_bytes(bf, seq, attn, ulysses_size, r, itemsize)
-        else:
-            raise ValueError(f"no formula for method {method!r}")
+        f, b = method_bytes(method, bf, seq, attn, r, itemsize, ulysses_size)
         fwd, bwd = fwd + f, bwd + b
         kinds[method] = kinds.get(method, 0) + f + b
-    if plan.strategy == "megatron_sp" and tp_pairs:
+    if get_method(plan.steps[0].method).tensor_parallel and tp_pairs:
         lead = batch * total // lengths[cur]
         f, b = megatron_bytes(lead, shard_sizes(lengths[cur], n), attn.hidden, itemsize)
         fwd, bwd = fwd + tp_pairs * f, bwd + tp_pairs * b

@@ -35,13 +35,13 @@ def test_even_method_formulas_are_the_textbook_units() -> None:
     unit = m / n * (n - 1) / n
     seq = sr.shard_sizes(length, n)
     for r in range(n):
-        assert sr.ulysses_bytes(b, seq, attn, r, item) == (4 * unit, 4 * unit)
-        assert sr.lss_bytes(b, seq, heads, d, item) == (2 * (n - 1) * m / n,) * 2
-        fwd, bwd = sr.ring_bytes(b, seq, heads, d, r, item)
+        assert sr.method_bytes("ulysses", b, seq, attn, r, item) == (4 * unit, 4 * unit)
+        assert sr.method_bytes("lss", b, seq, attn, r, item) == (2 * (n - 1) * m / n,) * 2
+        fwd, bwd = sr.method_bytes("ring", b, seq, attn, r, item)
         assert fwd == 2 * (n - 1) * m / n and bwd == fwd + 2 * m
         assert sr.megatron_bytes(b, seq, heads * d, item) == (2 * (n - 1) * m / n,) * 2
         # USP 2 × 2: Ulysses inside pairs, ring over the 2 slots
-        uf, ub = sr.usp_bytes(b, seq, attn, 2, r, item)
+        uf, ub = sr.method_bytes("usp", b, seq, attn, r, item, 2)
         ulysses = 4 * m / n * (2 - 1) / 2
         assert (
             uf == ulysses + 2 * (2 - 1) * m / n
@@ -49,10 +49,12 @@ def test_even_method_formulas_are_the_textbook_units() -> None:
         )
     # KV-aligned GQA: q and output 2 units, k and v 2·Hkv/H
     gqa = sr.Attn(heads, 4, d)
-    assert sr.ulysses_bytes(b, seq, gqa, 0, item)[0] == pytest.approx((2 + 2 * 4 / heads) * unit)
+    assert sr.method_bytes("ulysses", b, seq, gqa, 0, item)[0] == pytest.approx(
+        (2 + 2 * 4 / heads) * unit
+    )
     # 2 KV heads (or MQA) at N = 4 cut KV groups: k and v are expanded to the query heads
     for kv in (2, 1):
-        assert sr.ulysses_bytes(b, seq, sr.Attn(heads, kv, d), 0, item)[0] == 4 * unit
+        assert sr.method_bytes("ulysses", b, seq, sr.Attn(heads, kv, d), 0, item)[0] == 4 * unit
 
 
 def test_uneven_switch_backward_sends_what_the_forward_received() -> None:
