@@ -374,7 +374,7 @@ def _check_mismatched_switch(rank: int, world: int) -> int:
     assert "x.shape differs" in str(info.value) and "(1, shard, 4, 6)" in str(info.value)
     # a dtype mismatch names the dtypes of every rank
     x = torch.randn(1, 3, 4, 5, dtype=torch.float16 if rank == 1 else torch.float32)
-    with pytest.raises(comm.CollectiveInputError, match="rank 1 float16") as info:
+    with pytest.raises(comm.CollectiveInputError, match="rank 1: float16") as info:
         comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
     assert "float32" in str(info.value)
     return 1

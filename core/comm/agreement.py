@@ -181,7 +181,7 @@ def _format(f: _Field, values: tuple[int, ...]) -> str:
     return str(list(values))
 
 
-def _ranks(ranks: Sequence[int]) -> str:
+def ranks_text(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
@@ -195,10 +195,10 @@ class Agreed:
     def __init__(self, sig: Signature, rows: torch.Tensor, n: int, region: str) -> None:
         self.sig, self.rows, self.n, self.region = sig, rows, n, region
 
-    def fail(self, detail: str) -> NoReturn:
+    def fail(self, detail: str, primitive: str | None = None) -> NoReturn:
         """Raise the group's error (call it on every rank, from checks on gathered data)."""
         raise CollectiveInputError(
-            f"{self.sig.primitive} (comm region '{self.region or '-'}', group of {self.n} "
+            f"{primitive or self.sig.primitive} (comm region '{self.region or '-'}', group of {self.n} "
             f"ranks): {detail}. Raised on every rank of the group."
         )
 
@@ -222,7 +222,7 @@ class Agreed:
         bad = [q for q in range(self.n) if have[q] != want[q]]
         if bad:
             held = "; ".join(f"rank {q} holds {have[q]}, expected {want[q]}" for q in bad)
-            self.fail(f"wrong {name} on {_ranks(bad)}: {held} ({how}; per rank: {have})")
+            self.fail(f"wrong {name} on {ranks_text(bad)}: {held} ({how}; per rank: {have})")
 
 
 def _verdict(sig: Signature, rows: torch.Tensor, n: int, region: str, group: Any) -> Agreed:
@@ -231,16 +231,19 @@ def _verdict(sig: Signature, rows: torch.Tensor, n: int, region: str, group: Any
     table = rows.tolist()
     codes = [r[0] for r in table]
     if len(set(codes)) > 1:
-        names = {code: name for name, code in _CODES.items()}
-        where = "; ".join(f"rank {q}: {names.get(c, '?')}" for q, c in enumerate(codes))
-        agreed.fail(f"ranks are in different collectives ({where}): their control flow diverged")
+        names = [{c: name for name, c in _CODES.items()}.get(c, "?") for c in codes]
+        where = "; ".join(f"rank {q}: {name}" for q, name in enumerate(names))
+        agreed.fail(
+            f"ranks are in different collectives ({where}): their control flow diverged",
+            primitive="/".join(dict.fromkeys(names)),
+        )
     failed = [q for q in range(n) if table[q][1]]
     if failed:
         messages: list[Any] = [None] * n
         mine = None if sig.error is None else f"{type(sig.error).__name__}: {sig.error}"
         dist.all_gather_object(messages, mine, group=group)
         agreed.fail(
-            f"invalid input on {_ranks(failed)}: "
+            f"invalid input on {ranks_text(failed)}: "
             + "; ".join(f"rank {q}: {messages[q]}" for q in failed)
         )
     if len({(r[2], r[3]) for r in table}) > 1:
@@ -259,12 +262,12 @@ def _verdict(sig: Signature, rows: torch.Tensor, n: int, region: str, group: Any
             # the value most ranks hold (ties: rank 0's) is the reference; the others are wrong
             ref = max(groups, key=lambda v: (len(groups[v]), -groups[v][0]))
             odd = sorted(q for v, qs in groups.items() if v != ref for q in qs)
-            parts = [f"{_ranks(qs)} {_format(f, v)}" for v, qs in groups.items()]
-            problems.append((odd, f"{f.name} differs: " + ", ".join(parts)))
+            parts = [f"{ranks_text(qs)}: {_format(f, v)}" for v, qs in groups.items()]
+            problems.append((odd, f"{f.name} differs ({'; '.join(parts)})"))
     if problems:
         odd = sorted({q for qs, _ in problems for q in qs})
         agreed.fail(
-            f"{_ranks(odd)} disagree{'s' if len(odd) == 1 else ''} with the group: "
+            f"{ranks_text(odd)} disagree{'s' if len(odd) == 1 else ''} with the group: "
             + "; ".join(text for _, text in problems)
         )
     return agreed

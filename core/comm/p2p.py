@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..trace import current_region
-from .agreement import Signature, agree, guard
+from .agreement import Signature, agree, guard, ranks_text
 from .group import group_rank, group_size, record
 
 
@@ -117,10 +117,10 @@ def ring_exchange(
         bad = [r for r in range(n) if wanted[r] != shapes[(r - shift) % n]]
         if bad:
             agreed.fail(
-                "recv_shape is not the shape its sender holds on rank(s) "
-                + ", ".join(
-                    f"{r} (expects {wanted[r]}, rank {(r - shift) % n} sends "
-                    f"{shapes[(r - shift) % n]})"
+                f"recv_shape is not the shape its sender holds on {ranks_text(bad)}: "
+                + "; ".join(
+                    f"rank {r} expects {wanted[r]}, rank {(r - shift) % n} sends "
+                    f"{shapes[(r - shift) % n]}"
                     for r in bad
                 )
             )
