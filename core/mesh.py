@@ -10,6 +10,8 @@ axis is itself a ``ring × ulysses`` sub-mesh with Ulysses innermost: SP rank
 
 from __future__ import annotations
 
+import datetime
+import os
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -80,8 +82,31 @@ def single_process_mesh() -> SPMesh:
     return SPMesh(world_size=1, rank=0, dp_size=1, sp_size=1, dp_rank=0, sp_rank=0)
 
 
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def collective_timeout_s(timeout_s: float | None = None) -> float:
+    """``timeout_s``, else ``DSPZOO_COLLECTIVE_TIMEOUT`` (seconds), else 300."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("DSPZOO_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S))
+    if not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
+    return float(timeout_s)
+
+
+def _set_timeout(groups: list[Any], seconds: float) -> None:
+    """Give the mesh's process groups a collective timeout (a stuck peer fails fast)."""
+    for group in groups:
+        if group is not None:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
 def build_mesh(
-    sp_size: int, accelerator: Accelerator | None = None, *, ulysses_size: int | None = None
+    sp_size: int,
+    accelerator: Accelerator | None = None,
+    *,
+    ulysses_size: int | None = None,
+    timeout_s: float | None = None,
 ) -> SPMesh:
     """Build the dp × sp mesh over the current world on a ``DeviceMesh``.
 
@@ -91,6 +116,9 @@ def build_mesh(
             group is initialised (Accelerate does that on construction).
         ulysses_size: for USP, the Ulysses degree inside the SP group (must divide
             ``sp_size``); the SP axis becomes a ``ring × ulysses`` sub-mesh.
+        timeout_s: how long a collective of the mesh's groups waits for a missing peer before
+            it raises (default ``DSPZOO_COLLECTIVE_TIMEOUT`` or 300 s); the error names the
+            primitive and comm region.
 
     Must be called on every rank, in the same order, since it creates process groups.
     """
@@ -137,6 +165,9 @@ def build_mesh(
         sp_mesh = mesh["ring", "ulysses"]._flatten("sp")
         ring_group = mesh["ring"].get_group() if sp_size // ulysses > 1 else None
         ulysses_group = mesh["ulysses"].get_group() if ulysses > 1 else None
+    sp_group = sp_mesh.get_group() if sp_size > 1 else None
+    dp_group = mesh["dp"].get_group() if dp_size > 1 else None
+    _set_timeout([sp_group, dp_group, ring_group, ulysses_group], collective_timeout_s(timeout_s))
     return SPMesh(
         world_size=world,
         rank=rank,
@@ -144,8 +175,8 @@ def build_mesh(
         sp_size=sp_size,
         dp_rank=rank // sp_size,
         sp_rank=rank % sp_size,
-        sp_group=sp_mesh.get_group() if sp_size > 1 else None,
-        dp_group=mesh["dp"].get_group() if dp_size > 1 else None,
+        sp_group=sp_group,
+        dp_group=dp_group,
         device_mesh=mesh,
         ulysses_size=ulysses,
         ulysses_group=ulysses_group,

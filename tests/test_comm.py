@@ -363,19 +363,20 @@ def _check_workspace(rank: int, world: int) -> int:
 
 
 def _check_mismatched_switch(rank: int, world: int) -> int:
-    """Debug mode: rank 1 has a different channel count, so every rank raises (no hang)."""
-    comm.set_debug(True)
-    try:
-        x = torch.randn(1, 3, 4, 5 + (rank == 1))
-        with pytest.raises(ValueError, match="disagree"):
-            comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
-        # a dtype mismatch names the dtypes of every rank
-        x = torch.randn(1, 3, 4, 5, dtype=torch.float16 if rank == 1 else torch.float32)
-        with pytest.raises(ValueError, match="rank 1: dtype=float16") as info:
-            comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
-        assert "rank 0: dtype=float32" in str(info.value)
-    finally:
-        comm.set_debug(False)
+    """Rank 1 has a different channel count or dtype: every rank raises the same error (no hang).
+
+    Debug mode off: the agreement of every primitive runs anyway.
+    """
+    assert not comm.SETTINGS.debug
+    x = torch.randn(1, 3, 4, 5 + (rank == 1))
+    with pytest.raises(comm.CollectiveInputError, match="rank 1 disagrees") as info:
+        comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
+    assert "x.shape differs" in str(info.value) and "(1, shard, 4, 6)" in str(info.value)
+    # a dtype mismatch names the dtypes of every rank
+    x = torch.randn(1, 3, 4, 5, dtype=torch.float16 if rank == 1 else torch.float32)
+    with pytest.raises(comm.CollectiveInputError, match="rank 1: float16") as info:
+        comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
+    assert "float32" in str(info.value)
     return 1
 
 
@@ -411,7 +412,7 @@ CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_async_out_of_order,
     _check_double_backward,
     _check_workspace,
-    _check_mismatched_switch,  # last: it switches debug mode on and off
+    _check_mismatched_switch,
 )
 
 

@@ -32,26 +32,33 @@ exactly the blocks other ranks need, laid out by one copy so that a single
 the received buffer is the result, or needs one more copy when leading axes are not trivial.
 Outputs are never views of their inputs, so in-place ops on them are fine.
 
-Modules: :mod:`.blocks` (block layout: the one pack/unpack, the CPU send workspace),
-:mod:`.checks` (debug-mode cross-rank checks), :mod:`.group` (group queries, tracing, small
-reductions), :mod:`.replicate` (split, gather, gather_for_local_use), :mod:`.exchange`
-(switch, switch_async).
+Failures reach every rank: each forward primitive first agrees on its arguments across the
+group (:mod:`.agreement`, one tiny all-gather), so a bad shard, a length, dtype or shape
+mismatch on any rank raises the same :class:`CollectiveInputError` on every rank, naming the
+rank, the primitive and the comm region; a backend failure (timeout, lost peer) is re-raised as
+:class:`CollectiveTimeoutError` naming the primitive, the region and the group's timeout.
+
+Modules: :mod:`.settings` (the settings object: debug mode, per-group send workspaces),
+:mod:`.agreement` (the cross-rank agreement and the errors), :mod:`.blocks` (block layout:
+the one pack/unpack), :mod:`.checks` (``check_consistent`` for user code), :mod:`.group`
+(group queries, tracing, small reductions), :mod:`.replicate` (split, gather,
+gather_for_local_use), :mod:`.exchange` (switch, switch_async), :mod:`.p2p` (ring exchange).
 """
 
 from __future__ import annotations
 
-import os
-
-_DEBUG = os.environ.get("DSPZOO_DEBUG", "0") not in ("", "0", "false", "False")
-
-from .blocks import release_workspace, set_workspace_limit  # noqa: E402
-from .checks import check_consistent, set_debug  # noqa: E402
-from .exchange import SwitchHandle, switch, switch_async  # noqa: E402
-from .group import all_reduce_sum, group_rank, group_size  # noqa: E402
-from .p2p import ring_exchange  # noqa: E402
-from .replicate import gather, gather_for_local_use, split  # noqa: E402
+from .agreement import CollectiveInputError, CollectiveTimeoutError
+from .checks import check_consistent
+from .exchange import SwitchHandle, switch, switch_async
+from .group import all_reduce_sum, group_rank, group_size
+from .p2p import ring_exchange
+from .replicate import gather, gather_for_local_use, split
+from .settings import SETTINGS, release_workspace, set_debug, set_workspace_limit
 
 __all__ = [
+    "SETTINGS",
+    "CollectiveInputError",
+    "CollectiveTimeoutError",
     "SwitchHandle",
     "all_reduce_sum",
     "check_consistent",

@@ -14,22 +14,20 @@ need equal chunks).
   its final shape and returned as is (no copy, and not a view of anything). Otherwise unpack
   makes exactly one copy into a fresh tensor.
 
-Synchronous CPU sends can reuse one workspace per ``(device, dtype)`` instead of a fresh
-buffer (on CPU a fresh multi-MiB buffer costs page faults comparable to the copy itself). The
-workspace grows to the largest send so far but never beyond :func:`set_workspace_limit`
-bytes (256 MiB by default, or ``DSPZOO_COMM_WORKSPACE_MIB``); larger sends allocate fresh
-buffers. :func:`release_workspace` frees it, e.g. between a training and a sampling phase.
+Synchronous CPU sends can pack into their group's workspace instead of a fresh buffer
+(:mod:`.settings`: one per group and ``(device, dtype)``, bounded by
+:func:`~dspzoo.core.comm.set_workspace_limit`, freed by
+:func:`~dspzoo.core.comm.release_workspace`).
 """
 
 from __future__ import annotations
 
 import math
-import os
+from typing import Any
 
 import torch
 
-_SEND_WORKSPACE: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-_WORKSPACE_LIMIT = int(float(os.environ.get("DSPZOO_COMM_WORKSPACE_MIB", "256")) * 2**20)
+from .settings import SETTINGS
 
 
 def offsets(sizes: list[int]) -> list[int]:
@@ -41,41 +39,12 @@ def offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def release_workspace() -> int:
-    """Free the CPU send workspace of the synchronous collectives; returns the bytes freed.
-
-    Safe at any time outside a collective call: the next synchronous send allocates again.
-    """
-    freed = sum(buf.numel() * buf.element_size() for buf in _SEND_WORKSPACE.values())
-    _SEND_WORKSPACE.clear()
-    return freed
-
-
-def set_workspace_limit(nbytes: int) -> int:
-    """Cap the CPU send workspace at ``nbytes`` per ``(device, dtype)``; returns the old cap.
-
-    Sends larger than the cap allocate a fresh buffer each time; a workspace already larger
-    than the new cap is released.
-    """
-    global _WORKSPACE_LIMIT
-    if nbytes < 0:
-        raise ValueError(f"workspace limit must be >= 0 bytes, got {nbytes}")
-    previous, _WORKSPACE_LIMIT = _WORKSPACE_LIMIT, int(nbytes)
-    for key, buf in list(_SEND_WORKSPACE.items()):
-        if buf.numel() * buf.element_size() > _WORKSPACE_LIMIT:
-            del _SEND_WORKSPACE[key]
-    return previous
-
-
-def _send_buffer(numel: int, like: torch.Tensor, reuse: bool) -> torch.Tensor:
-    """A flat buffer of ``numel`` elements: from the workspace when allowed, else fresh."""
-    if reuse and like.device.type == "cpu" and numel * like.element_size() <= _WORKSPACE_LIMIT:
-        key = (str(like.device), like.dtype)
-        buf = _SEND_WORKSPACE.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-            _SEND_WORKSPACE[key] = buf
-        return buf[:numel]
+def _send_buffer(numel: int, like: torch.Tensor, reuse: bool, group: Any) -> torch.Tensor:
+    """A flat buffer of ``numel`` elements: from ``group``'s workspace when allowed, else fresh."""
+    if reuse:
+        buf = SETTINGS.workspace(group).take(numel, like, SETTINGS.workspace_limit)
+        if buf is not None:
+            return buf
     return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
@@ -92,13 +61,14 @@ def pack_blocks(
     keep: range | None = None,
     pad_to: int | None = None,
     reuse: bool = False,
+    group: Any = None,
 ) -> torch.Tensor:
     """Flat buffer of the blocks ``x.narrow(axis, offset_q, sizes[q])`` for ``q`` in ``keep``.
 
     ``sizes`` cut all of ``x``'s ``axis``; ``keep`` (a range, default all) picks the blocks to
     send; ``pad_to`` pads each block with zero rows to that many. The result is a view of ``x``
-    when the blocks already lie that way in memory, else one copy, into the CPU workspace with
-    ``reuse`` (only for buffers consumed before the caller returns).
+    when the blocks already lie that way in memory, else one copy, into ``group``'s CPU
+    workspace with ``reuse`` (only for buffers consumed before the caller returns).
     """
     keep = range(len(sizes)) if keep is None else keep
     rows = [sizes[q] if pad_to is None else pad_to for q in keep]
@@ -109,10 +79,10 @@ def pack_blocks(
         blocks = blocks[keep.start : keep.stop]
         if blocks.is_contiguous():
             return blocks.reshape(-1)
-        out = _send_buffer(total, x, reuse)
+        out = _send_buffer(total, x, reuse, group)
         out.view(blocks.shape).copy_(blocks)
         return out
-    out = _send_buffer(total, x, reuse)
+    out = _send_buffer(total, x, reuse, group)
     start, starts = 0, offsets(sizes)
     for q, r in zip(keep, rows):
         block = _block_shape(x.shape, axis, r)

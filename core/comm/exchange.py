@@ -19,9 +19,10 @@ from torch.autograd.function import once_differentiable
 
 from ..layout import shard_sizes
 from ..trace import current_region
+from .agreement import Signature, agree, guard
 from .blocks import empty_blocks, offsets, pack_blocks, unpack_blocks
-from .checks import debug_check
-from .group import group_rank, group_size, norm_dim, record, resolve_length
+from .group import group_rank, group_size, norm_dim, record, record_size_sync
+from .settings import SETTINGS
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _launch(
     recv = empty_blocks(meta.y_shape, meta.src, meta.src_sizes, x)
     flat = recv.view(-1)
     if r not in (0, n - 1):
-        send = pack_blocks(x, meta.dst, meta.dst_sizes, reuse=not async_op)
+        send = pack_blocks(x, meta.dst, meta.dst_sizes, reuse=not async_op, group=group)
         work = dist.all_to_all_single(
             flat, send, meta.recv_splits, meta.send_splits, group=group, async_op=async_op
         )
@@ -127,7 +128,7 @@ def _launch(
     own_recv = meta.recv_splits[r]
     remote_out = flat[own_recv:] if r == 0 else flat[: flat.numel() - own_recv]
     keep = range(1, n) if r == 0 else range(n - 1)
-    send = pack_blocks(x, meta.dst, meta.dst_sizes, keep=keep, reuse=not async_op)
+    send = pack_blocks(x, meta.dst, meta.dst_sizes, keep=keep, reuse=not async_op, group=group)
     send_splits, recv_splits = list(meta.send_splits), list(meta.recv_splits)
     send_splits[r] = recv_splits[r] = 0
     work = dist.all_to_all_single(
@@ -147,7 +148,8 @@ def _switch_now(
     x: torch.Tensor, meta: _SwitchMeta, group: Any, phase: str, region: str
 ) -> torch.Tensor:
     """One synchronous switch, no autograd: launch, wait, unpack."""
-    recv, _, _ = _launch(x, meta, group, async_op=False)
+    with guard(f"switch ({phase})", group, region, x.device):
+        recv, _, _ = _launch(x, meta, group, async_op=False)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, phase, region)
     return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape)
 
@@ -155,8 +157,10 @@ def _switch_now(
 class SwitchHandle:
     """An in-flight :func:`switch_async`; call :meth:`wait` to get the switched tensor."""
 
-    def __init__(self, meta: _SwitchMeta | None, group: Any, region: str) -> None:
-        self.meta, self.group, self.region = meta, group, region
+    def __init__(
+        self, meta: _SwitchMeta | None, group: Any, region: str, primitive: str = "switch_async"
+    ) -> None:
+        self.meta, self.group, self.region, self.primitive = meta, group, region, primitive
         self.work: Any = None
         self._input: torch.Tensor | None = None  # the autograd input of the switch
         self._recv: torch.Tensor | None = None
@@ -174,7 +178,8 @@ class SwitchHandle:
     def _finish(self) -> torch.Tensor:
         """Wait for the exchange and unpack the received blocks (no autograd)."""
         if self.work is not None:
-            self.work.wait()
+            with guard(self.primitive, self.group, self.region):
+                self.work.wait()
             self.work = None
         assert self.meta is not None and self._recv is not None
         meta, recv = self.meta, self._recv
@@ -193,7 +198,67 @@ class _Switch(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if SETTINGS.debug:  # autograd already guarantees the gradient's shape and dtype
+            sig = Signature("switch").tensor("grad", grad, sharded=(ctx.meta.dst,))
+            agree(sig, ctx.group, grad.device)
         return _switch_now(grad, ctx.meta.reverse(), ctx.group, "backward", ctx.region), None
+
+
+def _agree_switch(
+    x: torch.Tensor,
+    src: int,
+    dst: int,
+    group: Any,
+    src_length: int | None,
+    src_sizes: list[int] | None,
+    dst_sizes: list[int] | None,
+    primitive: str,
+) -> _SwitchMeta:
+    """Check the arguments on every rank together (one tiny all-gather); this rank's meta.
+
+    Every rank raises the same :class:`~.agreement.CollectiveInputError` if any rank's
+    dims, lengths, split sizes, dtype, device or whole-axis sizes differ from the others', or
+    its shard of ``src`` is not the one the length gives it.
+    """
+    n, r = group_size(group), group_rank(group)
+    sig = Signature(primitive)
+    try:
+        src, dst = norm_dim(x, src, primitive), norm_dim(x, dst, primitive)
+        if src == dst:
+            raise ValueError(f"source and destination dims are both {src}; nothing to switch")
+        src_sizes = None if src_sizes is None else [int(s) for s in src_sizes]
+        dst_sizes = None if dst_sizes is None else [int(s) for s in dst_sizes]
+        sig.arg("src", src).arg("dst", dst).arg("src_length", src_length)
+        sig.sizes("src_sizes", src_sizes).sizes("dst_sizes", dst_sizes)
+        sig.tensor("x", x, sharded=(src,)).local(f"rows of dim {src}", x.shape[src])
+        _check_sizes("src_sizes", src_sizes, n, src_length)
+        _check_sizes("dst_sizes", dst_sizes, n, x.shape[dst])
+    except ValueError as exc:
+        sig.error = exc
+    agreed = agree(sig, group, x.device)
+    rows = f"rows of dim {src}"
+    if src_sizes is not None:
+        want, how = src_sizes, f"src_sizes {src_sizes}"
+    elif src_length is not None:
+        want, how = shard_sizes(src_length, n), f"a global length of {src_length} over {n} ranks"
+    else:  # the length is the sum of the shards, which must then be balanced
+        src_length = sum(v[0] for v in agreed.local(rows))
+        record_size_sync(group)
+        want, how = shard_sizes(src_length, n), f"balanced shards of their sum {src_length}"
+    agreed.check_rows(rows, want, how)
+    length = sum(src_sizes) if src_sizes is not None else src_length
+    return _SwitchMeta.build(x, src, dst, length, n, r, src_sizes, dst_sizes)
+
+
+def _check_sizes(name: str, sizes: list[int] | None, n: int, length: int | None) -> None:
+    """``sizes`` must give each of the ``n`` ranks a non-negative share of ``length``."""
+    if sizes is None:
+        return
+    if len(sizes) != n or min(sizes) < 0 or (length is not None and sum(sizes) != length):
+        raise ValueError(
+            f"{name} {sizes} must give each of the {n} ranks a non-negative share"
+            + ("" if length is None else f" of the length {length}")
+        )
 
 
 def _start(
@@ -205,28 +270,21 @@ def _start(
     async_op: bool,
     src_sizes: list[int] | None = None,
     dst_sizes: list[int] | None = None,
+    checked: bool = True,
 ) -> SwitchHandle:
-    """Check the arguments, launch the forward exchange and return its handle."""
-    src, dst = norm_dim(x, src, "switch"), norm_dim(x, dst, "switch")
-    if src == dst:
-        raise ValueError(f"switch: source and destination dims are both {src}; nothing to switch")
-    if src_sizes is not None:
-        src_sizes = [int(s) for s in src_sizes]
-        src_length = sum(src_sizes) if src_length is None else src_length
-    if dst_sizes is not None:
-        dst_sizes = [int(s) for s in dst_sizes]
-    src_length = resolve_length(x, src, group, src_length)
-    meta, error = None, None
-    try:
+    """Agree on the arguments (unless ``checked`` is off), launch the forward exchange, return its handle."""
+    primitive = "switch_async" if async_op else "switch"
+    if checked:
+        meta = _agree_switch(x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
+    else:  # the caller has agreed on these arguments already
+        src, dst = norm_dim(x, src, primitive), norm_dim(x, dst, primitive)
+        length = sum(src_sizes) if src_sizes is not None else src_length
+        assert length is not None, "an unchecked switch needs src_length or src_sizes"
         meta = _SwitchMeta.build(
-            x, src, dst, src_length, group_size(group), group_rank(group), src_sizes, dst_sizes
+            x, src, dst, length, group_size(group), group_rank(group), src_sizes, dst_sizes
         )
-    except ValueError as exc:
-        error = exc
-    debug_check(x, group, "switch", (src, dst, src_length), (src,), error)
-    assert meta is not None
-    handle = SwitchHandle(meta, group, current_region())
-    with torch.no_grad():
+    handle = SwitchHandle(meta, group, current_region(), primitive)
+    with torch.no_grad(), guard(primitive, group, handle.region, x.device):
         handle._recv, handle.work, handle._send = _launch(x.detach(), meta, group, async_op)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, "forward", handle.region)
     handle._input = x
@@ -247,9 +305,13 @@ def switch(
     Shape ``[.., a_r, .., L_dst, ..]`` → ``[.., L_src, .., b_r, ..]`` where ``a_r`` and ``b_r``
     are this rank's balanced shards of the global ``src_length`` and of ``L_dst``. Each rank
     sends ``(local elements)·(N−1)/N`` when lengths divide evenly. Backward is the reverse
-    switch. If ``src_length`` is omitted it is found with one tiny all-reduce. ``src_sizes`` /
-    ``dst_sizes`` (rows per rank, in rank order) replace the balanced split of the source /
-    destination dim when the sharding is some other contiguous partition.
+    switch. If ``src_length`` is omitted it is the sum of the shards (then balanced).
+    ``src_sizes`` / ``dst_sizes`` (rows per rank, in rank order) replace the balanced split of
+    the source / destination dim when the sharding is some other contiguous partition.
+
+    Before the exchange the ranks agree on the arguments (:mod:`.agreement`, one tiny
+    all-gather): a wrong shard, dtype, device, whole-axis size or length on any rank raises
+    the same :class:`~.agreement.CollectiveInputError` on every rank of ``group``.
     """
     if group_size(group) == 1:
         return x
@@ -265,10 +327,29 @@ def switch_async(
 
     Compute that does not depend on the result can run before ``handle.wait()``; the forward
     exchange overlaps it. The backward exchange is synchronous (the same as :func:`switch`'s).
-    Do not modify ``x`` in place before ``wait``.
+    Do not modify ``x`` in place before ``wait``. Arguments are agreed on like :func:`switch`'s.
     """
     if group_size(group) == 1:
         handle = SwitchHandle(None, group, current_region())
         handle._result = x
         return handle
     return _start(x, src, dst, group, src_length, async_op=True)
+
+
+def switch_agreed(
+    x: torch.Tensor,
+    src: int,
+    dst: int,
+    group: Any,
+    src_length: int | None = None,
+    src_sizes: list[int] | None = None,
+    dst_sizes: list[int] | None = None,
+) -> torch.Tensor:
+    """:func:`switch` without its agreement, for callers that agreed on these arguments already.
+
+    An attention method agrees once on ``q``, ``k``, ``v`` and the sequence lengths at its
+    entry; its inner switches then cannot disagree. ``src_length`` or ``src_sizes`` is required.
+    """
+    if group_size(group) == 1:
+        return x
+    return _start(x, src, dst, group, src_length, False, src_sizes, dst_sizes, checked=False).wait()

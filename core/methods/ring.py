@@ -36,9 +36,10 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..comm import gather
-from ..comm.group import group_rank, group_size
+from ..comm.agreement import Signature, agree
+from ..comm.group import group_rank, group_size, norm_dim
 from ..comm.p2p import RingTransfer
+from ..comm.replicate import agree_replicated, gather_agreed
 from ..layout import shard_sizes
 from ..trace import current_region
 from .blockwise import (
@@ -100,8 +101,11 @@ def zigzag_split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """Replicated → zigzag shard of axis ``dim`` (no communication either way).
 
     Like :func:`dspzoo.core.comm.split`: backward puts this rank's gradient rows in place in
-    a zero tensor of the full shape. The output is a fresh tensor.
+    a zero tensor of the full shape. The output is a fresh tensor. The ranks agree on ``dim``
+    and ``x``'s shape, dtype and device first (every rank raises if one differs).
     """
+    if group_size(group) > 1:
+        dim = agree_replicated(x, dim, group, "zigzag_split")
     dim = dim % x.dim()
     pos = zigzag_positions(x.shape[dim], group_size(group), group_rank(group))
     return x.index_select(dim, pos.to(x.device))
@@ -114,27 +118,72 @@ def zigzag_gather(x: torch.Tensor, dim: int, group: Any, length: int) -> torch.T
     identically on every rank; backward keeps this rank's rows × N). Shards are padded to the
     longest zigzag shard for one all-gather, then reordered.
     """
-    dim = dim % x.dim()
     n = group_size(group)
     if n == 1:
         return x
+    sig = Signature("zigzag_gather")
+    try:
+        dim = norm_dim(x, dim, "zigzag_gather")
+        sig.arg("dim", dim).arg("length", length).tensor("x", x, sharded=(dim,))
+        sig.local(f"rows of dim {dim}", x.shape[dim])
+    except ValueError as exc:
+        sig.error = exc
+    agreed = agree(sig, group, x.device)
     sizes = zigzag_lengths(length, n)
-    r = group_rank(group)
-    if x.shape[dim] != sizes[r]:
-        raise ValueError(
-            f"zigzag_gather: rank {r} holds {x.shape[dim]} rows but the zigzag layout of "
-            f"{length} over {n} ranks gives it {sizes[r]}"
-        )
+    agreed.check_rows(f"rows of dim {dim}", sizes, f"the zigzag layout of {length} over {n} ranks")
     longest = max(sizes)
     if x.shape[dim] < longest:
         pad = list(x.shape)
         pad[dim] = longest - x.shape[dim]
         x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-    full = gather(x, dim, group, length=n * longest)
+    full = gather_agreed(x, dim, group, n * longest)
     order = torch.empty(length, dtype=torch.long)
     for j in range(n):
         order[zigzag_positions(length, n, j)] = torch.arange(sizes[j]) + j * longest
     return full.index_select(dim, order.to(full.device))
+
+
+def ring_signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lengths: list[int],
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    primitive: str,
+) -> Signature:
+    """What every rank of a ring must pass equally: lengths, mask, scale, layout, q/k/v up to L_r."""
+    sig = Signature(primitive).sizes("seq_lengths", seq_lengths).arg("causal", int(causal))
+    sig.number("scale", scale).arg("layout", LAYOUTS.index(layout) if layout in LAYOUTS else -1)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        sig.tensor(name, t, sharded=(1,) if t.dim() > 1 else ())
+    return sig
+
+
+def _check_ring_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lengths: list[int],
+    n: int,
+    r: int,
+    layout: str,
+) -> list[torch.Tensor]:
+    """This rank's own checks; the global positions of every rank's tokens."""
+    if len(seq_lengths) != n:
+        raise ValueError(f"{len(seq_lengths)} seq_lengths {seq_lengths} for a group of {n}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be [Bf, L_r, heads, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if q.shape[1] != seq_lengths[r] or k.shape[1] != seq_lengths[r] or v.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"rank {r} should hold {seq_lengths[r]} tokens (seq_lengths {seq_lengths}); got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    return [ring_positions(seq_lengths, j, layout) for j in range(n)]
 
 
 def ring_attention(
@@ -153,18 +202,31 @@ def ring_attention(
     ``q [Bf, L_r, H, D]``, ``k``/``v [Bf, L_r, Hkv, D(v)]`` with ``L_r = seq_lengths[r]`` →
     ``out [Bf, L_r, H, Dv]`` in q's dtype. ``Hkv`` divides ``H`` (GQA). ``layout`` gives the
     global positions of each rank's tokens (module doc); the causal mask uses them.
-    Once differentiable.
+    Once differentiable. The ranks agree on the arguments first (one tiny all-gather): a wrong
+    shard, dtype, head count or ``seq_lengths`` on any rank raises the same error on every rank.
     """
     n, r = group_size(group), group_rank(group)
     seq_lengths = [int(s) for s in seq_lengths]
-    if len(seq_lengths) != n:
-        raise ValueError(f"ring_attention: {len(seq_lengths)} seq_lengths for a group of {n}")
-    if q.shape[1] != seq_lengths[r] or k.shape[1] != seq_lengths[r] or v.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"ring_attention: rank {r} should hold {seq_lengths[r]} tokens; got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    positions = [ring_positions(seq_lengths, j, layout) for j in range(n)]
+    sig = ring_signature(q, k, v, seq_lengths, causal, scale, layout, "ring_attention")
+    positions: list[torch.Tensor] = []
+    try:
+        positions = _check_ring_args(q, k, v, seq_lengths, n, r, layout)
+    except ValueError as exc:
+        sig.error = exc
+    agree(sig, group, q.device)
+    return ring_attention_agreed(q, k, v, group, positions, causal, scale)
+
+
+def ring_attention_agreed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Any,
+    positions: list[torch.Tensor],
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """:func:`ring_attention` after its checks: ``positions`` of every rank's tokens."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, group, positions, bool(causal), scale, current_region())
 

@@ -39,11 +39,14 @@ of this rank's local q:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..comm import group_rank, group_size, switch
+from ..comm import group_rank, group_size
+from ..comm.agreement import Signature, agree
+from ..comm.exchange import switch_agreed
 from ..layers.attention import attend
 from ..layout import shard_sizes
 from ..trace import comm_region
@@ -61,8 +64,8 @@ def check_attention_args(
     """Raise a clear ``ValueError`` if q, k, v and ``seq_lengths`` break the method convention.
 
     Convention: q ``[B, seq_lengths[r], H, D]``, k and v ``[B, seq_lengths[r], Hkv, D]`` with
-    ``Hkv`` dividing ``H`` and ``len(seq_lengths)`` equal to the group size. The check is local;
-    with ``DSPZOO_DEBUG=1`` the collectives also compare shapes across ranks.
+    ``Hkv`` dividing ``H`` and ``len(seq_lengths)`` equal to the group size. The check is
+    local; :func:`agree_attention_args` runs it on every rank together.
     """
     if len(seq_lengths) != n:
         raise ValueError(
@@ -93,6 +96,38 @@ def check_attention_args(
                 f"{what}: rank {r} holds {t.shape[1]} tokens of {name} (shape {tuple(t.shape)}) "
                 f"but seq_lengths {list(seq_lengths)} gives it {seq_lengths[r]}"
             )
+
+
+def agree_attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lengths: list[int],
+    group: Any,
+    what: str,
+    causal: bool,
+    scale: float | None,
+    more_checks: Callable[[], None] | None = None,
+) -> None:
+    """:func:`check_attention_args` on every rank plus a cross-rank agreement (one tiny all-gather).
+
+    Raises the same error on every rank of ``group`` if any rank's own check fails or the ranks
+    disagree on ``seq_lengths``, ``causal``, ``scale``, or q/k/v's dtype, device, batch, heads or
+    head dim. ``more_checks`` (raising ``ValueError``) adds a method's own local checks.
+    Afterwards the method's inner collectives cannot disagree and skip their own.
+    """
+    n, r = group_size(group), group_rank(group)
+    sig = Signature(what).sizes("seq_lengths", seq_lengths).arg("causal", int(causal))
+    sig.number("scale", scale)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        sig.tensor(name, t, sharded=(1,) if t.dim() > 1 else ())
+    try:
+        check_attention_args(q, k, v, seq_lengths, n, r, what)
+        if more_checks is not None:
+            more_checks()
+    except ValueError as exc:
+        sig.error = exc
+    agree(sig, group, q.device)
 
 
 def expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -134,11 +169,11 @@ class _SeqLayout:
 
     def to_heads(self, x: torch.Tensor, group: Any) -> torch.Tensor:
         """``[B, seq_r, heads, D]`` → ``[B, L, heads_r, D]``."""
-        return switch(x, 1, 2, group, src_sizes=self.lengths)
+        return switch_agreed(x, 1, 2, group, src_sizes=self.lengths)
 
     def to_sequence(self, y: torch.Tensor, heads: int, group: Any) -> torch.Tensor:
         """``[B, L, heads_r, D]`` → ``[B, seq_r, heads, D]`` (the inverse of :meth:`to_heads`)."""
-        return switch(y, 2, 1, group, src_length=heads, dst_sizes=self.lengths)
+        return switch_agreed(y, 2, 1, group, src_length=heads, dst_sizes=self.lengths)
 
 
 def kv_heads_aligned(heads: int, kv_heads: int, n: int) -> bool:
@@ -172,12 +207,13 @@ def ulysses_attention(
         this rank's output ``[B, seq_lengths[r], H, D]``. Every rank must backpropagate
         through its output (an empty one included): the backward issues collectives.
 
-    Forward: one all-to-all of ``[q|k|v]`` (or q and ``[k|v]`` for KV-aligned GQA) and one of
-    the output; the backward runs the reverse switches. See the module docstring for the splits
+    Forward: one tiny all-gather agreeing on the arguments (a bad input on any rank raises the
+    same error on every rank), one all-to-all of ``[q|k|v]`` (or q and ``[k|v]`` for
+    KV-aligned GQA) and one of the output; the backward runs the reverse switches. See the module docstring for the splits
     and the bytes.
     """
     n, r = group_size(group), group_rank(group)
-    check_attention_args(q, k, v, seq_lengths, n, r, "ulysses_attention")
+    agree_attention_args(q, k, v, seq_lengths, group, "ulysses_attention", causal, scale)
     if n == 1:
         return _local_attention(q, k, v, causal, scale)
     heads, kv_heads = q.shape[2], k.shape[2]

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
-from ..comm import switch
+from ..comm.agreement import Signature, agree
+from ..comm.exchange import switch_agreed
 from ..comm.group import group_rank, group_size
 from ..layout import shard_offset, shard_sizes
-from .ring import ring_attention, ring_positions
+from .ring import ring_attention_agreed, ring_positions, ring_signature
 
 __all__ = ["usp_attention", "usp_positions"]
 
@@ -71,44 +72,83 @@ def usp_attention(
     ``shard_sizes(seq_lengths[j], U)[u]`` of its ring slot's segment → ``[Bf, l, H, Dv]``.
     ``seq_lengths`` has one entry per *ring* rank. Autograd-correct (all pieces are).
     """
-    u_size, u_rank = group_size(ulysses_group), group_rank(ulysses_group)
+    u_size = group_size(ulysses_group)
     seq_lengths = [int(s) for s in seq_lengths]
     if ulysses_lengths is not None:
         ulysses_lengths = [int(s) for s in ulysses_lengths]
-    if len(seq_lengths) != group_size(ring_group):
-        raise ValueError(
-            f"usp_attention: {len(seq_lengths)} seq_lengths for a ring of {group_size(ring_group)}"
-        )
-    segment = seq_lengths[group_rank(ring_group)]
-    if ulysses_lengths is not None and (
-        len(ulysses_lengths) != u_size or sum(ulysses_lengths) != segment
-    ):
-        raise ValueError(
-            f"usp_attention: ulysses_lengths {ulysses_lengths} must split the ring segment of "
-            f"{segment} tokens over the {u_size} Ulysses ranks"
-        )
-    split = ulysses_lengths or shard_sizes(segment, u_size)
-    want = split[u_rank]
-    if q.shape[1] != want or k.shape[1] != want or v.shape[1] != want:
-        raise ValueError(
-            f"usp_attention: Ulysses rank {u_rank} of a ring segment of {segment} tokens should "
-            f"hold {want}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+    split = _agree(
+        q, k, v, ulysses_group, ring_group, seq_lengths, ulysses_lengths, causal, scale, layout
+    )
     heads, kv_heads = q.shape[2], k.shape[2]
     if u_size > 1 and (heads % u_size or kv_heads % u_size):
         k = k.repeat_interleave(heads // kv_heads, dim=2)
         v = v.repeat_interleave(heads // kv_heads, dim=2)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    qh, kh, vh = (switch(t, 1, 2, ulysses_group, src_sizes=split) for t in (q, k, v))
-    out = ring_attention(
-        qh,
-        kh,
-        vh,
-        group=ring_group,
-        seq_lengths=seq_lengths,
-        causal=causal,
-        scale=scale,
-        layout=layout,
-    )
-    return switch(out, 2, 1, ulysses_group, src_length=heads, dst_sizes=split)
+    qh, kh, vh = (switch_agreed(t, 1, 2, ulysses_group, src_sizes=split) for t in (q, k, v))
+    positions = [ring_positions(seq_lengths, j, layout) for j in range(len(seq_lengths))]
+    out = ring_attention_agreed(qh, kh, vh, ring_group, positions, causal, scale)
+    return switch_agreed(out, 2, 1, ulysses_group, src_length=heads, dst_sizes=split)
+
+
+def _agree(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ulysses_group: Any,
+    ring_group: Any,
+    seq_lengths: list[int],
+    ulysses_lengths: list[int] | None,
+    causal: bool,
+    scale: float | None,
+    layout: str,
+) -> list[int]:
+    """Check the arguments on every SP rank together; the Ulysses split of this ring segment.
+
+    First inside the Ulysses group (this rank's own checks, and every rank's q/k/v and
+    arguments), then across the ring carrying that verdict, so that a bad input on any rank of
+    the ``R × U`` grid raises the same error on all of them. Two tiny all-gathers.
+    """
+    u_size, u_rank = group_size(ulysses_group), group_rank(ulysses_group)
+    r_size, r_rank = group_size(ring_group), group_rank(ring_group)
+    sig = Signature("usp_attention").sizes("seq_lengths", seq_lengths)
+    sig.sizes("ulysses_lengths", ulysses_lengths).arg("ring", r_size)
+    split: list[int] = []
+    try:
+        if len(seq_lengths) != r_size:
+            raise ValueError(f"{len(seq_lengths)} seq_lengths for a ring of {r_size}")
+        segment = seq_lengths[r_rank]
+        if ulysses_lengths is not None and (
+            len(ulysses_lengths) != u_size or sum(ulysses_lengths) != segment
+        ):
+            raise ValueError(
+                f"ulysses_lengths {ulysses_lengths} must split the ring segment of {segment} "
+                f"tokens over the {u_size} Ulysses ranks"
+            )
+        split = ulysses_lengths or shard_sizes(segment, u_size)
+        want = split[u_rank]
+        if q.shape[1] != want or k.shape[1] != want or v.shape[1] != want:
+            raise ValueError(
+                f"Ulysses rank {u_rank} of a ring segment of {segment} tokens should hold "
+                f"{want}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+    except ValueError as exc:
+        sig.error = exc
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        sig.tensor(name, t, sharded=(1,) if t.dim() > 1 else ())
+    verdict: Exception | None = None
+    try:
+        agree(sig, ulysses_group, q.device)
+    except ValueError as exc:  # shared with the other ring slots below
+        verdict = ValueError(f"in the Ulysses group of ring slot {r_rank}: {exc}")
+    # across the ring: the lengths, mask, scale, layout and q/k/v of every ring slot agree
+    ring_sig = ring_signature(q, k, v, seq_lengths, causal, scale, layout, "usp_attention")
+    ring_sig.error = verdict
+    if verdict is None:
+        try:  # the ring layout must be valid for these lengths
+            for j in range(r_size):
+                ring_positions(seq_lengths, j, layout)
+        except ValueError as exc:
+            ring_sig.error = exc
+    agree(ring_sig, ring_group, q.device)
+    return split
