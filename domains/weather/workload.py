@@ -37,7 +37,9 @@ def weather_workload(
     in docs/weather_model.md).
     """
     if unused.get("seq_len") is not None:
-        raise ValueError(f"{name} is a weather model: give --history (states) and --grid, not --seq-len")
+        raise ValueError(
+            f"{name} is a weather model: give --history (states) and --grid, not --seq-len"
+        )
     grid = config.grid if spatial is None else spatial
     grid = (grid, grid) if isinstance(grid, int) else tuple(grid)
     history = frames or config.history
