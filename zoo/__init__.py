@@ -1,5 +1,6 @@
 """dspzoo.zoo: the model registry, named configs and pretrained folders."""
 
+from .families import ENTRY_POINT_GROUP, ENV_VAR, load_families
 from .pretrained import (
     CheckpointMismatchError,
     from_pretrained,
@@ -24,6 +25,8 @@ from .shipped import list_pretrained, model_card, ship_pretrained, shipped_names
 
 __all__ = [
     "CheckpointMismatchError",
+    "ENTRY_POINT_GROUP",
+    "ENV_VAR",
     "count_parameters",
     "create_model",
     "family_of",
@@ -32,6 +35,7 @@ __all__ = [
     "get_config",
     "list_models",
     "list_pretrained",
+    "load_families",
     "model_card",
     "ship_pretrained",
     "shipped_names",

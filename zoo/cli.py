@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import sys
 
+from .families import load_builtin_families
 from .registry import (
     _match,
     count_parameters,
@@ -30,24 +30,9 @@ from .registry import (
 )
 from .shipped import describe_card, model_card, pretrained_table, shipped_names
 
-_DOMAIN_MODULES = (
-    "dspzoo.domains.toy",
-    "dspzoo.domains.video",
-    "dspzoo.domains.text",
-    "dspzoo.domains.protein",
-    "dspzoo.domains.weather",
-    "dspzoo.examples.axial3d",
-)
-
-
-def load_domains() -> None:
-    """Import the domain packages, which register their model families."""
-    for name in _DOMAIN_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a domain that exists but fails to import is a real error
-                raise
+# dspzoo's own domains; families of installed `dspzoo.families` entry points and DSPZOO_FAMILIES
+# load when a lookup needs them (zoo/families.py; the registry loads all of them by itself)
+load_domains = load_builtin_families
 
 
 def _meta_count(name: str) -> str:

@@ -2,44 +2,86 @@
 
 dspzoo plan stdit-720M --frames 128 --size 512 --batch 1 --sp 1,2,4,8 --cluster h100-nvlink-ib
 dspzoo plan bytelm-lss-12l --seq-len 50000 --sp 8,16 --cluster v100-summit
+dspzoo plan weathertx-global-1.40625 --grid 128x256 --history 2 --sp 8
+dspzoo plan evoformer-af2 --residues 384 --msa-depth 512 --sp 1,2,4,8
+dspzoo plan axial3d-mini --dims t=64,h=128,w=128 --sp 4,8
 
-Video ``--frames`` are latent frames and ``--size`` the video's pixel size (divided by
-``--vae-stride``, 8 by default; ``--latent`` gives the latent size directly). ``--inference``
-predicts a forward pass only (``--steps`` of them, e.g. sampling steps).
+Each kind of model takes its own sizes; a size left out is the config's own:
+
+* video (stdit, latte): ``--frames`` latent frames (default 1: an image), ``--size`` the pixel
+  size H or HxW (divided by ``--vae-stride``, 8 by default) or ``--latent`` the latent size
+  (default: the config's ``input_size``), ``--context`` conditioning tokens;
+* text (bytelm): ``--seq-len`` bytes per sequence (default: the config's ``max_len``);
+* weather (weathertx): ``--grid`` HxW grid points and ``--history`` input states (default: the
+  config's ``grid`` and ``history``; ``--latent`` and ``--frames`` are accepted for them);
+* protein (evoformer): ``--residues`` and ``--msa-depth`` (default 256 and 128, AlphaFold 2's
+  training crop); the Evoformer runs under ``dsp`` only, so it prints its two-activation plan;
+* any other family (yours): the sizes its workload builder reads (``--frames``, ``--size`` /
+  ``--latent``, ``--seq-len``);
+* every model: ``--dims name=tokens,...`` sets token lengths (after patching) by the model's
+  own dim names, e.g. ``--dims h=64,w=64``; with ``--dims`` alone, name every dim.
+
+``--inference`` predicts a forward pass only (``--steps`` of them, e.g. sampling steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from dspzoo.core.costmodel import (
     CLUSTERS,
     DEFAULT_STRATEGIES,
+    Workload,
     format_table,
     predict_table,
     recommend,
     workload_for,
 )
 
+from .registry import count_parameters, create_model, format_count, get_config, resolve_name
+
+# argparse dests of the per-kind size flags (each None unless given)
+SIZE_FLAGS = ("frames", "size", "latent", "context", "seq_len", "grid", "history")
+SIZE_FLAGS += ("residues", "msa_depth")
+
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``plan`` arguments (on ``parser``, e.g. a ``dspzoo`` subparser)."""
     p = parser or argparse.ArgumentParser(prog="dspzoo plan", description=__doc__.split("\n")[0])
-    p.add_argument("model", help="zoo model, e.g. stdit-720M, latte-3B, bytelm-lss-12l")
-    p.add_argument("--frames", type=int, help="video: latent frames")
-    p.add_argument("--size", type=str, help="video: pixel size H or HxW")
-    p.add_argument("--latent", type=str, help="video: latent size H or HxW (instead of --size)")
-    p.add_argument("--vae-stride", type=int, default=8, help="pixels per latent (default 8)")
-    p.add_argument("--context", type=int, default=0, help="video: conditioning tokens")
-    p.add_argument("--seq-len", type=int, help="text: bytes per sequence")
+    p.add_argument("model", help="zoo model, e.g. stdit-720M, evoformer-af2, weathertx-small")
+    video = p.add_argument_group(
+        "video (stdit, latte)",
+        "--frames, --size/--latent, --seq-len and --context also reach the workload builder of a "
+        "family of no listed kind (yours); weather reads --frames/--latent as --history/--grid",
+    )
+    video.add_argument("--frames", type=int, help="latent frames (default 1: an image)")
+    video.add_argument("--size", type=str, help="pixel size H or HxW")
+    video.add_argument("--latent", type=str, help="latent size H or HxW (instead of --size)")
+    video.add_argument("--vae-stride", type=int, default=8, help="pixels per latent (default 8)")
+    video.add_argument("--context", type=int, help="conditioning tokens (default 0)")
+    text = p.add_argument_group("text (bytelm)")
+    text.add_argument("--seq-len", type=int, help="bytes per sequence (default: max_len)")
+    weather = p.add_argument_group("weather (weathertx)")
+    weather.add_argument("--grid", type=str, help="grid points HxW (default: the config's)")
+    weather.add_argument("--history", type=int, help="input states (default: the config's)")
+    protein = p.add_argument_group("protein (evoformer)")
+    protein.add_argument("--residues", type=int, help="residues (default 256)")
+    protein.add_argument("--msa-depth", type=int, help="MSA rows (default 128)")
+    p.add_argument(
+        "--dims",
+        type=str,
+        help="token lengths by the model's dim names, e.g. t=16,h=64,w=64 (any model)",
+    )
     p.add_argument("--batch", type=int, default=1, help="samples per SP group")
     p.add_argument("--sp", type=str, default="1,2,4,8", help="SP sizes, comma-separated")
     p.add_argument(
         "--strategies",
         type=str,
-        default=",".join(DEFAULT_STRATEGIES),
-        help="strategies to compare, comma-separated (default: all)",
+        help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)})",
     )
     p.add_argument("--cluster", default="h100-nvlink-ib", choices=CLUSTERS)
     p.add_argument("--dtype-bytes", type=int, default=2, help="activation bytes (bf16: 2)")
@@ -51,46 +93,235 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def _hw(text: str, scale: int = 1) -> tuple[int, int]:
+# -- sizes per kind of model ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How ``dspzoo plan`` sizes one kind of model: the flags it reads and the
+    :func:`~dspzoo.core.costmodel.workload_for` keywords they give (with a note per size that
+    came from a default, printed under the header)."""
+
+    kind: str
+    flags: tuple[str, ...]
+    sizes: Callable[[Any, argparse.Namespace], tuple[dict[str, Any], list[str]]]
+
+
+def _hw(text: str, scale: int = 1, flag: str = "--size") -> tuple[int, int]:
     h, _, w = text.lower().partition("x")
-    return int(h) // scale, int(w or h) // scale
+    try:
+        return int(h) // scale, int(w or h) // scale
+    except ValueError:
+        raise ValueError(f"{flag} takes H or HxW (e.g. 256 or 128x256), got {text!r}") from None
+
+
+def _video_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    notes = []
+    if args.latent is not None:
+        spatial = _hw(args.latent, flag="--latent")
+    elif args.size is not None:
+        if min(_hw(args.size)) < args.vae_stride:
+            raise ValueError(
+                f"--size {args.size} is smaller than one latent pixel (--vae-stride "
+                f"{args.vae_stride})"
+            )
+        spatial = _hw(args.size, args.vae_stride)
+    else:
+        spatial = tuple(config.input_size)
+        notes.append(f"latent {spatial[0]}x{spatial[1]} (the config's input_size; --size/--latent)")
+    frames = args.frames
+    if frames is None:
+        frames = config.patch[0]
+        notes.append(f"{frames} latent frame(s): an image (--frames for a video)")
+    context = args.context or 0
+    return {"frames": frames, "spatial": spatial, "context": context}, notes
+
+
+def _text_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    if args.seq_len is not None:
+        return {"seq_len": args.seq_len}, []
+    return {"seq_len": config.max_len}, [f"{config.max_len} bytes (the config's max_len)"]
+
+
+def _weather_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    if args.grid is not None and args.latent is not None:
+        raise ValueError("give the weather grid once: --grid (or its alias --latent)")
+    if args.history is not None and args.frames is not None:
+        raise ValueError("give the weather history once: --history (or its alias --frames)")
+    notes = []
+    grid = args.grid if args.grid is not None else args.latent
+    if grid is None:
+        spatial = tuple(config.grid)
+        notes.append(f"grid {spatial[0]}x{spatial[1]} (the config's; --grid)")
+    else:
+        spatial = _hw(grid, flag="--grid")
+    history = args.history if args.history is not None else args.frames
+    if history is None:
+        history = config.history
+        notes.append(f"history {history} (the config's; --history)")
+    return {"frames": history, "spatial": spatial}, notes
+
+
+def _builder_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """Any other family: the sizes as given, for its workload builder to read."""
+    kwargs: dict[str, Any] = {"frames": args.frames, "seq_len": args.seq_len}
+    if args.latent is not None:
+        kwargs["spatial"] = _hw(args.latent, flag="--latent")
+    elif args.size is not None:
+        kwargs["spatial"] = _hw(args.size, args.vae_stride)
+    kwargs["context"] = args.context or 0
+    return kwargs, []
+
+
+VIDEO = Sizing("video", ("frames", "size", "latent", "context"), _video_sizes)
+TEXT = Sizing("text", ("seq_len",), _text_sizes)
+WEATHER = Sizing("weather", ("grid", "history", "latent", "frames"), _weather_sizes)
+PROTEIN = Sizing("protein", ("residues", "msa_depth"), lambda config, args: ({}, []))
+BUILDER = Sizing("zoo", ("frames", "size", "latent", "context", "seq_len"), _builder_sizes)
+SIZINGS = {
+    "stdit": VIDEO,
+    "latte": VIDEO,
+    "bytelm": TEXT,
+    "weathertx": WEATHER,
+    "evoformer": PROTEIN,
+}
+
+
+def sizing_of(family: str) -> Sizing:
+    """The :class:`Sizing` of ``family`` (a family of no known kind: :data:`BUILDER`)."""
+    return SIZINGS.get(family, BUILDER)
+
+
+def _check_flags(name: str, sizing: Sizing, args: argparse.Namespace) -> None:
+    wrong = [f for f in SIZE_FLAGS if getattr(args, f) is not None and f not in sizing.flags]
+    if wrong:
+        own = ", ".join(f"--{f.replace('_', '-')}" for f in sizing.flags)
+        given = ", ".join(f"--{f.replace('_', '-')}" for f in wrong)
+        raise ValueError(
+            f"{name} is a {sizing.kind} model: its sizes are {own} (or --dims name=tokens,...); "
+            f"{given} is not one of them"
+        )
+
+
+def parse_dims(text: str | None) -> dict[str, int]:
+    """``"h=64,w=64"`` → ``{"h": 64, "w": 64}`` (a clear error for anything else)."""
+    dims: dict[str, int] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        dim, sep, value = item.partition("=")
+        dim = dim.strip()
+        try:
+            length = int(value)
+        except ValueError:
+            length = 0
+        if not sep or not dim or length < 1:
+            raise ValueError(f"--dims takes name=tokens pairs like h=64,w=64, got {item!r}")
+        if dim in dims:
+            raise ValueError(f"--dims names {dim!r} twice")
+        dims[dim] = length
+    return dims
+
+
+def with_dims(wl: Workload, dims: dict[str, int]) -> Workload:
+    """``wl`` with the token lengths of the named dims replaced."""
+    unknown = sorted(set(dims) - set(wl.dims))
+    if unknown:
+        raise ValueError(f"{wl.name} has token dims {list(wl.dims)}; --dims names {unknown}")
+    return wl.with_(lengths=tuple(dims.get(d, n) for d, n in zip(wl.dims, wl.lengths)))
+
+
+def _smallest_workload(name: str, **common: Any) -> Workload:
+    """The workload at the smallest sizes a builder accepts (one frame and one pixel, or one
+    token), whose lengths ``--dims`` then replaces: how a family is sized by dim names alone."""
+    errors = []
+    for sizes in ({"frames": 1, "spatial": 1}, {"seq_len": 1}):
+        try:
+            return workload_for(name, **sizes, **common)
+        except ValueError as exc:
+            errors.append(str(exc))
+    raise ValueError("; ".join(errors))
+
+
+def workload_from_args(name: str, config: Any, sizing: Sizing, args: argparse.Namespace):
+    """The :class:`Workload` the flags describe, and the notes on sizes that were defaults."""
+    dims = parse_dims(args.dims)
+    kwargs, notes = sizing.sizes(config, args)
+    common = {"batch": args.batch, "itemsize": args.dtype_bytes}
+    given = any(getattr(args, f) is not None for f in sizing.flags)
+    try:
+        wl = workload_for(name, **kwargs, **common)
+    except ValueError as exc:
+        if sizing is not BUILDER or given or not dims:
+            raise
+        try:
+            wl = _smallest_workload(name, **common)
+        except ValueError:
+            raise exc from None
+        missing = [d for d in wl.dims if d not in dims]
+        if missing:
+            raise ValueError(
+                f"{name} has token dims {list(wl.dims)}: with --dims alone name all of them "
+                f"(missing {missing}), or give its sizes ({exc})"
+            ) from None
+    if dims:  # the lengths --dims sets replace what the defaults gave
+        return with_dims(wl, dims), []
+    return wl, notes
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def _protein(name: str, config: Any, args: argparse.Namespace, sizes: list[int]) -> int:
+    from dspzoo.domains.protein.workload import DEFAULT_MSA_DEPTH, DEFAULT_RESIDUES, plan_table
+
+    if args.strategies and {s.strip() for s in args.strategies.split(",") if s.strip()} != {"dsp"}:
+        raise ValueError(f"{name} runs under the dsp strategy only; drop --strategies")
+    dims = parse_dims(args.dims)
+    unknown = sorted(set(dims) - {"s", "r"})
+    if unknown:
+        raise ValueError(
+            f"{name} has token dims s (MSA rows) and r (residues; the pair's i and j follow it); "
+            f"--dims names {unknown}"
+        )
+    residues = dims.get("r", args.residues or DEFAULT_RESIDUES)
+    msa_depth = dims.get("s", args.msa_depth or DEFAULT_MSA_DEPTH)
+    params = count_parameters(create_model(name, device="meta"))
+    what = "forward pass" if args.inference else "training step"
+    print(
+        f"{name}: {format_count(params)} parameters, batch {args.batch}, MSA (s={msa_depth}, "
+        f"r={residues}) x{config.c_m}, pair (i={residues}, j={residues}) x{config.c_z}, {what}; "
+        f"the Evoformer runs under dsp only: bytes rank 0 sends ({args.dtype_bytes}-byte items)"
+    )
+    print(
+        plan_table(
+            name,
+            config,
+            residues=residues,
+            msa_depth=msa_depth,
+            sp_sizes=sizes,
+            batch=args.batch,
+            itemsize=args.dtype_bytes,
+            training=not args.inference,
+        )
+    )
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the prediction table; bad input raises ``ValueError``/``KeyError`` with the reason."""
-    from .registry import get_config, resolve_name
-
-    config = get_config(resolve_name(args.model))  # clear error for unknown names
-    is_text = hasattr(config, "max_len") or not hasattr(config, "patch")
-    if is_text and args.seq_len is None:
-        raise ValueError(f"{args.model} is a sequence model: give --seq-len")
-    if not is_text and args.seq_len is not None:
-        raise ValueError(f"{args.model} is a video model: give --frames and --size, not --seq-len")
-    if args.size is not None and min(_hw(args.size)) < args.vae_stride:
-        raise ValueError(
-            f"--size {args.size} is smaller than one latent pixel (--vae-stride {args.vae_stride})"
-        )
-    if args.seq_len is not None:
-        wl = workload_for(
-            args.model, batch=args.batch, seq_len=args.seq_len, itemsize=args.dtype_bytes
-        )
-    else:
-        if args.frames is None or (args.size is None and args.latent is None):
-            raise ValueError("a video model needs --frames and --size (or --latent)")
-        spatial = _hw(args.latent) if args.latent else _hw(args.size, args.vae_stride)
-        wl = workload_for(
-            args.model,
-            batch=args.batch,
-            frames=args.frames,
-            spatial=spatial,
-            context=args.context,
-            itemsize=args.dtype_bytes,
-        )
+    name = resolve_name(args.model)  # clear error for unknown names
+    config = get_config(name)
+    sizing = sizing_of(name.split("-", 1)[0])
+    _check_flags(name, sizing, args)
     sizes = [int(s) for s in args.sp.split(",") if s.strip()]
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if sizing is PROTEIN:
+        return _protein(name, config, args, sizes)
+    wl, notes = workload_from_args(name, config, sizing, args)
+    strategies = [s.strip() for s in (args.strategies or "").split(",") if s.strip()]
     rows = predict_table(
         wl,
-        strategies,
+        strategies or list(DEFAULT_STRATEGIES),
         sizes,
         args.cluster,
         dp=args.dp,
@@ -115,9 +346,11 @@ def run(args: argparse.Namespace) -> int:
     dims = ", ".join(f"{d}={n}" for d, n in zip(wl.dims, wl.lengths))
     what = "inference" if args.inference else "training step"
     print(
-        f"{wl.name}: {wl.params / 1e6:.0f}M parameters, batch {wl.batch}, tokens ({dims}), "
+        f"{wl.name}: {format_count(wl.params)} parameters, batch {wl.batch}, tokens ({dims}), "
         f"{what} x{args.steps} on {args.cluster}"
     )
+    for note in notes:
+        print(f"  default size: {note}")
     print(format_table(rows, recommend(rows)))
     return 0
 

@@ -178,17 +178,6 @@ def _build_config(config_cls: type, values: dict[str, Any]) -> Any:
     return config_cls(**{k: _from_json(hints.get(k), v) for k, v in values.items()})
 
 
-def _family_registered(family: str) -> Any:
-    """The family record, importing the zoo's domains first if it is not registered yet."""
-    try:
-        return family_info(family)
-    except KeyError:
-        from .cli import load_domains  # a checkpoint of a built-in family: register them all
-
-        load_domains()
-        return family_info(family)
-
-
 def load_extra(path: str | os.PathLike) -> dict[str, Any]:
     """The ``extra`` settings saved with the checkpoint folder (or shipped name) ``path``."""
     from .shipped import resolve_pretrained
@@ -201,7 +190,7 @@ def load_config(path: str | os.PathLike) -> tuple[str, Any]:
     from .shipped import resolve_pretrained
 
     meta = _read_meta(resolve_pretrained(path))
-    fam = _family_registered(meta["family"])
+    fam = family_info(meta["family"])  # imports the family's module if needed
     return fam.name, _build_config(fam.config_cls, meta["config"])
 
 

@@ -4,6 +4,11 @@ A zoo model is constructed as ``ModelCls(config)`` and keeps ``self.config``. Fu
 are ``"<family>-<config>"``, e.g. ``"stdit-tiny"`` or ``"stdit-720M"``. Lookups ignore case
 (``"stdit-720m"`` finds ``"stdit-720M"``), so names that differ only in case cannot both be
 registered; :func:`resolve_name` gives the registered spelling.
+
+Every lookup sees every family: a name not registered yet makes the registry import the family
+modules (:mod:`~dspzoo.zoo.families`) and look again: dspzoo's domains first, then the
+installed ``dspzoo.families`` entry points and ``DSPZOO_FAMILIES`` (so a broken plugin does not
+stop a built-in model from loading; :func:`list_models` imports them all).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .families import HOW_TO_REGISTER, load_builtin_families, load_families
 
 
 @dataclass
@@ -88,22 +95,29 @@ def _close(name: str, known: list[str]) -> list[str]:
 
 def _family(family: str) -> Family:
     key = _match(family, _FAMILIES)
+    for load in (load_builtin_families, load_families):  # not imported yet: built-in, plugin
+        if key is not None:
+            break
+        load()
+        key = _match(family, _FAMILIES)
     if key is not None:
         return _FAMILIES[key]
     close = _close(family, list(_FAMILIES))
     hint = f"; did you mean {close}?" if close else ""
     raise KeyError(
-        f"unknown model family {family!r}{hint} (registered: {sorted(_FAMILIES)}); families "
-        f"register when their domain is imported, e.g. `import dspzoo.domains.video` or "
-        f"`dspzoo.zoo.cli.load_domains()`"
+        f"unknown model family {family!r}{hint} (registered: {sorted(_FAMILIES)}); "
+        + HOW_TO_REGISTER
     )
 
 
 def family_of(model: nn.Module) -> str:
     """The family name under which ``type(model)`` is registered."""
-    for fam in _FAMILIES.values():
-        if type(model) is fam.model_cls:
-            return fam.name
+    for load in (load_builtin_families, load_families, None):
+        for fam in _FAMILIES.values():
+            if type(model) is fam.model_cls:
+                return fam.name
+        if load is not None:
+            load()
     raise KeyError(f"{type(model).__name__} is not a registered zoo model class")
 
 
@@ -114,6 +128,8 @@ def family_info(family: str) -> Family:
 
 def list_models(family: str | None = None) -> list[str]:
     """All ``family-config`` names, optionally of one family."""
+    if family is None:
+        load_families()
     fams = [_family(family)] if family else list(_FAMILIES.values())
     return sorted(f"{f.name}-{c}" for f in fams for c in f.configs)
 

@@ -1,4 +1,4 @@
-"""Gridded weather/climate fields from any xarray-readable NetCDF or Zarr source.
+"""Gridded weather/climate fields from NetCDF3, NetCDF4/HDF5 or Zarr sources (GRIB with cfgrib).
 
 A *source* is one trajectory of states on a (time, latitude, longitude[, level]) grid, read
 from one file or several merged ones (``uwnd_mean.nc+vwnd_mean.nc``); several sources
@@ -120,30 +120,108 @@ def resolve_sources(spec: str) -> list[list[Path]]:
     return sources
 
 
-def open_file(path: Path) -> Any:
-    """``xarray.open_dataset`` (or ``open_zarr`` for a store) of ``path``, loaded into memory.
+# file formats by their first bytes: what reads each one (xarray engine, the packages it needs)
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+ZARR_MARKERS = (".zarray", ".zgroup", "zarr.json")
+FORMAT_NAMES = {
+    "netcdf3": "NetCDF3 (classic / 64-bit offset)",
+    "cdf5": "NetCDF3 64-bit data (CDF-5)",
+    "netcdf4": "NetCDF4/HDF5",
+    "zarr": "Zarr store",
+    "grib": "GRIB",
+}
+# format -> (xarray engine, packages it needs, pip command) in order of preference
+ENGINES: dict[str, tuple[tuple[str, tuple[str, ...], str], ...]] = {
+    "netcdf3": (("scipy", ("scipy",), "scipy"), ("netcdf4", ("netCDF4",), "netCDF4")),
+    "cdf5": (("netcdf4", ("netCDF4",), "netCDF4"),),
+    "netcdf4": (
+        ("h5netcdf", ("h5netcdf", "h5py"), "h5netcdf h5py"),
+        ("netcdf4", ("netCDF4",), "netCDF4"),
+    ),
+    "zarr": (("zarr", ("zarr",), "zarr"),),
+    "grib": (("cfgrib", ("cfgrib",), "cfgrib"),),
+}
+GRIB_HINT = (
+    "convert it to NetCDF, e.g. with ecCodes `grib_to_netcdf -o out.nc in.grib` or "
+    "`cdo -f nc copy in.grib out.nc`, or install cfgrib (pip install cfgrib, which needs the "
+    "ecCodes library) to read it directly"
+)
 
-    Raises :class:`WeatherDataError` naming the file when it cannot be read (corrupt,
-    truncated, not NetCDF/Zarr, or a calendar that needs ``cftime``).
+
+def file_format(path: Path) -> str | None:
+    """The format of ``path`` by its magic bytes: ``"netcdf3"`` (``CDF\\x01``/``CDF\\x02``),
+    ``"cdf5"`` (``CDF\\x05``), ``"netcdf4"`` (the HDF5 signature at byte 0, 512, 1024 or 2048),
+    ``"grib"`` (``GRIB``), ``"zarr"`` (a directory holding ``.zarray``, ``.zgroup`` or
+    ``zarr.json``), or ``None`` when it is none of them."""
+    path = Path(path)
+    if path.is_dir():
+        return "zarr" if any((path / m).exists() for m in ZARR_MARKERS) else None
+    with open(path, "rb") as f:
+        head = f.read(2056)
+    if head[:4] in (b"CDF\x01", b"CDF\x02"):
+        return "netcdf3"
+    if head[:4] == b"CDF\x05":
+        return "cdf5"
+    if head[:4] == b"GRIB":
+        return "grib"
+    if any(head[o : o + 8] == HDF5_SIGNATURE for o in (0, 512, 1024, 2048)):
+        return "netcdf4"
+    return None
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def engine_for(path: Path, fmt: str) -> str:
+    """The xarray engine that reads ``path`` of format ``fmt``; a :class:`WeatherDataError`
+    naming what to install (or, for GRIB, how to convert) when none is installed."""
+    for engine, modules, _ in ENGINES[fmt]:
+        if all(_installed(m) for m in modules):
+            return engine
+    if fmt == "grib":
+        raise WeatherDataError(f"{path} is a GRIB file, which needs cfgrib: {GRIB_HINT}")
+    options = " or ".join(f"pip install {pip}" for _, _, pip in ENGINES[fmt])
+    raise WeatherDataError(
+        f"{path} is a {FORMAT_NAMES[fmt]} file; reading it needs a package that is not "
+        f"installed: {options}"
+    )
+
+
+def open_file(path: Path) -> Any:
+    """The dataset in ``path`` (a NetCDF3, NetCDF4/HDF5 or GRIB file, or a Zarr store), loaded
+    into memory with the xarray engine its format needs (:func:`file_format`).
+
+    Raises :class:`WeatherDataError` naming the file and its format when it cannot be read: a
+    backend that is not installed (naming the package), a file that is no known format, a
+    corrupt or truncated one, or a calendar that needs ``cftime``.
     """
     import xarray as xr
 
     path = Path(path)
+    fmt = file_format(path)
+    if fmt is None and path.is_dir():
+        raise WeatherDataError(
+            f"{path}: cannot be read: a directory, but not a Zarr store (none of "
+            f"{list(ZARR_MARKERS)} in it)"
+        )
+    if fmt is None:
+        raise WeatherDataError(
+            f"{path}: cannot be read: not a NetCDF3, NetCDF4/HDF5 or GRIB file (its first bytes "
+            f"are no known signature); is it corrupt or truncated?"
+        )
+    engine = engine_for(path, fmt)
     try:
-        if path.is_dir() or path.suffix == ".zarr":
-            ds = xr.open_zarr(path)
-        else:
-            ds = xr.open_dataset(path)
+        ds = xr.open_zarr(path) if fmt == "zarr" else xr.open_dataset(path, engine=engine)
         with ds:
             return ds.load()
     except Exception as exc:  # the backends raise OSError, ValueError, KeyError, ...
         hint = "is it corrupt or truncated?"
         if "cftime" in str(exc):
             hint = "its calendar needs the cftime package: pip install cftime"
-        elif "h5py" in str(exc) or "backend" in str(exc).lower():
-            hint = "NetCDF4 files need h5netcdf with h5py (pip install h5netcdf h5py) or netCDF4"
         raise WeatherDataError(
-            f"{path}: cannot be read as NetCDF/Zarr ({type(exc).__name__}: {exc}); {hint}"
+            f"{path}: cannot be read as {FORMAT_NAMES[fmt]} with xarray's {engine!r} engine "
+            f"({type(exc).__name__}: {exc}); {hint}"
         ) from exc
 
 

@@ -2,7 +2,7 @@
 
 Registered with :func:`dspzoo.core.costmodel.workload.register_workload` by the package, so
 ``workload_for("weathertx-global-1.40625", frames=2, spatial=(128, 256))`` and
-``dspzoo plan weathertx-global-1.40625 --sp 8 --frames 2 --latent 128x256`` describe it.
+``dspzoo plan weathertx-global-1.40625 --sp 8 --history 2 --grid 128x256`` describe it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def weather_workload(
     in docs/weather_model.md).
     """
     if unused.get("seq_len") is not None:
-        raise ValueError(f"{name} is a weather model: give --frames (states) and --latent (grid)")
+        raise ValueError(
+            f"{name} is a weather model: give --history (states) and --grid, not --seq-len"
+        )
     grid = config.grid if spatial is None else spatial
     grid = (grid, grid) if isinstance(grid, int) else tuple(grid)
     history = frames or config.history

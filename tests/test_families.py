@@ -1,0 +1,188 @@
+"""Every entry point sees every family: built-ins without importing a domain, families of an
+installed package (the ``dspzoo.families`` entry point) and of ``DSPZOO_FAMILIES``; loading a
+model does not import the CLI. Each case runs in a fresh interpreter (what is imported matters).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+PLUGIN = '''
+"""A user's model family, registered with dspzoo's public registry API."""
+from dataclasses import dataclass
+
+from torch import nn
+
+from dspzoo.zoo import register_config, register_family
+
+
+@dataclass(frozen=True)
+class WidgetConfig:
+    width: int = 8
+    depth: int = 2
+
+
+class Widget(nn.Module):
+    def __init__(self, config: WidgetConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.Sequential(*(nn.Linear(config.width, config.width) for _ in range(config.depth)))
+
+
+register_family("{family}", Widget, WidgetConfig)
+register_config("{family}", "mini", WidgetConfig())
+register_config("{family}", "wide", WidgetConfig(width=64))
+'''
+
+
+def _python(code: str, *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-c", textwrap.dedent(code)], env=env)
+
+
+def _run(cmd: list[str], *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "DSPZOO_FAMILIES"}
+    full_env.update(env or {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full_env)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _installed_plugin(site: Path, family: str) -> None:
+    """A package ``widgets_pkg`` on ``site`` with the dist-info pip writes for it: METADATA and
+    an ``entry_points.txt`` declaring the ``dspzoo.families`` entry point."""
+    pkg = site / "widgets_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "zoo.py").write_text(PLUGIN.format(family=family))
+    dist = site / "widgets_pkg-0.3.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: widgets-pkg\nVersion: 0.3\n")
+    (dist / "entry_points.txt").write_text("[dspzoo.families]\nwidgets = widgets_pkg.zoo\n")
+
+
+def test_importing_the_zoo_imports_no_domain_and_create_model_finds_builtins() -> None:
+    out = _ok(
+        _python(
+            """
+            import sys
+            import dspzoo.zoo
+            from dspzoo.zoo import create_model, get_config
+            loaded = sorted(m for m in sys.modules if m.startswith("dspzoo.domains"))
+            print("after import:", loaded)
+            model = create_model("evoformer-tiny")
+            print(type(model).__name__, get_config("weathertx-tiny").hidden)
+            print("protein" in str(sorted(sys.modules)))
+            """
+        )
+    )
+    assert "after import: []" in out
+    assert "Evoformer" in out and "\nTrue" in out
+
+
+def test_loading_a_model_does_not_import_the_cli() -> None:
+    out = _ok(
+        _python(
+            """
+            import sys
+            import dspzoo.zoo.pretrained
+            assert "dspzoo.zoo.cli" not in sys.modules, "import"
+            from dspzoo.zoo import from_pretrained
+            model = from_pretrained("weathertx-small-a1b-e1")
+            print(type(model).__name__, sorted(m for m in sys.modules if "cli" in m))
+            """
+        )
+    )
+    assert out.split()[0] == "WeatherTransformer"
+    assert "dspzoo.zoo.cli" not in out and "dspzoo.zoo.run_cli" not in out
+
+
+def test_an_installed_packages_entry_point_reaches_the_cli_and_create_model(
+    tmp_path: Path,
+) -> None:
+    _installed_plugin(tmp_path, "widget")
+    env = {"PYTHONPATH": str(tmp_path)}
+    listing = _ok(_run([sys.executable, "-m", "dspzoo", "list"], env=env))
+    rows = dict(line.split() for line in listing.splitlines())
+    assert rows["widget-mini"] == "144" and rows["widget-wide"] == "8.3K"
+    assert "stdit-tiny" in rows  # the built-ins are still there
+    info = _ok(_run([sys.executable, "-m", "dspzoo", "info", "Widget-Wide"], env=env))
+    assert info.splitlines()[0] == "widget-wide: 8.3K parameters"
+    assert "width                  64" in info
+    built = _ok(
+        _python(
+            """
+            from dspzoo.zoo import count_parameters, create_model
+            print(count_parameters(create_model("widget-mini", depth=3)))
+            """,
+            env=env,
+        )
+    )
+    assert built.strip() == str(3 * (8 * 8 + 8))
+
+
+def test_dspzoo_families_variable_registers_a_scripts_module(tmp_path: Path) -> None:
+    (tmp_path / "my_widget.py").write_text(PLUGIN.format(family="scriptwidget"))
+    env = {"PYTHONPATH": str(tmp_path), "DSPZOO_FAMILIES": " my_widget ,"}
+    out = _ok(
+        _python(
+            """
+            from dspzoo.zoo import create_model, list_models
+            from dspzoo.zoo.cli import main
+            print(type(create_model("scriptwidget-mini")).__name__)
+            main(["info", "scriptwidget-wide"])
+            print("stdit-tiny" in list_models())
+            """,
+            env=env,
+        )
+    )
+    assert out.splitlines() == [
+        "Widget",
+        "scriptwidget-wide: 8.3K parameters",
+        "  width                  64",
+        "  depth                  2",
+        "True",
+    ]
+
+
+def test_unknown_family_says_how_to_register_and_a_broken_plugin_is_named(
+    tmp_path: Path,
+) -> None:
+    env = {"DSPZOO_FAMILIES": "no_such_widgets"}
+    proc = _python(
+        """
+        from dspzoo.zoo import create_model, list_models
+        print(type(create_model("stdit-tiny")).__name__)  # built-ins load despite the plugin
+        try:
+            list_models()
+        except ImportError as exc:
+            print(exc)
+        """,
+        env=env,
+    )
+    lines = _ok(proc).splitlines()
+    assert lines[0] == "STDiT"
+    assert "cannot import module 'no_such_widgets', named by DSPZOO_FAMILIES=" in lines[1]
+    assert "ModuleNotFoundError" in lines[1]
+    proc = _run([sys.executable, "-m", "dspzoo", "info", "widgit-mini"])
+    assert proc.returncode == 2
+    assert "unknown model family 'widgit'" in proc.stderr
+    assert "'dspzoo.families' entry point" in proc.stderr and "DSPZOO_FAMILIES=" in proc.stderr
+    assert "import the domain" not in proc.stderr and "load_domains" not in proc.stderr
+
+
+def test_a_plugin_that_reuses_a_builtin_name_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "clash.py").write_text(PLUGIN.format(family="Toy2D"))  # names ignore case
+    proc = _python(
+        "from dspzoo.zoo import list_models\nlist_models()\n",
+        env={"PYTHONPATH": str(tmp_path), "DSPZOO_FAMILIES": "clash"},
+    )
+    assert proc.returncode != 0
+    assert "named by DSPZOO_FAMILIES='clash'" in proc.stderr
+    assert "is already registered" in proc.stderr

@@ -1,0 +1,192 @@
+"""``dspzoo plan`` for every kind of model, in-process: video (an image by default), text,
+weather (grid and history), protein (residues and MSA depth), any family by ``--dims``, counts
+formatted like ``dspzoo list``, and a clear error for a size the model does not take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from torch import nn
+
+from dspzoo.core.costmodel import StageSpec, Workload, workload_for
+from dspzoo.core.costmodel.workload import register_workload
+from dspzoo.core.plan import Stage
+from dspzoo.core.trace import format_bytes
+from dspzoo.zoo import (
+    count_parameters,
+    create_model,
+    format_count,
+    get_config,
+    register_config,
+    register_family,
+    unregister_family,
+)
+from dspzoo.zoo.plan_cli import main
+
+
+def _plan(capsys, *argv: str) -> list[str]:
+    assert main([*argv, "--sp", "1,2,4"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def _error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--sp", "2"])
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _rows(lines: list[str]) -> dict[tuple[str, str], list[str]]:
+    """``(sp, strategy) -> cells`` of the prediction table."""
+    return {
+        (cells[0], cells[1]): cells
+        for cells in (line.split() for line in lines)
+        if len(cells) > 2 and cells[0].isdigit()
+    }
+
+
+@pytest.mark.parametrize("name", ["weathertx-tiny", "stdit-720M", "latte-3B", "bytelm-tiny"])
+def test_the_header_counts_parameters_as_dspzoo_list_does(capsys, name: str) -> None:
+    header = _plan(capsys, name)[0]
+    count = format_count(count_parameters(create_model(name, device="meta")))
+    assert header.startswith(f"{name}: {count} parameters, batch 1, tokens (")
+    assert count[-1] in "KMB" and "0M parameters" not in header
+
+
+def test_a_video_model_without_frames_is_an_image(capsys) -> None:
+    image = _plan(capsys, "stdit-tiny", "--size", "256")
+    assert "tokens (t=1, s=256)" in image[0]
+    assert "  default size: 1 latent frame(s): an image (--frames for a video)" in image
+    video = _plan(capsys, "stdit-tiny", "--size", "256", "--frames", "8")
+    assert "tokens (t=8, s=256)" in video[0] and not any("default" in x for x in video)
+    bare = _plan(capsys, "latte-tiny")  # the config's latent input_size
+    h, w = get_config("latte-tiny").input_size
+    assert f"tokens (t=1, s={(h // 2) * (w // 2)})" in bare[0]
+
+
+def test_a_text_model_takes_its_sequence_length(capsys) -> None:
+    lines = _plan(capsys, "bytelm-tiny", "--seq-len", "300")
+    assert "tokens (l=300)" in lines[0]
+    default = _plan(capsys, "bytelm-tiny")
+    max_len = get_config("bytelm-tiny").max_len
+    assert f"tokens (l={max_len})" in default[0]
+    assert f"  default size: {max_len} bytes (the config's max_len)" in default
+
+
+def test_a_weather_model_takes_grid_and_history(capsys) -> None:
+    lines = _plan(capsys, "weathertx-tiny", "--grid", "64x128", "--history", "2")
+    assert "tokens (t=2, y=16, x=32)" in lines[0]  # patch 4
+    alias = _plan(capsys, "weathertx-tiny", "--latent", "64x128", "--frames", "2")
+    assert alias == lines
+    default = _plan(capsys, "weathertx-tiny")
+    config = get_config("weathertx-tiny")
+    wl = workload_for("weathertx-tiny", frames=config.history, spatial=config.grid, itemsize=2)
+    assert "tokens (" + ", ".join(f"{d}={n}" for d, n in zip(wl.dims, wl.lengths)) in default[0]
+    assert "  default size: grid 37x49 (the config's; --grid)" in default
+    assert "  default size: history 3 (the config's; --history)" in default
+
+
+def test_a_protein_model_takes_residues_and_msa_depth(capsys) -> None:
+    from dspzoo.domains.protein import evoformer_plan
+
+    lines = _plan(capsys, "evoformer-tiny", "--residues", "64", "--msa-depth", "16")
+    assert lines[0].startswith("evoformer-tiny: 11.8K parameters, batch 1, MSA (s=16, r=64)")
+    assert "pair (i=64, j=64)" in lines[0] and "dsp only" in lines[0]
+    config = get_config("evoformer-tiny")
+    table = {c[0]: c for c in (x.split() for x in lines[3:6])}
+    assert table["1"][1:] == ["0", "0", "B", "0", "B", "0", "B"]
+    for sp in (2, 4):
+        plan = evoformer_plan(config, 64, 16, sp)
+        fwd = plan.bytes_per_period(0, 1, 2, "forward")
+        bwd = plan.bytes_per_period(0, 1, 2, "backward")
+        row = " ".join(table[str(sp)])
+        expected = f"{format_bytes(fwd)} {format_bytes(bwd)} {format_bytes(2 * (fwd + bwd))}"
+        assert row == f"{sp} {plan.switches_per_period} {expected}"
+    assert any(x.startswith("DSP multi-activation plan over m[s=16, r=64]") for x in lines)
+    by_dims = _plan(capsys, "evoformer-tiny", "--dims", "s=16,r=64")
+    assert by_dims == lines
+    assert "(s=128, r=256)" in _plan(capsys, "evoformer-tiny")[0]  # AF2's training crop
+
+
+def test_dims_size_any_family_by_name(capsys) -> None:
+    by_dims = _plan(capsys, "axial3d-tiny", "--dims", "t=8,h=16,w=16")
+    by_flags = _plan(capsys, "axial3d-tiny", "--frames", "8", "--latent", "32")  # patch 2
+    assert by_dims == by_flags and "tokens (t=8, h=16, w=16)" in by_dims[0]
+    partial = _plan(capsys, "axial3d-tiny", "--frames", "8", "--latent", "32", "--dims", "h=5")
+    assert "tokens (t=8, h=5, w=16)" in partial[0]
+    toy = _plan(capsys, "toy2d-tiny", "--dims", "t=8,s=32")
+    assert "tokens (t=8, s=32)" in toy[0]
+    assert _rows(toy)[("4", "dsp")] != _rows(_plan(capsys, "toy2d-tiny"))[("4", "dsp")]
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    hidden: int = 32
+    heads: int = 4
+    depth: int = 2
+    patch: int = 4
+
+
+class ImageModel(nn.Module):
+    def __init__(self, config: ImageConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.proj = nn.Linear(config.hidden, config.hidden)
+
+
+STAGES = (Stage("rows", ("w",)), Stage("cols", ("h",)), Stage("mlp"))
+
+
+def _image_workload(name, config, *, spatial=None, batch=1, itemsize=4, params=0, **_):
+    if spatial is None:
+        raise ValueError(f"{name} needs --latent (the image size in pixels)")
+    h, w = (spatial, spatial) if isinstance(spatial, int) else spatial
+    layer = (
+        StageSpec(STAGES[0], attention=("w",), adaln=False),
+        StageSpec(STAGES[1], attention=("h",), adaln=False),
+        StageSpec(STAGES[2], mlp=True, adaln=False),
+    )
+    lengths = (h // config.patch, w // config.patch)
+    return Workload(name, "planimage", batch, ("h", "w"), lengths, config.hidden, config.heads,
+                    config.heads, 4 * config.hidden, (layer,) * config.depth, STAGES, 3, 3,
+                    params=params, itemsize=itemsize)  # fmt: skip
+
+
+def test_a_users_image_model_is_planned_by_its_own_dim_names(capsys) -> None:
+    register_family("planimage", ImageModel, ImageConfig)
+    register_config("planimage", "tiny", ImageConfig())
+    register_workload("planimage", _image_workload)
+    try:
+        by_dims = _plan(capsys, "planimage-tiny", "--dims", "h=64,w=64")
+        assert by_dims[0].startswith(
+            "planimage-tiny: 1.1K parameters, batch 1, tokens (h=64, w=64)"
+        )
+        assert by_dims == _plan(capsys, "planimage-tiny", "--latent", "256")
+        assert "missing ['w']" in _error(capsys, "planimage-tiny", "--dims", "h=64")
+    finally:
+        unregister_family("planimage")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["weathertx-tiny", "--seq-len", "64"],
+            "weathertx-tiny is a weather model: its sizes are --grid, --history, --latent, "
+            "--frames (or --dims name=tokens,...); --seq-len is not one of them",
+        ),
+        (["bytelm-tiny", "--frames", "4"], "bytelm-tiny is a text model: its sizes are --seq-len"),
+        (["evoformer-tiny", "--grid", "8x8"], "evoformer-tiny is a protein model"),
+        (["stdit-tiny", "--dims", "q=3"], "stdit-tiny has token dims ['t', 's']; --dims names"),
+        (["stdit-tiny", "--dims", "t=0"], "--dims takes name=tokens pairs like h=64,w=64"),
+        (["stdit-tiny", "--dims", "t=2,t=3"], "--dims names 't' twice"),
+        (["weathertx-tiny", "--grid", "big"], "--grid takes H or HxW"),
+        (["evoformer-tiny", "--strategies", "ring"], "runs under the dsp strategy only"),
+        (["evoformer-tiny", "--dims", "i=8"], "the pair's i and j follow it); --dims names ['i']"),
+        (["axial3d-tiny", "--dims", "t=8"], "name all of them (missing ['h', 'w'])"),
+        (["latte1-tiny"], "the cost model does not describe the 'latte1' family yet"),
+    ],
+)
+def test_sizes_a_model_does_not_take_are_refused_by_name(capsys, argv, message) -> None:
+    assert message in _error(capsys, *argv)
