@@ -13,7 +13,7 @@ layout, logging, progress and the end of the run are the Trainer's::
         def build_data(self): ...                    # the training dataset
         def build_model(self): ...                   # seeded: identical on every rank
         def loss(self, model, batch, step, sp): ...  # keyed randomness from (seed, step, sample)
-        def evaluate(self, model, sp): ...           # the held-out figures
+        def evaluate(self, model, sp, step): ...     # the held-out figures
         def final_extra(self, history, evals, figures): ...   # saved beside the weights
 
 The Trainer sets :attr:`accelerator`, :attr:`mesh`, :attr:`sp` and :attr:`output_dir` before it
@@ -110,9 +110,9 @@ class Task:
         """Tokens the model sees per sample, for tokens/s (``model``: the unwrapped one)."""
         return 1
 
-    def evaluate(self, model: torch.nn.Module, sp: Any) -> Any:
-        """Held-out figures (every rank takes part; ``model`` is unwrapped). ``None`` (the
-        default, not overridden): the domain has no evaluation."""
+    def evaluate(self, model: torch.nn.Module, sp: Any, step: int) -> Any:
+        """Held-out figures after ``step`` (every rank takes part; ``model`` is unwrapped).
+        Not overridden: the domain has no evaluation."""
         return None
 
     def has_evaluation(self) -> bool:

@@ -127,7 +127,7 @@ class Trainer:
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, step: int) -> Any:
         """The task's evaluation at ``step`` (every rank), kept in the evaluation history."""
-        figures = self.task.evaluate(self.raw_model, self.sp)
+        figures = self.task.evaluate(self.raw_model, self.sp, step)
         self.evals = [e for e in self.evals if e[0] != step]
         self.evals.append([step, self.task.eval_summary(figures)])
         if step == self.cfg.steps:
