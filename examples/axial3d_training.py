@@ -1,10 +1,11 @@
 """Training :mod:`dspzoo.examples.axial3d` to predict the next frame of the moving-shapes clips.
 
-The whole recipe a new model needs, on the shared pieces (``core/runconfig.py`` flags,
-``core/loop.py`` loop, ``core/tensor_parallel_training.py`` for ``megatron_sp``): every rank of
-an SP group gets the same clips (:func:`~dspzoo.core.sp_dataloader`), the model shards them
-inside its forward and gathers the prediction, each rank takes the (replicated) loss, and DDP
-averages gradients over dp × sp — the gradient contract of ``docs/gradient_contract.md``.
+The whole recipe a new model needs is a :class:`~dspzoo.core.train.Task` — data, model, loss,
+evaluation — and the :class:`~dspzoo.core.train.Trainer` does the rest (flags, mesh, gradient
+synchronisation, checkpoints, resume): every rank of an SP group gets the same clips
+(:func:`~dspzoo.core.sp_dataloader`), the model shards them inside its forward and gathers the
+prediction, each rank takes the (replicated) loss, and DDP averages gradients over dp × sp —
+the gradient contract of ``docs/gradient_contract.md``.
 
 The loss is the mean squared error of the predicted frames ``1 … T−1`` against the true ones;
 the evaluation compares it with copying the last frame (what a model that learnt nothing of
@@ -13,8 +14,6 @@ motion would do).
 
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,24 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from dspzoo.core.checkpoint import save_checkpoint
-from dspzoo.core.configflags import flag
-from dspzoo.core.loop import LoopSettings, run_training_loop
-from dspzoo.core.loss import world_report
-from dspzoo.core.resume import layout_of, resume_from
-from dspzoo.core.runconfig import (
-    RunConfig,
-    load_initial_weights,
-    start_run,
-    train_loader,
-    warmup_cosine,
-)
-from dspzoo.core.tensor_parallel_training import TensorParallelTraining
+from dspzoo.core.train import RunConfig, Task, flag, load_initial_weights, train_task
 from dspzoo.domains.video.data import MovingShapesConfig, MovingShapesDataset
 
 from . import axial3d  # noqa: F401  (registers the axial3d family)
-
-logger = logging.getLogger("dspzoo.axial3d.train")
 
 
 @dataclass
@@ -88,61 +73,54 @@ def evaluate(model: torch.nn.Module, sp: Any, cfg: Axial3DTrainConfig) -> dict[s
     return {"mse": mse, "copy_last_frame_mse": next_frame_loss(video, video).item()}
 
 
+class Axial3DTask(Task):
+    """Next-frame prediction of moving shapes: the example's part of a training run."""
+
+    config_type = Axial3DTrainConfig
+    name = "axial3d"
+    loss_name = "mse"
+    cfg: Axial3DTrainConfig
+
+    def build_data(self) -> Dataset:
+        return NextFrameShapes(self.cfg.frames, self.cfg.size, 4096, seed=0)
+
+    def build_model(self) -> torch.nn.Module:
+        from dspzoo.zoo import create_model
+
+        with torch.random.fork_rng(devices=[]):  # weights from --seed alone, on every rank
+            torch.manual_seed(self.cfg.seed)
+            return load_initial_weights(create_model(self.cfg.model), self.cfg)
+
+    def tokens_per_sample(self, model: torch.nn.Module) -> int:
+        return self.cfg.frames * self.cfg.size**2  # pixels
+
+    def loss(self, model: torch.nn.Module, batch: dict, step: int, sp: Any) -> torch.Tensor:
+        video = batch["video"]
+        return next_frame_loss(model(video, sp=sp), video)
+
+    def evaluates_at(self, step: int) -> bool:
+        return step == self.cfg.steps  # the held-out table of the final model only
+
+    def evaluate(self, model: torch.nn.Module, sp: Any, step: int) -> dict[str, float]:
+        return evaluate(model, sp, self.cfg)
+
+    def log_evaluation(self, step: int, figures: dict[str, float]) -> None:
+        self.logger.info("held-out next-frame MSE %.4f (copy last frame: %.4f)",
+                         figures["mse"], figures["copy_last_frame_mse"])  # fmt: skip
+
+    def final_extra(self, history: list[float], evals: list, figures: Any) -> dict[str, Any]:
+        return {"eval": figures}
+
+    def history_record(self, history: list[float], evals: list) -> dict[str, Any]:
+        return {"mse": history, "eval": evals[-1][1] if evals else {}}
+
+    def result_extra(self, figures: Any) -> dict[str, Any]:
+        return {"eval": figures or {}}
+
+
 def train(cfg: Axial3DTrainConfig) -> dict:
-    """Run (or resume) training; returns ``{"losses", "eval", "output_dir", "is_main"}``."""
-    from dspzoo.zoo import create_model, save_pretrained
-
-    accelerator, mesh, sp, output_dir = start_run(cfg)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = load_initial_weights(create_model(cfg.model), cfg)  # --init-from: a fine-tune
-    tp = TensorParallelTraining(accelerator, mesh, sp)
-    model = tp.shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
-    model, optimizer = tp.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    data = NextFrameShapes(cfg.frames, cfg.size, 4096, seed=0)
-    loader = train_loader(cfg, data, mesh)
-    ckpt_dir, start, history = output_dir / "checkpoints", 0, []
-    if cfg.resume:
-        progress = resume_from(accelerator, mesh, cfg.resume, ckpt_dir, cfg.seed, {})
-        start, history = int(progress["step"]), list(progress["loss_history"])
-
-    def step_fn(batch: dict, step: int, meter: Any) -> float:
-        video = batch["video"].to(accelerator.device)
-        with accelerator.autocast():
-            loss = next_frame_loss(model(video, sp=sp), video)
-        accelerator.backward(loss)
-        tp.sync_and_clip(model, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return world_report(loss)
-
-    def save(step: int, losses: list[float]) -> None:
-        progress = {"layout": layout_of(mesh), "loss_history": losses}
-        save_checkpoint(accelerator, ckpt_dir, step, progress, keep=cfg.keep_checkpoints)
-
-    settings = LoopSettings.of_run(cfg, start, cfg.global_batch * cfg.frames * cfg.size**2, "mse")
-    session = run_training_loop(
-        settings, loader, step_fn, save, model.parameters, history, mesh.is_main, logger,
-        lambda: scheduler.get_last_lr()[0],
-    )  # fmt: skip
-    raw = accelerator.unwrap_model(model)
-    figures = evaluate(raw, sp, cfg) if session.step >= cfg.steps else {}
-    final = tp.full_model(raw) if figures else None  # collective
-    if mesh.is_main:
-        if final is not None:
-            save_pretrained(
-                final, output_dir / "final", config_name=cfg.model, extra={"eval": figures}
-            )
-            logger.info("held-out next-frame MSE %.4f (copy last frame: %.4f)",
-                        figures["mse"], figures["copy_last_frame_mse"])  # fmt: skip
-        losses = {"mse": history + session.losses, "eval": figures}
-        (output_dir / "losses.json").write_text(json.dumps(losses))
-    return {"losses": session.losses, "eval": figures, "output_dir": str(output_dir),
-            "is_main": mesh.is_main}  # fmt: skip
+    """Run (or resume) training; returns ``{"losses", "eval", "output_dir", "is_main", ...}``."""
+    return train_task(Axial3DTask(cfg))
 
 
 @torch.no_grad()

@@ -142,7 +142,7 @@ def test_resume_continues_the_loss_sequence(reference, tmp_path: Path) -> None:
 def test_keeps_the_newest_checkpoints(tmp_path: Path) -> None:
     train(_config(tmp_path, steps=5, save_every=1, keep_checkpoints=2))
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert kept == ["step_3", "step_4"]
+    assert kept == ["step_4", "step_5"]  # the last step is always checkpointed
 
 
 def test_short_runs_report_a_throughput(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ with draws keyed by ``(seed, step, global sample index)``
 SP group, independent of the dp × sp layout, and exact after a resume at any layout. The model
 enters the sharded region itself and returns the gathered distogram; every rank takes the same
 distogram cross-entropy (a loss on replicated outputs, the gradient contract of
-:mod:`dspzoo.core.loss`), and DDP averages gradients over dp × sp.
+:mod:`dspzoo.core.loss`), and DDP averages gradients over dp × sp (the Trainer's one policy,
+:mod:`dspzoo.core.train.sync`).
 
 Evaluation (``--eval-every`` and at the end) runs the held-out chains whole (up to
 ``--eval-max-length`` residues) and reports their mean top-L/5 long-range contact precision
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,24 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dspzoo.core import SavedTensorMeter
-from dspzoo.core.checkpoint import save_checkpoint
-from dspzoo.core.configflags import check_values, flag
-from dspzoo.core.loop import LoopSettings, run_training_loop
-from dspzoo.core.loss import world_report
-from dspzoo.core.methods.megatron import megatron_grad_sync
-from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import mix_key
-from dspzoo.core.runconfig import (
-    RunConfig,
-    load_initial_weights,
-    start_run,
-    train_loader,
-    warmup_cosine,
-)
 from dspzoo.core.strategies import STRATEGIES
-from dspzoo.core.tensor_parallel_training import TensorParallelTraining
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.train import (
+    RunConfig,
+    Task,
+    check_values,
+    flag,
+    load_initial_weights,
+    train_task,
+)
 
 from .dataset import (
     BUILTIN_DATA,
@@ -65,8 +57,6 @@ from .metrics import (
     separation_baseline,
     write_contact_png,
 )
-
-logger = logging.getLogger("dspzoo.protein.train")
 
 
 @dataclass
@@ -102,7 +92,9 @@ class ProteinTrainConfig(RunConfig):
         100, "evaluate on the held-out chains every n steps (0: only at the end)"
     )
     eval_max_length: int = flag(256, "held-out chains are cropped to their first n residues")
-    save_every: int = flag(100, "save a checkpoint every n steps (0: only at --stop-after)")
+    save_every: int = flag(
+        100, "save a checkpoint every n steps (0: only at --stop-after and the last step)"
+    )
 
     def validate(self) -> None:
         """Raise a clear ``ValueError`` for values no run can use."""
@@ -168,157 +160,6 @@ def prediction_settings(cfg: ProteinTrainConfig, held_out: list[str]) -> dict[st
         "eval_max_length": cfg.eval_max_length,
         "held_out": held_out,
     }
-
-
-@dataclass
-class TrainingRun:
-    """The live objects of one training session."""
-
-    cfg: ProteinTrainConfig
-    accelerator: Any
-    mesh: Any
-    sp: Any
-    model: torch.nn.Module
-    raw_model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    tp: TensorParallelTraining
-    loader: Any
-    held_out: ProteinDataset
-    output_dir: Path
-
-    @property
-    def batch_per_dp(self) -> int:
-        return self.cfg.global_batch // self.mesh.dp_size
-
-
-def prepare_without_ddp(
-    accelerator: Any, tp: TensorParallelTraining, model: torch.nn.Module, optimizer: Any
-) -> tuple[torch.nn.Module, Any]:
-    """``accelerator.prepare`` without DDP: gradients are averaged over dp × sp after the
-    backward pass (:func:`sync_and_clip`), not during it.
-
-    DDP all-reduces gradient buckets asynchronously while the backward pass runs; the
-    Evoformer's backward issues its own collectives on the SP group, which is the world group
-    when there is one SP group, and the two interleave differently on different ranks (gloo
-    then fails with "Received data size doesn't match expected size", intermittently).
-    """
-    if tp.active:  # megatron_sp shards the weights: its own prepare (no DDP either)
-        return tp.prepare(model, optimizer)
-    model = accelerator.prepare_model(model, evaluation_mode=True)
-    return model, accelerator.prepare_optimizer(optimizer)
-
-
-def sync_and_clip(run: TrainingRun) -> None:
-    """After ``backward``: every gradient becomes the dp × sp mean, then the global norm is
-    clipped to ``--grad-clip``."""
-    if run.tp.active:
-        run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
-        return
-    megatron_grad_sync(run.raw_model, run.mesh)  # no sharded weights: a plain world mean
-    if run.cfg.grad_clip:
-        run.accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
-
-
-def setup_run(cfg: ProteinTrainConfig) -> TrainingRun:
-    """Accelerator, mesh, SP context, data, model, optimizer and schedule for ``cfg``."""
-    accelerator, mesh, sp, output_dir = start_run(cfg)
-    train_data, held_out = build_datasets(cfg)
-    tp = TensorParallelTraining(accelerator, mesh, sp)
-    model = tp.shard(build_model(cfg))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
-    # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
-    model, optimizer = prepare_without_ddp(accelerator, tp, model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    loader = train_loader(cfg, train_data, mesh, collate_fn=keep_as_list)
-    if mesh.is_main:
-        logger.info(
-            "data %s: %d training chains, %d held-out chains (%s)",
-            data_folder(cfg.data),
-            len(train_data),
-            len(held_out),
-            ", ".join(held_out.names),
-        )
-    return TrainingRun(
-        cfg=cfg,
-        accelerator=accelerator,
-        mesh=mesh,
-        sp=sp,
-        model=model,
-        raw_model=accelerator.unwrap_model(model),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        tp=tp,
-        loader=loader,
-        held_out=held_out,
-        output_dir=output_dir,
-    )
-
-
-def restore(run: TrainingRun) -> tuple[int, list[float], list[list]]:
-    """Load ``--resume``'s checkpoint (from any layout); returns ``(step, loss history,
-    evaluation history)`` up to that step."""
-    cfg = run.cfg
-    progress = resume_from(
-        run.accelerator,
-        run.mesh,
-        cfg.resume,
-        run.output_dir / "checkpoints",
-        cfg.seed,
-        {k: getattr(cfg, k) for k in ("global_batch", "seed", "crop_size", "max_msa_rows")},
-    )
-    step = int(progress["step"])
-    evals = [e for e in progress.get("evals", []) if e[0] <= step]
-    return step, list(progress.get("loss_history", []))[:step], evals
-
-
-def first_sample(run: TrainingRun, step: int) -> int:
-    """Global index of this DP group's first sample at ``step``."""
-    return step * run.cfg.global_batch + run.mesh.dp_rank * run.batch_per_dp
-
-
-def step_batch(run: TrainingRun, samples: list[Sample], step: int) -> dict[str, torch.Tensor]:
-    """This DP group's batch of ``step``: keyed crops and MSA rows of its samples."""
-    first = first_sample(run, step)
-    batch = training_batch(
-        samples,
-        run.cfg.seed,
-        step,
-        range(first, first + len(samples)),
-        run.cfg.crop_size,
-        run.cfg.max_msa_rows,
-    )
-    return {k: v.to(run.accelerator.device) for k, v in batch.items()}
-
-
-def training_step(
-    run: TrainingRun, samples: list[Sample], step: int, meter: SavedTensorMeter | None
-) -> float:
-    """One optimisation step on this DP group's samples; returns the global-batch loss."""
-    batch = step_batch(run, samples, step)
-    run.model.train()
-    with run.accelerator.autocast():
-        with meter if meter is not None else contextlib.nullcontext():
-            out = run.model(
-                batch,
-                sp=run.sp,
-                num_recycles=run.cfg.num_recycles,
-                rng_key=mix_key(run.cfg.seed, step, "evoformer-dropout"),
-                batch_offset=first_sample(run, step),
-            )
-        loss = distogram_loss(
-            out["distogram_logits"],
-            batch["pseudo_beta"],
-            batch["pseudo_beta_mask"],
-            run.raw_model.config,
-        )
-    run.accelerator.backward(loss)
-    sync_and_clip(run)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    return world_report(loss)
 
 
 @torch.no_grad()
@@ -392,131 +233,120 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def evaluate(run: TrainingRun, step: int) -> dict[str, float]:
-    """Held-out figures at ``step``: DP group ``d`` scores chains ``d, d + dp, …``; the records
-    are gathered on every rank. The first rank of each DP group writes its chains' PNGs under
-    ``<output-dir>/contact_maps/step_<step>/``."""
-    mine = run.held_out.samples[run.mesh.dp_rank :: run.mesh.dp_size]
-    png_dir = run.output_dir / "contact_maps" / f"step_{step}"
-    writes = run.mesh.sp_rank == 0
-    records = evaluate_samples(
-        run.raw_model,
-        mine,
-        run.sp,
-        run.cfg.num_recycles,
-        run.cfg.eval_max_length,
-        png_dir if writes else None,
-        run.accelerator.autocast,
-    )
-    if dist.is_available() and dist.is_initialized() and run.mesh.dp_size > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, records if writes else [])
-        records = [r for part in gathered for r in part]
-    return summarise(records)
+class ProteinTask(Task):
+    """Distogram training of the Evoformer: the protein domain's part of a training run."""
 
+    config_type = ProteinTrainConfig
+    name = "protein"
+    loss_name = "distogram loss"
+    run_settings = ("global_batch", "seed", "crop_size", "max_msa_rows")
+    cfg: ProteinTrainConfig
 
-def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
-    """Save a resumable checkpoint at ``step`` with the layout and the histories."""
-    cfg = run.cfg
-    progress = {
-        "seed": cfg.seed,
-        "global_batch": cfg.global_batch,
-        "crop_size": cfg.crop_size,
-        "max_msa_rows": cfg.max_msa_rows,
-        "model": cfg.model,
-        "layout": layout_of(run.mesh),
-        "loss_history": history,
-        "evals": evals,
-    }
-    save_checkpoint(
-        run.accelerator, run.output_dir / "checkpoints", step, progress, keep=cfg.keep_checkpoints
-    )
+    def build_data(self) -> ProteinDataset:
+        train_data, self.held_out = build_datasets(self.cfg)
+        if self.mesh.is_main:
+            self.logger.info(
+                "data %s: %d training chains, %d held-out chains (%s)",
+                data_folder(self.cfg.data),
+                len(train_data),
+                len(self.held_out),
+                ", ".join(self.held_out.names),
+            )
+        return train_data
 
+    def loader_options(self) -> dict[str, Any]:
+        return {"collate_fn": keep_as_list}  # cropped per step in loss()
 
-def finish(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
-    """Save the final model (with the prediction settings and the last evaluation) when the run
-    is complete; write the histories."""
-    run.accelerator.wait_for_everyone()
-    complete = step >= run.cfg.steps
-    final = run.tp.full_model(run.raw_model) if complete else None  # every rank: gathered
-    if not run.mesh.is_main:
-        return
-    if complete:
-        from dspzoo.zoo import save_pretrained
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg)
 
-        protein = prediction_settings(run.cfg, run.held_out.names)
-        training = {"steps": step, "train_loss": history[-1] if history else None}
-        evaluation = evals[-1][1] if evals else None
-        save_pretrained(
-            final,
-            run.output_dir / "final",
-            config_name=run.cfg.model,
-            extra={"protein": protein, "training": training, "evaluation": evaluation},
+    def tokens_per_sample(self, model: torch.nn.Module) -> int:
+        return self.cfg.crop_size
+
+    def step_batch(self, samples: list[Sample], step: int) -> dict[str, torch.Tensor]:
+        """This DP group's batch of ``step``: keyed crops and MSA rows of its samples."""
+        first = self.first_sample(step)
+        batch = training_batch(
+            samples,
+            self.cfg.seed,
+            step,
+            range(first, first + len(samples)),
+            self.cfg.crop_size,
+            self.cfg.max_msa_rows,
         )
-    (run.output_dir / "losses.json").write_text(
-        json.dumps({"train_loss": history, "evals": evals}, indent=1)
-    )
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def loss(
+        self, model: torch.nn.Module, samples: list[Sample], step: int, sp: Any
+    ) -> torch.Tensor:
+        """The distogram cross-entropy of the (replicated) output; crops, MSA rows and dropout
+        keyed by ``(seed, step, global sample index)``."""
+        batch = self.step_batch(samples, step)
+        out = model(
+            batch,
+            sp=sp,
+            num_recycles=self.cfg.num_recycles,
+            rng_key=mix_key(self.cfg.seed, step, "evoformer-dropout"),
+            batch_offset=self.first_sample(step),
+        )
+        config = self.accelerator.unwrap_model(model).config
+        return distogram_loss(
+            out["distogram_logits"], batch["pseudo_beta"], batch["pseudo_beta_mask"], config
+        )
+
+    def evaluate(self, model: torch.nn.Module, sp: Any, step: int) -> dict[str, float]:
+        """Held-out figures: DP group ``d`` scores chains ``d, d + dp, …``; the records are
+        gathered on every rank. The first rank of each DP group writes its chains' PNGs under
+        ``<output-dir>/contact_maps/step_<step>/``."""
+        mesh = self.mesh
+        mine = self.held_out.samples[mesh.dp_rank :: mesh.dp_size]
+        png_dir = self.output_dir / "contact_maps" / f"step_{step}"
+        writes = mesh.sp_rank == 0
+        records = evaluate_samples(
+            model,
+            mine,
+            sp,
+            self.cfg.num_recycles,
+            self.cfg.eval_max_length,
+            png_dir if writes else None,
+            self.accelerator.autocast,
+        )
+        if dist.is_available() and dist.is_initialized() and mesh.dp_size > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, records if writes else [])
+            records = [r for part in gathered for r in part]
+        return summarise(records)
+
+    def log_evaluation(self, step: int, figures: dict[str, float]) -> None:
+        self.logger.info(
+            "step %d held-out (%d chains): top-L/5 long-range contact precision %.3f "
+            "(separation-only baseline %.3f, contact density %.3f), distogram loss %.3f",
+            step,
+            int(figures["chains"]),
+            figures["precision"],
+            figures["baseline_separation"],
+            figures["contact_density"],
+            figures["distogram_loss"],
+        )
+
+    def final_extra(self, history: list[float], evals: list, figures: Any) -> dict[str, Any]:
+        return {
+            "protein": prediction_settings(self.cfg, self.held_out.names),
+            "training": {"steps": self.cfg.steps, "train_loss": history[-1] if history else None},
+            "evaluation": evals[-1][1] if evals else None,
+        }
+
+    def history_record(self, history: list[float], evals: list) -> dict[str, Any]:
+        return {"train_loss": history, "evals": evals}
 
 
 def train(cfg: ProteinTrainConfig) -> dict:
-    """Run (or resume) training. Returns on every rank::
+    """Run (or resume) training (:class:`~dspzoo.core.train.Trainer`). Returns on every rank::
 
     {"losses": this session's losses, "loss_history": all from step 1,
      "evals": [[step, {figures}], ...], "activation_bytes": ..., "output_dir": ..., "is_main": ...}
     """
-    run = setup_run(cfg)
-    start_step, history, evals = restore(run) if cfg.resume else (0, [], [])
-
-    def evaluate_now(step: int) -> None:
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            figures = evaluate(run, step)
-            evals.append([step, figures])
-            if run.mesh.is_main:
-                logger.info(
-                    "step %d held-out (%d chains): top-L/5 long-range contact precision %.3f "
-                    "(separation-only baseline %.3f, contact density %.3f), distogram loss %.3f",
-                    step,
-                    int(figures["chains"]),
-                    figures["precision"],
-                    figures["baseline_separation"],
-                    figures["contact_density"],
-                    figures["distogram_loss"],
-                )
-
-    settings = LoopSettings.of_run(
-        cfg, start_step, cfg.global_batch * cfg.crop_size, "distogram loss"
-    )
-    session = run_training_loop(
-        settings,
-        run.loader,
-        lambda samples, step, meter: training_step(run, samples, step, meter),
-        lambda step, losses: checkpoint(run, step, losses, evals),
-        run.model.parameters,
-        history,
-        run.mesh.is_main,
-        logger,
-        lambda: run.scheduler.get_last_lr()[0],
-        after_step=evaluate_now,
-    )
-    history = history + session.losses
-    finish(run, session.step, history, evals)
-    if run.mesh.is_main and session.timings:
-        logger.info(
-            "done: %d steps, %.2f s/step, activation memory/rank %s (SP %d, %s)",
-            session.step,
-            mean_step_time(session.timings),
-            format_bytes(session.activation_bytes),
-            run.mesh.sp_size,
-            cfg.sp_strategy,
-        )
-    return {
-        "losses": session.losses,
-        "loss_history": history,
-        "evals": evals,
-        "activation_bytes": session.activation_bytes,
-        "output_dir": str(run.output_dir),
-        "is_main": run.mesh.is_main,
-    }
+    return train_task(ProteinTask(cfg))
 
 
 def held_out_of(settings: dict[str, Any]) -> ProteinDataset:

@@ -17,39 +17,27 @@ per byte (cross-entropy / ln 2); ``--eval-every`` measures bits per byte on held
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dspzoo.core import SavedTensorMeter
-from dspzoo.core.checkpoint import save_checkpoint
-from dspzoo.core.configflags import check_values, flag
-from dspzoo.core.loop import LoopSettings, run_training_loop
-from dspzoo.core.loss import world_report
-from dspzoo.core.resume import layout_of, mean_step_time, resume_from
-from dspzoo.core.runconfig import (
-    RunConfig,
-    load_initial_weights,
-    start_run,
-    train_loader,
-    warmup_cosine,
-)
 from dspzoo.core.strategies import STRATEGIES
-from dspzoo.core.tensor_parallel_training import TensorParallelTraining
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.train import (
+    RunConfig,
+    Task,
+    check_values,
+    flag,
+    load_initial_weights,
+    train_task,
+)
 
 from .data import ByteWindows, resolve_data
 from .model import lm_loss
 
-logger = logging.getLogger("dspzoo.text.train")
 LN2 = math.log(2.0)
 
 
@@ -89,7 +77,9 @@ class TextTrainConfig(RunConfig):
     val_fraction: float = flag(0.05, "share of the data, at its end, held out for validation")
     eval_every: int = flag(100, "measure validation bits per byte every n steps (0: off)")
     eval_windows: int = flag(32, "held-out windows per validation (the first ones)")
-    save_every: int = flag(200, "save a checkpoint every n steps (0: only at --stop-after)")
+    save_every: int = flag(
+        200, "save a checkpoint every n steps (0: only at --stop-after and the last step)"
+    )
 
     def validate(self) -> None:
         """Raise a clear ``ValueError`` for values no run can use."""
@@ -98,32 +88,6 @@ class TextTrainConfig(RunConfig):
 
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-
-
-@dataclass
-class TrainingRun:
-    """The live objects of one training session."""
-
-    cfg: TextTrainConfig
-    accelerator: Any
-    mesh: Any
-    sp: Any
-    model: torch.nn.Module
-    raw_model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    tp: TensorParallelTraining
-    loader: Any
-    val_data: ByteWindows
-    output_dir: Path
-
-    @property
-    def batch_per_dp(self) -> int:
-        return self.cfg.global_batch // self.mesh.dp_size
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.global_batch * self.cfg.seq_len
 
 
 def build_model(cfg: TextTrainConfig) -> torch.nn.Module:
@@ -151,196 +115,96 @@ def build_optimizer(model: torch.nn.Module, cfg: TextTrainConfig) -> torch.optim
     return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
 
 
-def setup_run(cfg: TextTrainConfig) -> TrainingRun:
-    """Accelerator, mesh, SP context, data, model, optimizer and schedule for ``cfg``."""
-    accelerator, mesh, sp, output_dir = start_run(cfg)
-    path = resolve_data(cfg.data)
-    train_data = ByteWindows(path, cfg.seq_len, "train", cfg.val_fraction)
-    val_data = ByteWindows(path, cfg.seq_len, "val", cfg.val_fraction)
-    tp = TensorParallelTraining(accelerator, mesh, sp)  # weight sharding (megatron_sp) or not
-    model = tp.shard(build_model(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
-    # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
-    model, optimizer = tp.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    loader = train_loader(cfg, train_data, mesh, device=accelerator.device)
-    return TrainingRun(
-        cfg=cfg,
-        accelerator=accelerator,
-        mesh=mesh,
-        sp=sp,
-        model=model,
-        raw_model=accelerator.unwrap_model(model),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        tp=tp,
-        loader=loader,
-        val_data=val_data,
-        output_dir=output_dir,
-    )
+class TextTask(Task):
+    """Byte-level language modelling: the text domain's part of a training run."""
 
+    config_type = TextTrainConfig
+    name = "text"
+    loss_name = "bits/byte"
+    run_settings = ("global_batch", "seq_len", "seed")
+    cfg: TextTrainConfig
 
-def restore(run: TrainingRun) -> tuple[int, list[float], list[list[float]]]:
-    """Load ``--resume``'s checkpoint (from any layout); returns ``(step, loss history,
-    validation history)`` up to that step."""
-    cfg = run.cfg
-    progress = resume_from(
-        run.accelerator,
-        run.mesh,
-        cfg.resume,
-        run.output_dir / "checkpoints",
-        cfg.seed,
-        {key: getattr(cfg, key) for key in ("global_batch", "seq_len", "seed")},
-    )
-    step = int(progress["step"])
-    evals = [e for e in progress.get("evals", []) if e[0] <= step]
-    return step, list(progress.get("loss_history", []))[:step], evals
+    def build_data(self) -> ByteWindows:
+        path = resolve_data(self.cfg.data)
+        self.val_data = ByteWindows(path, self.cfg.seq_len, "val", self.cfg.val_fraction)
+        return ByteWindows(path, self.cfg.seq_len, "train", self.cfg.val_fraction)
 
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg)
 
-def training_step(
-    run: TrainingRun, batch: dict[str, torch.Tensor], meter: SavedTensorMeter | None
-) -> float:
-    """One optimisation step on this rank's share; returns the global batch's bits per byte."""
-    run.model.train()
-    with run.accelerator.autocast():
-        with meter if meter is not None else contextlib.nullcontext():
-            logits = run.model(batch["tokens"], sp=run.sp, gather_output=False)
-        loss = lm_loss(logits, batch["targets"], run.sp)
-    run.accelerator.backward(loss)
-    run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    return world_report(loss) / LN2
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(model, self.cfg)
 
+    def tokens_per_sample(self, model: torch.nn.Module) -> int:
+        return self.cfg.seq_len
 
-@torch.no_grad()
-def evaluate(run: TrainingRun) -> float:
-    """Bits per byte on the first ``--eval-windows`` held-out windows.
+    def loss(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int, sp: Any
+    ) -> torch.Tensor:
+        """Cross-entropy of this rank's bytes of each window (:func:`lm_loss`)."""
+        logits = model(batch["tokens"], sp=sp, gather_output=False)
+        return lm_loss(logits, batch["targets"], sp)
 
-    DP group ``d`` scores windows ``d, d + dp, …``; inside an SP group every rank scores its
-    own bytes of each window, and one all-reduce over the world adds up the nats and bytes.
-    """
-    cfg, model, sp = run.cfg, run.raw_model, run.sp
-    windows = list(range(min(cfg.eval_windows, len(run.val_data))))[
-        run.mesh.dp_rank :: run.mesh.dp_size
-    ]
-    totals = torch.zeros(2, dtype=torch.float64)
-    model.eval()
-    for first in range(0, len(windows), run.batch_per_dp):
-        items = [run.val_data[i] for i in windows[first : first + run.batch_per_dp]]
-        tokens = torch.stack([it["tokens"] for it in items]).to(run.accelerator.device)
-        targets = torch.stack([it["targets"] for it in items]).to(run.accelerator.device)
-        with run.accelerator.autocast():
-            logits = model(tokens, sp=sp, gather_output=False)
-        mine = sp.shard_like(targets, logits)
-        nats = F.cross_entropy(
-            logits.tensor.flatten(0, -2).float(), mine.flatten(), reduction="sum"
-        )
-        totals += torch.stack([nats.double().cpu(), torch.tensor(float(mine.numel()))])
-    model.train()
-    if dist.is_available() and dist.is_initialized():
-        device = run.accelerator.device
-        totals = totals.to(device)
-        dist.all_reduce(totals)
-        totals = totals.cpu()
-    return float(totals[0] / totals[1]) / LN2
+    def report(self, loss: float) -> float:
+        return loss / LN2
 
+    def evaluates_at(self, step: int) -> bool:
+        every = self.cfg.eval_every
+        return bool(every) and (step % every == 0 or step == self.cfg.steps)
 
-def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
-    """Save a resumable checkpoint at ``step`` with the layout and the loss histories."""
-    progress = {
-        "seed": run.cfg.seed,
-        "global_batch": run.cfg.global_batch,
-        "seq_len": run.cfg.seq_len,
-        "model": run.cfg.model,
-        "layout": layout_of(run.mesh),
-        "loss_history": history,
-        "evals": evals,
-    }
-    save_checkpoint(
-        run.accelerator,
-        run.output_dir / "checkpoints",
-        step,
-        progress,
-        keep=run.cfg.keep_checkpoints,
-    )
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, sp: Any, step: int) -> float:
+        """Bits per byte on the first ``--eval-windows`` held-out windows.
 
+        DP group ``d`` scores windows ``d, d + dp, …``; inside an SP group every rank scores
+        its own bytes of each window, and one all-reduce over the world adds up the nats and
+        bytes.
+        """
+        cfg, mesh, device = self.cfg, self.mesh, self.device
+        windows = list(range(min(cfg.eval_windows, len(self.val_data))))
+        windows = windows[mesh.dp_rank :: mesh.dp_size]
+        totals = torch.zeros(2, dtype=torch.float64)
+        model.eval()
+        for first in range(0, len(windows), self.batch_per_dp):
+            items = [self.val_data[i] for i in windows[first : first + self.batch_per_dp]]
+            tokens = torch.stack([it["tokens"] for it in items]).to(device)
+            targets = torch.stack([it["targets"] for it in items]).to(device)
+            with self.accelerator.autocast():
+                logits = model(tokens, sp=sp, gather_output=False)
+            mine = sp.shard_like(targets, logits)
+            nats = F.cross_entropy(
+                logits.tensor.flatten(0, -2).float(), mine.flatten(), reduction="sum"
+            )
+            totals += torch.stack([nats.double().cpu(), torch.tensor(float(mine.numel()))])
+        model.train()
+        if dist.is_available() and dist.is_initialized():
+            totals = totals.to(device)
+            dist.all_reduce(totals)
+            totals = totals.cpu()
+        return float(totals[0] / totals[1]) / LN2
 
-def finish(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
-    """Save the final model when the run is complete; write the loss histories."""
-    run.accelerator.wait_for_everyone()
-    complete = step >= run.cfg.steps
-    final = run.tp.full_model(run.raw_model) if complete else None  # every rank: gathered
-    if not run.mesh.is_main:
-        return
-    if complete:
-        from dspzoo.zoo import save_pretrained
+    def log_evaluation(self, step: int, figures: float) -> None:
+        self.logger.info("step %d validation %.4f bits/byte", step, figures)
 
+    def final_extra(self, history: list[float], evals: list, figures: Any) -> dict[str, Any]:
         training = {
-            "seq_len": run.cfg.seq_len,
-            "data": run.cfg.data,
-            "steps": step,
+            "seq_len": self.cfg.seq_len,
+            "data": self.cfg.data,
+            "steps": self.cfg.steps,
             "train_bpb": history[-1] if history else None,
             "val_bpb": evals[-1][1] if evals else None,
         }
-        save_pretrained(
-            final, run.output_dir / "final", config_name=run.cfg.model, extra={"training": training}
-        )
-    (run.output_dir / "losses.json").write_text(
-        json.dumps({"train_bpb": history, "val_bpb": evals})
-    )
+        return {"training": training}
+
+    def history_record(self, history: list[float], evals: list) -> dict[str, Any]:
+        return {"train_bpb": history, "val_bpb": evals}
 
 
 def train(cfg: TextTrainConfig) -> dict:
-    """Run (or resume) training. Returns on every rank::
+    """Run (or resume) training (:class:`~dspzoo.core.train.Trainer`). Returns on every rank::
 
     {"losses": this session's bits per byte, "loss_history": all of them from step 1,
      "evals": [[step, validation bits per byte], ...], "tokens_per_s": ...,
      "activation_bytes": ..., "output_dir": ..., "is_main": ...}
     """
-    run = setup_run(cfg)
-    start_step, history, evals = restore(run) if cfg.resume else (0, [], [])
-
-    def evaluate_now(step: int) -> None:
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            evals.append([step, evaluate(run)])
-            if run.mesh.is_main:
-                logger.info("step %d validation %.4f bits/byte", step, evals[-1][1])
-
-    settings = LoopSettings.of_run(cfg, start_step, run.tokens_per_step, "bits/byte")
-    session = run_training_loop(
-        settings,
-        run.loader,
-        lambda batch, step, meter: training_step(run, batch, meter),
-        lambda step, losses: checkpoint(run, step, losses, evals),
-        run.model.parameters,
-        history,
-        run.mesh.is_main,
-        logger,
-        lambda: run.scheduler.get_last_lr()[0],
-        after_step=evaluate_now,
-    )
-    losses, step, meter_bytes = session.losses, session.step, session.activation_bytes
-    history = history + losses
-    finish(run, step, history, evals)
-    tps = run.tokens_per_step / mean_step_time(session.timings)
-    if run.mesh.is_main:
-        logger.info(
-            "done: %d steps, %.0f tokens/s, activation memory/rank %s (SP %d, %s)",
-            step,
-            tps,
-            format_bytes(meter_bytes),
-            run.mesh.sp_size,
-            cfg.sp_strategy,
-        )
-    return {
-        "losses": losses,
-        "loss_history": history,
-        "evals": evals,
-        "tokens_per_s": tps,
-        "activation_bytes": meter_bytes,
-        "output_dir": str(run.output_dir),
-        "is_main": run.mesh.is_main,
-    }
+    return train_task(TextTask(cfg))

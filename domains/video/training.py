@@ -13,37 +13,18 @@ batch, and a run resumed at any layout continues exactly where it stopped.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dspzoo.core import SavedTensorMeter, sp_mse
-from dspzoo.core.checkpoint import save_checkpoint
-from dspzoo.core.configflags import check_values, flag
-from dspzoo.core.ema import EMA
-from dspzoo.core.loop import LoopSettings, run_training_loop
-from dspzoo.core.loss import world_report
-from dspzoo.core.resume import layout_of, mean_step_time, resume_from
+from dspzoo.core import sp_mse
 from dspzoo.core.rng import SampleRandom
-from dspzoo.core.runconfig import (
-    RunConfig,
-    load_initial_weights,
-    start_run,
-    train_loader,
-    warmup_cosine,
-)
-from dspzoo.core.tensor_parallel_training import TensorParallelTraining
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.train import RunConfig, Task, check_values, flag, load_initial_weights, train_task
 
 from .codec import PixelUnshuffleCodec
 from .diffusion import TIMESTEP_SCALE, FlowConfig, keyed_t, noisy_pair
-
-logger = logging.getLogger("dspzoo.video.train")
 
 
 @dataclass
@@ -143,224 +124,75 @@ def sampling_settings(cfg: VideoTrainConfig) -> dict[str, Any]:
     }
 
 
-@dataclass
-class TrainingRun:
-    """The live objects of one training session."""
+class VideoTask(Task):
+    """Rectified flow on latents: the video domain's part of a training run."""
 
+    config_type = VideoTrainConfig
+    name = "video"
     cfg: VideoTrainConfig
-    accelerator: Any
-    mesh: Any
-    sp: Any
-    model: torch.nn.Module
-    raw_model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    ema: EMA | None
-    tp: TensorParallelTraining
-    loader: Any
-    codec: PixelUnshuffleCodec
-    flow: FlowConfig
-    output_dir: Path
 
-    @property
-    def batch_per_dp(self) -> int:
-        return self.cfg.global_batch // self.mesh.dp_size
+    def build_data(self):
+        self.codec = PixelUnshuffleCodec(self.cfg.codec_factor)
+        self.flow = FlowConfig(logit_normal=self.cfg.timesteps == "logit-normal")
+        self.dataset = build_dataset(self.cfg)
+        return self.dataset
 
-    def tokens_per_sample(self) -> int:
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg, getattr(self.dataset, "num_classes", 1), self.codec)
+
+    def ema_decay(self) -> float:
+        return self.cfg.ema
+
+    def tokens_per_sample(self, model: torch.nn.Module) -> int:
         """Tokens the model sees per clip: ``(T/pt) · (H/ph) · (W/pw)`` of the latent grid."""
-        pt, ph, pw = self.raw_model.config.patch
+        pt, ph, pw = model.config.patch
         latent = self.cfg.size // self.codec.factor
         return (self.cfg.frames // pt) * (latent // ph) * (latent // pw)
 
-
-def setup_run(cfg: VideoTrainConfig) -> TrainingRun:
-    """Accelerator, mesh, data, model, optimizer, schedule and EMA for ``cfg``."""
-    accelerator, mesh, sp, output_dir = start_run(cfg)
-    codec = PixelUnshuffleCodec(cfg.codec_factor)
-    dataset = build_dataset(cfg)
-    tp = TensorParallelTraining(accelerator, mesh, sp)  # weight sharding (megatron_sp) or not
-    model = tp.shard(build_model(cfg, getattr(dataset, "num_classes", 1), codec))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
-    # the scheduler is stepped by hand: Accelerate's wrapper would step it once per process
-    model, optimizer = tp.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    raw_model = accelerator.unwrap_model(model)
-    ema = EMA(raw_model, cfg.ema) if cfg.ema else None  # of this rank's shards when sharded
-    if ema is not None:
-        accelerator.register_for_checkpointing(tp.checkpointable(ema))
-    loader = train_loader(cfg, dataset, mesh, device=accelerator.device)
-    return TrainingRun(
-        cfg=cfg,
-        accelerator=accelerator,
-        mesh=mesh,
-        sp=sp,
-        model=model,
-        raw_model=raw_model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        ema=ema,
-        tp=tp,
-        loader=loader,
-        codec=codec,
-        flow=FlowConfig(logit_normal=cfg.timesteps == "logit-normal"),
-        output_dir=output_dir,
-    )
-
-
-def restore(run: TrainingRun) -> tuple[int, list[float]]:
-    """Load ``--resume``'s checkpoint; returns ``(step, loss history up to step)``.
-
-    The checkpoint may come from any dp × sp layout and strategy: the model, optimizer,
-    schedule and EMA are saved as full tensors (sliced on load when the strategy shards
-    weights), and every random draw is keyed by (seed, step, sample). Accelerate
-    also restores per-process RNG states (missing ones when the world grew); the global RNGs
-    are re-seeded afterwards so they are identical inside every SP group again.
-    """
-    cfg = run.cfg
-    progress = resume_from(
-        run.accelerator,
-        run.mesh,
-        cfg.resume,
-        run.output_dir / "checkpoints",
-        cfg.seed,
-        {"global_batch": cfg.global_batch, "seed": cfg.seed},
-    )
-    step = int(progress["step"])
-    return step, list(progress.get("loss_history", []))[:step]
-
-
-def step_randomness(run: TrainingRun, step: int) -> SampleRandom:
-    """The keyed draws of ``step`` for this DP group's share of the global batch."""
-    b = run.batch_per_dp
-    first = step * run.cfg.global_batch + run.mesh.dp_rank * b
-    return SampleRandom.for_batch(run.cfg.seed, step, range(first, first + b))
-
-
-def training_step(
-    run: TrainingRun, batch: dict[str, torch.Tensor], step: int, meter: SavedTensorMeter | None
-) -> float:
-    """One optimisation step on this rank's share; returns the global-batch loss."""
-    video, labels = batch["video"], batch["label"]
-    x0 = run.codec.encode(video)
-    draws = step_randomness(run, step)
-    t = keyed_t(draws, run.flow).to(x0.device)
-    noise = draws.randn("noise", x0.shape[1:], dtype=x0.dtype)
-    label_drop = draws.bernoulli("label-drop", run.cfg.class_dropout, device=x0.device)
-    xt, velocity = noisy_pair(x0, t, noise=noise)
-    run.model.train()
-    with run.accelerator.autocast():
-        with meter if meter is not None else contextlib.nullcontext():
-            out = run.model(
-                xt,
-                t * TIMESTEP_SCALE,
-                y=labels,
-                sp=run.sp,
-                gather_output=False,
-                label_drop=label_drop,
-            )
-        target = run.sp.shard_like(run.raw_model.patchify_target(velocity), out)
-        pred = (
-            run.raw_model.split_sigma(out.tensor)[0]
-            if run.raw_model.config.learn_sigma
-            else out.tensor
+    def loss(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int, sp: Any
+    ) -> torch.Tensor:
+        """This rank's share of the rectified-flow MSE on its sharded output tokens; noise,
+        timesteps and label dropout keyed by ``(seed, step, global sample index)``."""
+        video, labels = batch["video"], batch["label"]
+        x0 = self.codec.encode(video)
+        draws = SampleRandom.for_batch(self.cfg.seed, step, self.samples(step))
+        t = keyed_t(draws, self.flow).to(x0.device)
+        noise = draws.randn("noise", x0.shape[1:], dtype=x0.dtype)
+        label_drop = draws.bernoulli("label-drop", self.cfg.class_dropout, device=x0.device)
+        xt, velocity = noisy_pair(x0, t, noise=noise)
+        out = model(
+            xt, t * TIMESTEP_SCALE, y=labels, sp=sp, gather_output=False, label_drop=label_drop
         )
-        loss = sp_mse(pred.float(), target.float(), run.sp.group)
-    run.accelerator.backward(loss)
-    run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    if run.ema is not None:
-        run.ema.update(run.raw_model)
-    return world_report(loss)
+        raw = self.accelerator.unwrap_model(model)
+        target = sp.shard_like(raw.patchify_target(velocity), out)
+        pred = raw.split_sigma(out.tensor)[0] if raw.config.learn_sigma else out.tensor
+        return sp_mse(pred.float(), target.float(), sp.group)
 
+    def final_extra(self, history: list[float], evals: list, figures: Any) -> dict[str, Any]:
+        return {"sampling": sampling_settings(self.cfg)}
 
-def checkpoint(run: TrainingRun, step: int, history: list[float]) -> None:
-    """Save a resumable checkpoint at ``step`` with the layout and the loss history."""
-    progress = {
-        "seed": run.cfg.seed,
-        "global_batch": run.cfg.global_batch,
-        "model": run.cfg.model,
-        "layout": layout_of(run.mesh),
-        "loss_history": history,
-    }
-    save_checkpoint(
-        run.accelerator,
-        run.output_dir / "checkpoints",
-        step,
-        progress,
-        keep=run.cfg.keep_checkpoints,
-    )
+    def history_record(self, history: list[float], evals: list) -> list[float]:
+        return history
 
-
-def finish(run: TrainingRun, step: int, history: list[float], start_step: int) -> None:
-    """Save the final model (EMA weights) when the run is complete; write the loss history."""
-    run.accelerator.wait_for_everyone()
-    complete = step >= run.cfg.steps
-    if complete:
-        if run.ema is not None:  # the final model carries the averaged weights
-            run.ema.copy_to(run.raw_model)
-        final = run.tp.full_model(run.raw_model)  # every rank: shards are gathered
-    if not run.mesh.is_main:
-        return
-    if complete:
-        from dspzoo.zoo import save_pretrained
-
-        save_pretrained(
-            final,
-            run.output_dir / "final",
-            config_name=run.cfg.model,
-            extra={"sampling": sampling_settings(run.cfg)},
+    def after_finish(
+        self, history: list[float], evals: list, figures: Any, start_step: int
+    ) -> None:
+        plot_losses(
+            history,
+            self.output_dir / "losses.png",
+            title=f"{self.cfg.model}, global batch {self.cfg.global_batch}",
+            resumed_at=start_step or None,
         )
-    (run.output_dir / "losses.json").write_text(json.dumps(history))
-    plot_losses(
-        history,
-        run.output_dir / "losses.png",
-        title=f"{run.cfg.model}, global batch {run.cfg.global_batch}",
-        resumed_at=start_step or None,
-    )
 
 
 def train(cfg: VideoTrainConfig) -> dict:
-    """Run (or resume) training. Returns on every rank::
+    """Run (or resume) training (:class:`~dspzoo.core.train.Trainer`). Returns on every rank::
 
     {"losses": this session's losses, "loss_history": all losses from step 1,
      "tokens_per_s": ..., "activation_bytes": ..., "output_dir": ..., "is_main": ...}
     """
-    run = setup_run(cfg)
-    start_step, history = restore(run) if cfg.resume else (0, [])
-    settings = LoopSettings.of_run(cfg, start_step, cfg.global_batch * run.tokens_per_sample())
-    session = run_training_loop(
-        settings,
-        run.loader,
-        lambda batch, step, meter: training_step(run, batch, step, meter),
-        lambda step, losses: checkpoint(run, step, losses),
-        run.model.parameters,
-        history,
-        run.mesh.is_main,
-        logger,
-        lambda: run.scheduler.get_last_lr()[0],
-    )
-    losses, step, meter_bytes = session.losses, session.step, session.activation_bytes
-    history = history + losses
-    finish(run, step, history, start_step)
-    tps = settings.tokens_per_step / mean_step_time(session.timings)
-    if run.mesh.is_main:
-        logger.info(
-            "done: %d steps, %.0f tokens/s, activation memory/rank %s",
-            step,
-            tps,
-            format_bytes(meter_bytes),
-        )
-    return {
-        "losses": losses,
-        "loss_history": history,
-        "tokens_per_s": tps,
-        "activation_bytes": meter_bytes,
-        "output_dir": str(run.output_dir),
-        "is_main": run.mesh.is_main,
-    }
+    return train_task(VideoTask(cfg))
 
 
 def plot_losses(

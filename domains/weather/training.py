@@ -7,9 +7,10 @@ rank passes the full windows to the model, which shards them over the group stag
 the full predicted state on every rank. The loss is the latitude-weighted MSE of the
 normalised target over its valid points (missing values masked), computed on that replicated
 output, so DDP's average over dp × sp is the data-parallel gradient. The run's randomness is
-the data order, a function of ``(seed, epoch)``, and the initial weights, a function of
-``seed``: the loss sequence is the same at every dp × sp layout with the same
-``--global-batch``, and a resumed run continues exactly.
+the data order, a function of ``(seed, epoch)``, the initial weights, a function of ``seed``,
+and dropout (when the model has it), keyed by ``(seed, step)`` and the global sample index:
+the loss sequence is the same at every dp × sp layout with the same ``--global-batch``, and a
+resumed run continues exactly.
 
 Evaluation (:func:`evaluate`) scores the model on every held-out window exactly as
 WeatherBench 2 does (:mod:`.metrics`), next to persistence (the last input state) and the
@@ -30,22 +31,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspzoo.core import SavedTensorMeter
-from dspzoo.core.checkpoint import save_checkpoint
-from dspzoo.core.configflags import check_values, flag
-from dspzoo.core.loop import LoopSettings, run_training_loop
-from dspzoo.core.loss import world_report
-from dspzoo.core.resume import layout_of, mean_step_time, resume_from
 from dspzoo.core.rng import mix_key
-from dspzoo.core.runconfig import (
+from dspzoo.core.train import (
     RunConfig,
+    Task,
+    check_values,
+    flag,
     load_initial_weights,
-    start_run,
-    train_loader,
-    warmup_cosine,
+    train_task,
+    with_batch_offset,
 )
-from dspzoo.core.tensor_parallel_training import TensorParallelTraining
-from dspzoo.core.trace import format_bytes
 
 from .data import (
     NORMALISATIONS,
@@ -128,7 +123,9 @@ class WeatherTrainConfig(RunConfig):
     warmup: int = flag(30, "linear warm-up steps, then cosine decay to 10%% of the peak")
     eval_every: int = flag(100, "score the model on the held-out years every n steps (0: off)")
     eval_batch: int = flag(16, "windows per forward pass in evaluation")
-    save_every: int = flag(200, "save a checkpoint every n steps (0: only at --stop-after)")
+    save_every: int = flag(
+        200, "save a checkpoint every n steps (0: only at --stop-after and the last step)"
+    )
 
     def validate(self) -> None:
         """Raise a clear ``ValueError`` for values no run can use."""
@@ -399,29 +396,6 @@ def evaluate_saved(
 # -- the training run --------------------------------------------------------------------------
 
 
-@dataclass
-class TrainingRun:
-    """The live objects of one training session."""
-
-    cfg: WeatherTrainConfig
-    accelerator: Any
-    mesh: Any
-    sp: Any
-    model: torch.nn.Module
-    raw_model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    tp: TensorParallelTraining
-    loader: Any
-    data: WeatherData
-    lat_weights: torch.Tensor
-    output_dir: Path
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.cfg.global_batch
-
-
 def build_optimizer(model: torch.nn.Module, cfg: WeatherTrainConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only."""
     params = list(model.parameters())
@@ -432,195 +406,110 @@ def build_optimizer(model: torch.nn.Module, cfg: WeatherTrainConfig) -> torch.op
     return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
 
 
-def setup_run(cfg: WeatherTrainConfig) -> TrainingRun:
-    """Accelerator, mesh, SP context, data, model, optimizer and schedule for ``cfg``."""
-    accelerator, mesh, sp, output_dir = start_run(cfg)
-    data = data_of(cfg)
-    if mesh.is_main:
-        logger.info("data: %s", describe(data.fields))
-        logger.info("windows: %d training, %d held-out", len(data.train), len(data.test))
-    tp = TensorParallelTraining(accelerator, mesh, sp)
-    model = tp.shard(build_model(cfg, data))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
-    model, optimizer = tp.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    loader = train_loader(cfg, data.train, mesh, device=accelerator.device)
-    return TrainingRun(
-        cfg=cfg,
-        accelerator=accelerator,
-        mesh=mesh,
-        sp=sp,
-        model=model,
-        raw_model=accelerator.unwrap_model(model),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        tp=tp,
-        loader=loader,
-        data=data,
-        lat_weights=torch.as_tensor(
-            latitude_weights(data.fields.grid.lat), dtype=torch.float32, device=accelerator.device
-        ),
-        output_dir=output_dir,
-    )
+class WeatherTask(Task):
+    """Forecasting gridded fields: the weather domain's part of a training run."""
 
+    config_type = WeatherTrainConfig
+    name = "weather"
+    loss_name = "mse"
+    run_settings = ("global_batch", "seed", "history", "stride", "leads", "data", "holdout_from")
+    cfg: WeatherTrainConfig
 
-def training_step(
-    run: TrainingRun, batch: dict[str, torch.Tensor], step: int, meter: SavedTensorMeter | None
-) -> float:
-    """One optimisation step on this rank's share; returns the global batch's loss.
+    def build_data(self) -> WeatherWindows:
+        self.data = data_of(self.cfg)
+        if self.mesh.is_main:
+            self.logger.info("data: %s", describe(self.data.fields))
+            self.logger.info(
+                "windows: %d training, %d held-out", len(self.data.train), len(self.data.test)
+            )
+        lat = latitude_weights(self.data.fields.grid.lat)
+        self.lat_weights = torch.as_tensor(lat, dtype=torch.float32, device=self.device)
+        return self.data.train
 
-    Dropout (when the config has it) is keyed by ``(seed, step, DP rank)``: equal inside an SP
-    group, so the sharded model draws the masks one process would.
-    """
-    run.model.train()
-    static = batch["static"] if run.data.train.num_static else None
-    key = None
-    if getattr(run.raw_model.config, "dropout", 0.0) > 0:
-        key = mix_key(run.cfg.seed, step, "dropout", run.mesh.dp_rank)
-    with run.accelerator.autocast():
-        with meter if meter is not None else contextlib.nullcontext():
-            pred = run.model(batch["x"], batch["lead_time"], static, sp=run.sp, dropout_key=key)
-        loss = weighted_mse(pred, batch["target"], batch["mask"], run.lat_weights)
-    run.accelerator.backward(loss)
-    run.tp.sync_and_clip(run.model, run.cfg.grad_clip)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    return world_report(loss)
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg, self.data)
 
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(model, self.cfg)
 
-def _settings(cfg: WeatherTrainConfig) -> dict[str, Any]:
-    keys = ("global_batch", "seed", "history", "stride", "leads", "data", "holdout_from")
-    return {k: getattr(cfg, k) for k in keys}
+    def tokens_per_sample(self, model: torch.nn.Module) -> int:
+        """Patch tokens per window: ``T · (lat/p) · (lon/p)``."""
+        rows, cols = model.config.patch_grid
+        return self.cfg.history * rows * cols
 
+    def loss(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int, sp: Any
+    ) -> torch.Tensor:
+        """The latitude-weighted MSE of the (replicated) forecast.
 
-def restore(run: TrainingRun) -> tuple[int, list[float], list[list[float]]]:
-    """Load ``--resume``'s checkpoint (any layout); ``(step, loss history, evals)``."""
-    progress = resume_from(
-        run.accelerator,
-        run.mesh,
-        run.cfg.resume,
-        run.output_dir / "checkpoints",
-        run.cfg.seed,
-        _settings(run.cfg),
-    )
-    step = int(progress["step"])
-    evals = [e for e in progress.get("evals", []) if e[0] <= step]
-    return step, list(progress.get("loss_history", []))[:step], evals
+        Dropout (when the model has it) is keyed by ``(seed, step)`` and the global index of
+        each sample (``batch_offset``): the masks one process would draw, at any dp × sp layout.
+        """
+        static = batch["static"] if self.data.train.num_static else None
+        key = None
+        if getattr(self.accelerator.unwrap_model(model).config, "dropout", 0.0) > 0:
+            key = mix_key(self.cfg.seed, step, "dropout")
+            sp = with_batch_offset(sp, self.first_sample(step))
+        pred = model(batch["x"], batch["lead_time"], static, sp=sp, dropout_key=key)
+        return weighted_mse(pred, batch["target"], batch["mask"], self.lat_weights)
 
+    def evaluates_at(self, step: int) -> bool:
+        every = self.cfg.eval_every
+        return bool(every and step % every == 0) or step == self.cfg.steps
 
-def checkpoint(run: TrainingRun, step: int, history: list[float], evals: list) -> None:
-    """Save a resumable checkpoint at ``step``."""
-    progress = {
-        **_settings(run.cfg),
-        "model": run.cfg.model,
-        "layout": layout_of(run.mesh),
-        "loss_history": history,
-        "evals": evals,
-    }
-    save_checkpoint(
-        run.accelerator,
-        run.output_dir / "checkpoints",
-        step,
-        progress,
-        keep=run.cfg.keep_checkpoints,
-    )
+    def evaluate(self, model: torch.nn.Module, sp: Any, step: int) -> list[dict[str, Any]]:
+        """The evaluation table on the held-out years (every rank runs every window)."""
+        return evaluate(model, self.data, sp, self.cfg.eval_batch, self.accelerator.autocast)
 
+    def eval_summary(self, figures: list[dict[str, Any]]) -> float:
+        return model_rmse(figures)
 
-def _evaluate_run(run: TrainingRun) -> list[dict[str, Any]]:
-    return evaluate(
-        run.raw_model, run.data, run.sp, run.cfg.eval_batch, autocast=run.accelerator.autocast
-    )
+    def log_evaluation(self, step: int, figures: list[dict[str, Any]]) -> None:
+        self.logger.info("step %d held-out model RMSE %.4f", step, model_rmse(figures))
 
-
-def finish(
-    run: TrainingRun, step: int, history: list[float], evals: list
-) -> list[dict[str, Any]] | None:
-    """When the run is complete: the evaluation table (every rank takes part), the final
-    model with its data settings, ``evaluation.md/json``; always the loss histories."""
-    run.accelerator.wait_for_everyone()
-    complete = step >= run.cfg.steps
-    rows = _evaluate_run(run) if complete else None
-    final = run.tp.full_model(run.raw_model) if complete else None
-    if not run.mesh.is_main:
-        return rows
-    if complete:
-        from dspzoo.zoo import save_pretrained
-
-        from .metrics import write_report
-
-        cfg = run.cfg
+    def final_extra(self, history: list[float], evals: list, figures: Any) -> dict[str, Any]:
+        cfg = self.cfg
         settings = {
             "data": cfg.data,
             "variables": cfg.channel_variables(),
             "levels": parse_list(cfg.levels, float),
             "static_variables": parse_list(cfg.static_variables),
         }
-        extra = {
-            "weather": weather_extra(run.data, settings),
-            "training": {"steps": step, "train_loss": history[-1] if history else None},
-            "evaluation": rows,
+        return {
+            "weather": weather_extra(self.data, settings),
+            "training": {"steps": cfg.steps, "train_loss": history[-1] if history else None},
+            "evaluation": figures,
         }
-        save_pretrained(final, run.output_dir / "final", config_name=cfg.model, extra=extra)
-        units = dict(zip(run.data.fields.channels, run.data.fields.units))
-        write_report(rows, run.output_dir / "evaluation", units)
-        logger.info("held-out years (from %d):\n%s", cfg.holdout_from, markdown_table(rows, units))
-    (run.output_dir / "losses.json").write_text(json.dumps({"train": history, "eval_rmse": evals}))
-    return rows
+
+    def history_record(self, history: list[float], evals: list) -> dict[str, Any]:
+        return {"train": history, "eval_rmse": evals}
+
+    def after_finish(
+        self, history: list[float], evals: list, figures: Any, start_step: int
+    ) -> None:
+        """The evaluation table as ``evaluation.md`` / ``.json`` and in the log."""
+        if figures is None:
+            return
+        from .metrics import write_report
+
+        units = dict(zip(self.data.fields.channels, self.data.fields.units))
+        write_report(figures, self.output_dir / "evaluation", units)
+        self.logger.info(
+            "held-out years (from %d):\n%s", self.cfg.holdout_from, markdown_table(figures, units)
+        )
+
+    def result_extra(self, figures: Any) -> dict[str, Any]:
+        return {"evaluation": figures}
 
 
 def train(cfg: WeatherTrainConfig) -> dict:
-    """Run (or resume) training. Returns on every rank::
+    """Run (or resume) training (:class:`~dspzoo.core.train.Trainer`). Returns on every rank::
 
     {"losses": this session's losses, "loss_history": all from step 1, "evals": [[step, mean
      model RMSE on the held-out years], ...], "evaluation": the final table rows (or None),
      "samples_per_s", "activation_bytes", "output_dir", "is_main"}
     """
-    run = setup_run(cfg)
-    start_step, history, evals = restore(run) if cfg.resume else (0, [], [])
-
-    def evaluate_now(step: int) -> None:
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            evals.append([step, model_rmse(_evaluate_run(run))])
-            if run.mesh.is_main:
-                logger.info("step %d held-out model RMSE %.4f", step, evals[-1][1])
-
-    settings = LoopSettings.of_run(cfg, start_step, run.samples_per_step, "mse")
-    session = run_training_loop(
-        settings,
-        run.loader,
-        lambda batch, step, meter: training_step(run, batch, step, meter),
-        lambda step, losses: checkpoint(run, step, losses, evals),
-        run.model.parameters,
-        history,
-        run.mesh.is_main,
-        logger,
-        lambda: run.scheduler.get_last_lr()[0],
-        after_step=evaluate_now,
-    )
-    history = history + session.losses
-    rows = finish(run, session.step, history, evals)
-    sps = run.samples_per_step / mean_step_time(session.timings)
-    if run.mesh.is_main:
-        logger.info(
-            "done: %d steps, %.1f windows/s, activation memory/rank %s (SP %d, %s)",
-            session.step,
-            sps,
-            format_bytes(session.activation_bytes),
-            run.mesh.sp_size,
-            cfg.sp_strategy,
-        )
-    return {
-        "losses": session.losses,
-        "loss_history": history,
-        "evals": evals,
-        "evaluation": rows,
-        "samples_per_s": sps,
-        "activation_bytes": session.activation_bytes,
-        "output_dir": str(run.output_dir),
-        "is_main": run.mesh.is_main,
-    }
+    return train_task(WeatherTask(cfg))
 
 
 def ship_trained(

@@ -1,0 +1,142 @@
+"""Dataclass configs whose fields are command-line flags, with descriptions and choices.
+
+A training config is a dataclass; each field made with :func:`flag` carries its help text
+and, optionally, its allowed values. :func:`build_parser` turns the dataclass into an
+``argparse`` parser (``--field-name``, typed, with choices) and :func:`check_values` gives the
+clear errors argparse cannot (ranges).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def flag(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    """A config field that is also a command-line flag with a description and choices."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def parse_bool(text: str) -> bool:
+    """``true/false/yes/no/on/off/1/0`` → bool (argparse ``type``)."""
+    value = text.strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _option(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def check_values(cfg: Any, positive: Iterable[str] = (), non_negative: Iterable[str] = ()) -> None:
+    """Raise a clear ``ValueError`` for a field outside its choices or range."""
+    for f in dataclasses.fields(cfg):
+        choices = f.metadata.get("choices")
+        if choices and getattr(cfg, f.name) not in choices:
+            raise ValueError(
+                f"{_option(f.name)} must be one of {list(choices)}, got {getattr(cfg, f.name)!r}"
+            )
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{_option(name)} must be >= 1, got {getattr(cfg, name)}")
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{_option(name)} must be >= 0, got {getattr(cfg, name)}")
+
+
+def build_parser(
+    config_cls: type, description: str | None, defaults_shown: dict[str, str] | None = None
+) -> argparse.ArgumentParser:
+    """One flag per field of ``config_cls``, with its description, type and choices.
+
+    ``defaults_shown`` overrides how a default is described (e.g. ``outputs/<model>``).
+    """
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    hints = typing.get_type_hints(config_cls)
+    shown = defaults_shown or {}
+    for f in dataclasses.fields(config_cls):
+        kind = hints[f.name]
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        choices = f.metadata.get("choices")
+        default = "optional" if f.default is None else f"default: {f.default}"
+        default = shown.get(f.name, default)
+        parser.add_argument(
+            _option(f.name),
+            type=parse_bool if base is bool else base,
+            default=f.default,
+            choices=choices,
+            metavar="{true,false}" if base is bool else (None if choices else f.name.upper()),
+            help=f"{f.metadata.get('help', '')} ({default})",
+        )
+    return parser
+
+
+def parse_config(
+    config_cls: type,
+    argv: list[str] | None,
+    description: str | None,
+    defaults_shown: dict[str, str] | None = None,
+) -> Any:
+    """Parse ``argv`` into a validated ``config_cls`` (its ``validate()``; errors exit 2)."""
+    parser = build_parser(config_cls, description, defaults_shown)
+    cfg = config_cls(**vars(parser.parse_args(argv)))
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg
+
+
+class TrainingCLI:
+    """The command line of a training script: flags from ``config_cls``, then ``train``.
+
+    ``train(cfg)`` returns ``{"is_main", "losses", "output_dir", …}``; ``loss_name`` names the
+    losses in the closing log line.
+    """
+
+    SHOWN_DEFAULTS = {"output_dir": "default: outputs/<model>"}
+
+    def __init__(
+        self,
+        config_cls: type,
+        train: Any,
+        description: str | None,
+        logger_name: str,
+        loss_name: str = "losses",
+    ) -> None:
+        self.config_cls, self.train, self.description = config_cls, train, description
+        self.logger_name, self.loss_name = logger_name, loss_name
+
+    def build_parser(self) -> argparse.ArgumentParser:
+        """One flag per config field, with its description and choices."""
+        return build_parser(self.config_cls, self.description, self.SHOWN_DEFAULTS)
+
+    def parse_args(self, argv: list[str] | None = None) -> Any:
+        """A validated config from ``--field-name value`` flags (errors exit 2)."""
+        return parse_config(self.config_cls, argv, self.description, self.SHOWN_DEFAULTS)
+
+    def main(self, argv: list[str] | None = None) -> None:
+        """Parse, train, and log the session's first and last loss."""
+        import logging
+
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        )
+        result = self.train(self.parse_args(argv))
+        if result["is_main"] and result["losses"]:
+            logging.getLogger(self.logger_name).info(
+                "session %s: first %.4f, last %.4f; output in %s",
+                self.loss_name,
+                result["losses"][0],
+                result["losses"][-1],
+                result["output_dir"],
+            )
