@@ -445,7 +445,73 @@ def _axis_class(same_axis: tuple[frozenset[str], ...], activation: str, dim: str
     return key
 
 
-def plan(
+@dataclass(frozen=True)
+class PlanProblem:
+    """What the planner minimises, spelled out: per stage its options (one ``(dim, method)``
+    per activation), the cost of running a stage with an option, and of moving between
+    options. :meth:`cost` prices any option sequence, so a test can check the planner's choice
+    against brute force over the same options."""
+
+    names: tuple[str, ...]
+    options: tuple[tuple[Option, ...], ...]
+    stages: tuple[MultiStage, ...]
+    sp_size: int
+    periodic: bool
+    policy: Policy
+    unit: Mapping[str, float]
+    elements: Mapping[str, int]
+    lengths: Mapping[str, Mapping[str, int]]
+    pricing: Pricing
+
+    @property
+    def tolerance(self) -> float:
+        return 1e-9 * max(1.0, sum(self.elements.values()))
+
+    def excess(self, act: str, dim: str) -> float:
+        """Elements the busiest rank holds beyond a balanced share (idle or waiting ranks)."""
+        length, n = self.lengths[act][dim], self.sp_size
+        if length == 0:
+            return 0.0
+        busiest = max(shard_sizes(length, n))
+        return max(0.0, busiest * n / length - 1.0) * self.elements[act] / n
+
+    def here(self, i: int, option: Option) -> float:
+        """Cost of stage ``i`` run with ``option``: methods' bytes and lost compute."""
+        st, cost = self.stages[i], 0.0
+        for a, (d, m) in zip(self.names, option):
+            if a not in st.touches:
+                continue
+            cost += self.pricing.compute_weight * self.excess(a, d)
+            if m != "local":
+                cost += (
+                    get_method(m).plan_cost(self.sp_size, st.heads, self.policy.ulysses)
+                    * (self.unit[a])
+                )
+        return cost
+
+    def move(self, src: Option, dst: Option) -> float:
+        """Cost of the switches from ``src`` to ``dst`` (leaving a gather stage is local)."""
+        cost = 0.0
+        for a, (s, m), (d, _) in zip(self.names, src, dst):
+            if s != d and m != "gather":
+                cost += 2.0 * self.unit[a]
+        return cost
+
+    @staticmethod
+    def changes(src: Option, dst: Option) -> int:
+        """How many activations change their sharded dim."""
+        return sum(s[0] != d[0] for s, d in zip(src, dst))
+
+    def cost(self, sequence: list[Option] | tuple[Option, ...]) -> float:
+        """Total cost of one period run with ``sequence`` (cyclic when periodic)."""
+        total = sum(self.here(i, c) for i, c in enumerate(sequence))
+        total += sum(self.move(a, b) for a, b in zip(sequence, sequence[1:]))
+        if self.periodic:
+            total += self.move(sequence[-1], sequence[0])
+        return total
+
+
+def plan_problem(
     shapes: Mapping[str, ActShape],
     stages: Iterable[MultiStage],
     sp_size: int,
@@ -453,12 +519,8 @@ def plan(
     periodic: bool = True,
     policy: Policy = DSP_POLICY,
     pricing: Pricing = DEFAULT_PRICING,
-) -> MultiPlan:
-    """The cheapest schedule of ``stages`` over ``shapes`` under ``policy`` (module doc).
-
-    Raises ``ValueError`` for unknown activations or dims, same-axis dims of different
-    lengths, or a stage whose constraints no option satisfies.
-    """
+) -> PlanProblem:
+    """The :class:`PlanProblem` of these declarations (see :func:`plan`)."""
     shapes = dict(shapes)
     stages = tuple(stages)
     groups = tuple(frozenset(g) for g in same_axis)
@@ -474,8 +536,7 @@ def plan(
         policy = Policy(
             policy.kind, policy.method, dim, policy.layout, policy.hybrid, policy.ulysses
         )
-
-    options: list[list[Option]] = []
+    options: list[tuple[Option, ...]] = []
     for st in stages:
         per_act = [_act_options(st, a, shapes[a], n, policy) for a in names]
         combos = []
@@ -485,45 +546,55 @@ def plan(
                 combos.append(tuple(combo))
         if not combos:
             raise ValueError(f"stage {st.name!r}: no sharding puts {st.aligned} on one axis")
-        options.append(combos)
-
-    unit = {a: shapes[a].elements / n * (n - 1) / n for a in names}
-    scale = max(1.0, sum(shapes[a].elements for a in names))
-
-    def excess(a: str, d: str) -> float:
-        length = shapes[a].length(d)
-        if length == 0:
-            return 0.0
-        busiest = max(shard_sizes(length, n))
-        return max(0.0, busiest * n / length - 1.0) * shapes[a].elements / n
-
-    def here(i: int, combo: Option) -> float:
-        st, cost = stages[i], 0.0
-        for a, (d, m) in zip(names, combo):
-            if a not in st.touches:
-                continue
-            cost += pricing.compute_weight * excess(a, d)
-            if m != "local":
-                method = get_method(m)
-                cost += method.plan_cost(n, st.heads, policy.ulysses) * unit[a]
-        return cost
-
-    def move(src: Option, dst: Option) -> float:
-        cost = 0.0
-        for a, (s, m), (d, _) in zip(names, src, dst):
-            if s != d and m != "gather":  # out of a gather stage: a local split
-                cost += 2.0 * unit[a]
-        return cost
-
-    def changes(src: Option, dst: Option) -> int:
-        return sum(s[0] != d[0] for s, d in zip(src, dst))
-
-    choice = _solve(options, here, move, changes, periodic, 1e-9 * scale)
-    return _build(shapes, stages, groups, n, periodic, policy, choice, names)
+        options.append(tuple(combos))
+    return PlanProblem(
+        names=names,
+        options=tuple(options),
+        stages=stages,
+        sp_size=n,
+        periodic=periodic,
+        policy=policy,
+        unit={a: shapes[a].elements / n * (n - 1) / n for a in names},
+        elements={a: shapes[a].elements for a in names},
+        lengths={a: dict(zip(shapes[a].dims, shapes[a].lengths)) for a in names},
+        pricing=pricing,
+    )
 
 
-def _solve(options, here, move, changes, periodic: bool, tol: float) -> list[Option]:
-    """Dynamic program over the stages (cyclic when periodic): the cheapest option sequence."""
+def plan(
+    shapes: Mapping[str, ActShape],
+    stages: Iterable[MultiStage],
+    sp_size: int,
+    same_axis: Iterable[Iterable[str]] = (),
+    periodic: bool = True,
+    policy: Policy = DSP_POLICY,
+    pricing: Pricing = DEFAULT_PRICING,
+) -> MultiPlan:
+    """The cheapest schedule of ``stages`` over ``shapes`` under ``policy`` (module doc).
+
+    Raises ``ValueError`` for unknown activations or dims, same-axis dims of different
+    lengths, or a stage whose constraints no option satisfies.
+    """
+    problem = plan_problem(shapes, stages, sp_size, same_axis, periodic, policy, pricing)
+    choice = solve(problem)
+    groups = tuple(frozenset(g) for g in same_axis)
+    return _build(
+        dict(shapes),
+        problem.stages,
+        groups,
+        sp_size,
+        periodic,
+        problem.policy,
+        choice,
+        problem.names,
+    )
+
+
+def solve(problem: PlanProblem) -> list[Option]:
+    """Dynamic program over the stages (cyclic when periodic): the cheapest option sequence;
+    ties keep each activation where it is, then fewest switches at the wrap-around."""
+    options, here, move, changes = problem.options, problem.here, problem.move, problem.changes
+    periodic, tol = problem.periodic, problem.tolerance
     k = len(options)
     best = None
     for first in options[0]:

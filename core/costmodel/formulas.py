@@ -197,49 +197,67 @@ class Flops:
         return self.forward * (4 if recompute else 3)
 
 
+def stage_flops(workload: Workload, spec: StageSpec) -> Flops:
+    """Matmul FLOPs of one stage's forward over the whole batch (see the module doc)."""
+    wl = workload
+    b, c, bt = wl.batch, wl.hidden, wl.batch * wl.tokens
+    lengths = dict(zip(wl.dims, wl.lengths))
+    kv_width = 2 * wl.kv_heads * wl.head_dim
+    linear = attention = 0.0
+    if spec.attention:
+        linear += 2.0 * bt * c * (c + kv_width) + 2.0 * bt * c * c
+        length = math.prod(lengths[d] for d in spec.attention)
+        attn = 4.0 * bt * length * c
+        attention += attn / 2 if wl.causal else attn
+    if spec.cross and wl.context:
+        linear += 2.0 * bt * c * c * 2 + 2.0 * b * wl.context * c * 2 * c
+        attention += 4.0 * bt * wl.context * c
+    if spec.mlp:
+        linear += 2.0 * bt * c * wl.mlp_hidden * 2
+    return Flops(linear, attention)  # per-sample modulation (adaLN): negligible
+
+
+def _ends_flops(workload: Workload) -> float:
+    bt = workload.batch * workload.tokens
+    return 2.0 * bt * workload.in_width * workload.hidden + 2.0 * bt * workload.hidden * (
+        workload.exit_width
+    )
+
+
 def forward_flops(workload: Workload) -> Flops:
     """Matmul FLOPs of one forward over the whole batch (see the module doc)."""
-    wl = workload
-    b, c, tokens = wl.batch, wl.hidden, wl.tokens
-    lengths = dict(zip(wl.dims, wl.lengths))
-    bt = b * tokens
-    linear = 2.0 * bt * wl.in_width * c + 2.0 * bt * c * wl.exit_width
-    attention = 0.0
-    kv_width = 2 * wl.kv_heads * wl.head_dim
-    for layer in wl.layers:
+    linear, attention = _ends_flops(workload), 0.0
+    for layer in workload.layers:
         for spec in layer:
-            if spec.attention:
-                linear += 2.0 * bt * c * (c + kv_width) + 2.0 * bt * c * c
-                length = math.prod(lengths[d] for d in spec.attention)
-                attn = 4.0 * bt * length * c
-                attention += attn / 2 if wl.causal else attn
-            if spec.cross and wl.context:
-                linear += 2.0 * bt * c * c * 2 + 2.0 * b * wl.context * c * 2 * c
-                attention += 4.0 * bt * wl.context * c
-            if spec.mlp:
-                linear += 2.0 * bt * c * wl.mlp_hidden * 2
-            if spec.adaln:
-                linear += 0.0  # per-sample modulation: negligible
+            f = stage_flops(workload, spec)
+            linear, attention = linear + f.linear, attention + f.attention
     return Flops(linear, attention)
+
+
+def _share(workload: Workload, plan: Plan, dim: str) -> float:
+    """The busiest rank's share of ``dim`` (``1/N`` when balanced, ``1`` at most)."""
+    length = workload.length(dim)
+    return max(_sizes(length, plan.sp_size, plan.layout)) / length if length else 1.0
 
 
 def imbalance(workload: Workload, plan: Plan) -> float:
     """Busiest rank's share of the tokens over the mean share, over the plan's sharded dims."""
-    n = plan.sp_size
-    worst = 1.0
-    for step in plan.steps:
-        length = workload.length(step.sharded)
-        sizes = _sizes(length, n, plan.layout)
-        worst = max(worst, max(sizes) * n / length if length else 1.0)
-    return worst
+    return max(1.0, *(_share(workload, plan, s.sharded) * plan.sp_size for s in plan.steps))
 
 
 def flops_per_rank(workload: Workload, plan: Plan | None, recompute: bool = False) -> float:
-    """Step FLOPs of the busiest rank (all ranks do an equal share but for uneven shards)."""
-    total = forward_flops(workload).step(recompute)
+    """Step FLOPs of the busiest rank: every stage at the share of its planned sharded dim (a
+    stage on a dim shorter than ``N`` or not divisible by it keeps ranks waiting), the model's
+    ends at the entry dim's share."""
+    mult = 4 if recompute else 3
     if plan is None or plan.sp_size == 1:
-        return total
-    return total / plan.sp_size * imbalance(workload, plan)
+        return forward_flops(workload).forward * mult
+    total = _ends_flops(workload) * _share(workload, plan, plan.entry)
+    for layer in workload.layers:
+        for spec in layer:
+            step = plan.step_for(spec.name)
+            total += stage_flops(workload, spec).forward * _share(workload, plan, step.sharded)
+    return total * mult
 
 
 # -- memory ----------------------------------------------------------------------------------
