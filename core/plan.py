@@ -46,6 +46,10 @@ class Stage:
     stage leaves free is shorter than the SP size (some ranks would idle, e.g. a 2-step time
     window at SP 8 under a full-spatial attention), the planner may instead shard a dim the
     stage mixes and run it with an embedded method, as for a stage that mixes every dim.
+    ``op`` says what the stage computes over the dims it mixes: ``"attention"`` (the default,
+    run through ``sp.attention``), ``"generic"`` (a convolution, pooling, an FFT, a custom
+    mixer: it always gets its dims whole, by a switch or a gather, under every strategy) or a
+    registered kind (:func:`~dspzoo.core.methods.registry.register_op_kind`).
     """
 
     name: str
