@@ -233,3 +233,25 @@ def test_the_latte1_workload_predicts_the_traced_bytes_of_every_strategy() -> No
     strategies = {c.strategy for c in report.checks}
     assert {"dsp", "ulysses", "ring", "lss", "usp", "megatron_sp"} <= strategies
     assert all(c.traced_bytes == c.plan_bytes > 0 for c in report.checks)
+
+
+def make_toy() -> nn.Module:
+    return create_model("toy2d-tiny")
+
+
+def toy_inputs() -> dict[str, torch.Tensor]:
+    """``[B=2, T=7, S=10, C=4]``: neither length divisible by 3."""
+    return {"x": torch.randn(2, 7, 10, 4, generator=torch.Generator().manual_seed(1))}
+
+
+@pytest.mark.timeout(240)
+def test_the_toy2d_workload_predicts_the_traced_bytes_of_every_strategy() -> None:
+    from dspzoo.core.harness import check_model
+
+    wl = workload_for("toy2d-tiny", batch=2, frames=7, spatial=10)
+    assert wl.lengths == (7, 10)
+    report = check_model(
+        make_toy, toy_inputs, workload=wl, sp_sizes=(3,), validates_inputs=False, timeout=200
+    )
+    assert {c.strategy for c in report.checks} >= {"dsp", "ulysses", "ring", "megatron_sp"}
+    assert all(c.traced_bytes == c.plan_bytes > 0 for c in report.checks)
