@@ -45,8 +45,12 @@ from dspzoo.core.costmodel import (
 from .registry import count_parameters, create_model, format_count, get_config, resolve_name
 
 # argparse dests of the per-kind size flags (each None unless given)
-SIZE_FLAGS = ("frames", "size", "latent", "context", "seq_len", "grid", "history")
-SIZE_FLAGS += ("residues", "msa_depth")
+SIZE_FLAGS = (
+    *("frames", "size", "latent", "context"),  # video
+    "seq_len",  # text
+    *("grid", "history"),  # weather
+    *("residues", "msa_depth"),  # protein
+)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
