@@ -98,7 +98,7 @@ def main() -> None:
             "run with at least 2 processes: accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py"
         )
     device = accelerator.device
-    group = mesh.sp_group
+    group = dist.group.WORLD  # the mesh above has sp_size 1 (dist starts inside it)
     rows = []
     t_local = args.frames // n
     length = t_local * n
