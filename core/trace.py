@@ -10,6 +10,9 @@ Bytes-sent conventions (per rank, payload only, self-traffic excluded):
     reduce-scatter:           (N − 1) · output chunk (padded chunk when shards are uneven)
     all-reduce:               2 · (N − 1) / N · buffer (ring algorithm)
 
+The cross-rank agreement that precedes each primitive (:mod:`dspzoo.core.comm.agreement`) is
+control traffic and is not recorded.
+
 :class:`SavedTensorMeter` counts activation memory exactly on any device: the bytes of the
 distinct storages autograd saves for backward, parameters excluded.
 """

@@ -289,6 +289,27 @@ def test_one_bad_rank_raises_the_same_error_on_every_rank(world: int) -> None:
         assert len(set(texts.values())) == 1, (name, texts)
 
 
+def _debug_mode_compares_replicated_data(rank: int, world: int) -> str:
+    """Debug mode: a replicated input that differs in its values (not its shape) is caught too."""
+    group = build_mesh(world, timeout_s=5).sp_group
+    x = torch.zeros(2, T, C) + (rank == BAD)
+    comm.split(x, 1, group)  # debug mode off: only shapes, dtypes and devices agree
+    comm.set_debug(True)
+    try:
+        with pytest.raises(
+            comm.CollectiveInputError, match=f"rank {BAD}.*checksum differs"
+        ) as info:
+            comm.split(x, 1, group)
+    finally:
+        comm.set_debug(False)
+    return str(info.value)
+
+
+def test_debug_mode_compares_the_data_of_replicated_inputs() -> None:
+    texts = run_distributed(_debug_mode_compares_replicated_data, 3, timeout=60)
+    assert len(set(texts)) == 1, texts
+
+
 def _one_rank_skips_a_switch(rank: int, world: int) -> str:
     mesh = build_mesh(world, timeout_s=2)
     if rank == BAD:

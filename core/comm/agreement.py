@@ -25,11 +25,11 @@ primitive, the region and the group's timeout (``build_mesh(timeout_s=...)`` /
 
 from __future__ import annotations
 
+import array
 import contextlib
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
@@ -73,6 +73,7 @@ DTYPES = (
 )
 _DTYPE_CODES = {dt: i for i, dt in enumerate(DTYPES)}
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
+_DEVICE_CODES = {name: i for i, name in enumerate(_DEVICE_TYPES)}
 
 
 class CollectiveInputError(ValueError):
@@ -87,96 +88,93 @@ class CollectiveTimeoutError(RuntimeError):
 # the words of one call
 
 
-@dataclass(frozen=True)
-class _Field:
-    name: str
-    kind: str  # "int", "opt" (-1 = None), "dtype", "device", "shape", "list", "hash", "float"
-    values: tuple[int, ...]
-
-
-def _words_of_list(values: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+def _words_of_list(values: Sequence[int]) -> tuple[str, list[int]]:
     """A short list travels as is; a long one as its length and a CRC."""
-    values = tuple(int(v) for v in values)
+    values = [int(v) for v in values]
     if len(values) <= 8:
         return "list", values
-    return "hash", (len(values), zlib.crc32(struct.pack(f"{len(values)}q", *values)))
+    return "hash", [len(values), zlib.crc32(struct.pack(f"{len(values)}q", *values))]
 
 
-@dataclass
 class Signature:
     """What one rank passes to a collective, as words every rank can compare.
 
     ``same`` fields must be equal on every rank; ``free`` fields may differ (shard sizes,
     per-rank shapes) and are gathered for the caller's checks (:class:`Agreed`). ``error`` is a
-    problem this rank found in its own input before the agreement.
+    problem this rank found in its own input before the agreement. Fields are kept as flat
+    word lists plus ``(name, kind, width)`` (kinds: "opt" (-1 = None), "float", "list",
+    "hash", "dtype", "device", "shape"), read only to write an error message.
     """
 
-    primitive: str
-    same: list[_Field] = field(default_factory=list)
-    free: list[_Field] = field(default_factory=list)
-    error: Exception | None = None
+    __slots__ = ("primitive", "same", "same_fields", "free", "free_fields", "error")
+
+    def __init__(self, primitive: str) -> None:
+        self.primitive = primitive
+        self.same: list[int] = []
+        self.same_fields: list[tuple[str, str, int]] = []
+        self.free: list[int] = []
+        self.free_fields: list[tuple[str, str, int]] = []
+        self.error: Exception | None = None
+
+    def _add(self, name: str, kind: str, words: Sequence[int]) -> Signature:
+        self.same += words
+        self.same_fields.append((name, kind, len(words)))
+        return self
 
     def arg(self, name: str, value: int | None) -> Signature:
         """An integer argument every rank must pass equally (``None`` allowed)."""
-        self.same.append(_Field(name, "opt", (-1 if value is None else int(value),)))
-        return self
+        return self._add(name, "opt", (-1 if value is None else int(value),))
 
     def number(self, name: str, value: float | None) -> Signature:
         """A float argument every rank must pass equally (compared bitwise)."""
         bits = -1 if value is None else struct.unpack("q", struct.pack("d", float(value)))[0]
-        self.same.append(_Field(name, "float", (bits,)))
-        return self
+        return self._add(name, "float", (bits,))
 
     def sizes(self, name: str, values: Sequence[int] | None) -> Signature:
         """A list argument (split sizes, sequence lengths) every rank must pass equally."""
         if values is None:
-            self.same.append(_Field(name, "opt", (-1,)))
-        else:
-            kind, words = _words_of_list(values)
-            self.same.append(_Field(name, kind, words))
-        return self
+            return self._add(name, "opt", (-1,))
+        kind, words = _words_of_list(values)
+        return self._add(name, kind, words)
 
     def tensor(self, name: str, t: torch.Tensor, sharded: Sequence[int] = ()) -> Signature:
         """``t``'s dtype, device and shape must agree, except the sizes of the ``sharded`` axes."""
-        code = _DTYPE_CODES.get(t.dtype, 99)
-        dev = _DEVICE_TYPES.index(t.device.type) if t.device.type in _DEVICE_TYPES else 99
-        shape = tuple(-1 if i in sharded else int(s) for i, s in enumerate(t.shape))
-        self.same += [
-            _Field(f"{name}.dtype", "dtype", (code,)),
-            _Field(f"{name}.device", "device", (dev,)),
-            _Field(f"{name}.shape", "shape", (len(shape), *shape)),
-        ]
-        return self
+        dev = t.device.type
+        self._add(f"{name}.dtype", "dtype", (_DTYPE_CODES.get(t.dtype, 99),))
+        self._add(f"{name}.device", "device", (_DEVICE_CODES.get(dev, 99),))
+        shape = [-1 if i in sharded else s for i, s in enumerate(t.shape)]
+        return self._add(f"{name}.shape", "shape", (len(shape), *shape))
 
     def local(self, name: str, value: int | Sequence[int]) -> Signature:
         """A value that may differ per rank (this rank's shard size, its own shape)."""
-        values = (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
-        self.free.append(_Field(name, "list", values))
+        words = [int(value)] if isinstance(value, int) else [int(v) for v in value]
+        self.free += words
+        self.free_fields.append((name, "list", len(words)))
         return self
 
     def words(self, status: int) -> list[int]:
-        same = [w for f in self.same for w in f.values]
-        free = [w for f in self.free for w in f.values]
-        out = [_CODES[self.primitive], status, len(same), len(free), *same, *free]
+        out = [_CODES[self.primitive], status, len(self.same), len(self.free)]
+        out += self.same
+        out += self.free
         if len(out) > WIDTH:
             raise ValueError(f"{self.primitive}: too many arguments to agree on ({len(out)} words)")
         return out + [0] * (WIDTH - len(out))
 
 
-def _format(f: _Field, values: tuple[int, ...]) -> str:
-    if f.kind == "opt":
+def _format(kind: str, values: Sequence[int]) -> str:
+    if kind == "opt":
         return "None" if values[0] == -1 else str(values[0])
-    if f.kind == "dtype":
+    if kind == "dtype":
         return str(DTYPES[values[0]]).removeprefix("torch.") if values[0] < len(DTYPES) else "?"
-    if f.kind == "device":
+    if kind == "device":
         return _DEVICE_TYPES[values[0]] if values[0] < len(_DEVICE_TYPES) else "?"
-    if f.kind == "shape":
+    if kind == "shape":
         return "(" + ", ".join("shard" if v == -1 else str(v) for v in values[1:]) + ")"
-    if f.kind == "float":
+    if kind == "float":
         return (
             "None" if values[0] == -1 else repr(struct.unpack("d", struct.pack("q", values[0]))[0])
         )
-    if f.kind == "hash":
+    if kind == "hash":
         return f"<{values[0]} entries, crc {values[1]:#x}>"
     return str(list(values))
 
@@ -192,7 +190,7 @@ def ranks_text(ranks: Sequence[int]) -> str:
 class Agreed:
     """The gathered signatures of every rank; checks on them give the same verdict everywhere."""
 
-    def __init__(self, sig: Signature, rows: torch.Tensor, n: int, region: str) -> None:
+    def __init__(self, sig: Signature, rows: list[list[int]], n: int, region: str) -> None:
         self.sig, self.rows, self.n, self.region = sig, rows, n, region
 
     def fail(self, detail: str, primitive: str | None = None) -> NoReturn:
@@ -204,13 +202,11 @@ class Agreed:
 
     def local(self, name: str) -> list[tuple[int, ...]]:
         """The ``free`` field ``name`` of every rank, in rank order."""
-        start = 4 + sum(len(f.values) for f in self.sig.same)
-        for f in self.sig.free:
-            if f.name == name:
-                return [
-                    tuple(int(v) for v in row[start : start + len(f.values)]) for row in self.rows
-                ]
-            start += len(f.values)
+        start = 4 + len(self.sig.same)
+        for field_name, _, width in self.sig.free_fields:
+            if field_name == name:
+                return [tuple(row[start : start + width]) for row in self.rows]
+            start += width
         raise KeyError(name)
 
     def check_rows(self, name: str, want: Sequence[int], how: str) -> None:
@@ -225,10 +221,14 @@ class Agreed:
             self.fail(f"wrong {name} on {ranks_text(bad)}: {held} ({how}; per rank: {have})")
 
 
-def _verdict(sig: Signature, rows: torch.Tensor, n: int, region: str, group: Any) -> Agreed:
+def _verdict(sig: Signature, table: list[list[int]], region: str, group: Any) -> Agreed:
     """Same checks on the same gathered words on every rank: raise everywhere or nowhere."""
-    agreed = Agreed(sig, rows, n, region)
-    table = rows.tolist()
+    n = len(table)
+    agreed = Agreed(sig, table, n, region)
+    prefix = 4 + len(sig.same)  # primitive, status, structure and the fields that must agree
+    first = table[0][:prefix]
+    if first[1] == 0 and all(row[:prefix] == first for row in table[1:]):
+        return agreed  # the common case, decided in one pass
     codes = [r[0] for r in table]
     if len(set(codes)) > 1:
         names = [{c: name for name, c in _CODES.items()}.get(c, "?") for c in codes]
@@ -252,9 +252,9 @@ def _verdict(sig: Signature, rows: torch.Tensor, n: int, region: str, group: Any
             f"number of dims); argument words per rank: {[r[4 : 4 + r[2]] for r in table]}"
         )
     problems, start = [], 4
-    for f in sig.same:
-        values = [tuple(r[start : start + len(f.values)]) for r in table]
-        start += len(f.values)
+    for name, kind, width in sig.same_fields:
+        values = [tuple(r[start : start + width]) for r in table]
+        start += width
         if len(set(values)) > 1:
             groups: dict[tuple[int, ...], list[int]] = {}
             for q, v in enumerate(values):
@@ -262,15 +262,13 @@ def _verdict(sig: Signature, rows: torch.Tensor, n: int, region: str, group: Any
             # the value most ranks hold (ties: rank 0's) is the reference; the others are wrong
             ref = max(groups, key=lambda v: (len(groups[v]), -groups[v][0]))
             odd = sorted(q for v, qs in groups.items() if v != ref for q in qs)
-            parts = [f"{ranks_text(qs)}: {_format(f, v)}" for v, qs in groups.items()]
-            problems.append((odd, f"{f.name} differs ({'; '.join(parts)})"))
-    if problems:
-        odd = sorted({q for qs, _ in problems for q in qs})
-        agreed.fail(
-            f"{ranks_text(odd)} disagree{'s' if len(odd) == 1 else ''} with the group: "
-            + "; ".join(text for _, text in problems)
-        )
-    return agreed
+            parts = [f"{ranks_text(qs)}: {_format(kind, v)}" for v, qs in groups.items()]
+            problems.append((odd, f"{name} differs ({'; '.join(parts)})"))
+    odd = sorted({q for qs, _ in problems for q in qs})
+    agreed.fail(
+        f"{ranks_text(odd)} disagree{'s' if len(odd) == 1 else ''} with the group: "
+        + "; ".join(text for _, text in problems)
+    )
 
 
 def agree(sig: Signature, group: Any, device: torch.device | str = "cpu") -> Agreed:
@@ -286,12 +284,15 @@ def agree(sig: Signature, group: Any, device: torch.device | str = "cpu") -> Agr
     if n == 1:
         if sig.error is not None:
             raise sig.error
-        return Agreed(sig, torch.tensor([sig.words(0)]), 1, region)
-    mine = torch.tensor(sig.words(int(sig.error is not None)), dtype=torch.long, device=device)
+        return Agreed(sig, [sig.words(0)], 1, region)
+    words = array.array("q", sig.words(int(sig.error is not None)))
+    mine = torch.frombuffer(words, dtype=torch.long)  # no copy (CPU)
+    if torch.device(device).type != "cpu":  # NCCL moves device tensors only
+        mine = mine.to(device)
     everyone = torch.empty(n * WIDTH, dtype=torch.long, device=device)
     with guard(sig.primitive, group, region, device):
         all_gather_single(everyone, mine, group=group)
-    return _verdict(sig, everyone.view(n, WIDTH).cpu(), n, region, group)
+    return _verdict(sig, everyone.view(n, WIDTH).tolist(), region, group)
 
 
 # --------------------------------------------------------------------------------------------

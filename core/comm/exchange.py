@@ -204,7 +204,7 @@ class _Switch(torch.autograd.Function):
         return _switch_now(grad, ctx.meta.reverse(), ctx.group, "backward", ctx.region), None
 
 
-def _agree_switch(
+def agree_switch(
     x: torch.Tensor,
     src: int,
     dst: int,
@@ -275,7 +275,7 @@ def _start(
     """Agree on the arguments (unless ``checked`` is off), launch the forward exchange, return its handle."""
     primitive = "switch_async" if async_op else "switch"
     if checked:
-        meta = _agree_switch(x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
+        meta = agree_switch(x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
     else:  # the caller has agreed on these arguments already
         src, dst = norm_dim(x, src, primitive), norm_dim(x, dst, primitive)
         length = sum(src_sizes) if src_sizes is not None else src_length

@@ -55,8 +55,11 @@ def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum of ``x`` over ``group`` (no autograd; for counts and metrics)."""
     if group_size(group) == 1:
         return x
+    from .agreement import guard  # agreement imports this module
+
     x = x.detach().clone()
-    dist.all_reduce(x, group=group)
+    with guard("all_reduce_sum", group, None, x.device):
+        dist.all_reduce(x, group=group)
     n = group_size(group)
     record("all_reduce", 2 * (n - 1) * x.numel() * x.element_size() // n, group, x, "forward", None)
     return x
