@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .entry import release_communicators
+
 COLLECTIVE_TIMEOUT_S = 60
 
 
@@ -47,8 +49,7 @@ def _worker(
     except BaseException:  # report everything, including assertion failures
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release_communicators()  # the groups' threads end before the interpreter does
 
 
 def _to_bytes(value: Any) -> bytes:
