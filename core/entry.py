@@ -1,17 +1,18 @@
 """How a dspzoo process ends: cleanly after success, with one line and status 2 on bad input.
 
 **Clean exit.** A gloo worker thread finishes a collective, wakes the caller, and only *then*
-drops its references to the collective's tensors; with torch ≥ 2.10 dropping the last C++
-reference to a tensor that has a Python object takes the GIL (``PyInterpreter::decref``). If the
-interpreter has meanwhile begun to finalize, Python ends that thread with ``pthread_exit``, whose
-unwinding through a ``noexcept`` frame calls ``std::terminate``: "terminate called without an
-active exception", SIGABRT, after a run that succeeded. The threads live as long as their
-process group, and :func:`torch.distributed.destroy_process_group` alone does not end them
-while a mesh, a DDP model or a ``DeviceMesh`` still references a group.
-:func:`release_communicators` destroys every group and collects the references, which joins
-the threads (the destructor waits with the GIL released) before the interpreter finalizes;
-:func:`dspzoo.core.mesh.build_mesh` registers it to run at exit, and :func:`run_entry_point`
-calls it as soon as the entry point returns.
+drops its references to the collective's work and tensors. In torch 2.13 a C++ reference count
+going from 2 to 1 on a tensor that has a Python object decrefs that object, taking the GIL
+(``c10/util/intrusive_ptr.h``, ``PyInterpreter::decref``). If the interpreter has meanwhile
+begun to finalize, Python ends the thread with ``pthread_exit``, whose unwinding through a
+``noexcept`` frame calls ``std::terminate``: "terminate called without an active exception",
+SIGABRT, after a run that succeeded. The worker threads live as long as their process group,
+and :func:`torch.distributed.destroy_process_group` does not end them while anything (a mesh,
+a DDP model, a ``DeviceMesh``'s reference cycles) still holds the group.
+:func:`release_communicators` destroys every group and collects those references, which joins
+the threads (the destructor waits for them with the GIL released) while the interpreter is
+still whole; :func:`run_entry_point` calls it as soon as the entry point returns, and
+:func:`dspzoo.core.mesh.build_mesh` registers it to run at exit for other callers.
 
 **Bad input under a launcher.** :func:`run_entry_point` turns ``UsageError``, ``ValueError``,
 ``KeyError`` and ``FileNotFoundError`` into one line on stderr and exit status 2. With several
@@ -72,11 +73,18 @@ _registered = False
 
 
 def release_communicators_at_exit() -> None:
-    """Run :func:`release_communicators` at interpreter exit (registered once per process)."""
+    """Run :func:`release_communicators` at interpreter exit (registered once per process),
+    unless the interpreter exits on an uncaught exception: a collective may then be in flight,
+    and a group's destructor would wait for it until the collective timeout."""
     global _registered
     if not _registered:
-        atexit.register(release_communicators)
+        atexit.register(_release_unless_failed)
         _registered = True
+
+
+def _release_unless_failed() -> None:
+    if getattr(sys, "last_value", None) is None:  # set when an uncaught exception was printed
+        release_communicators()
 
 
 def run_entry_point(main: Callable[[], Any], prog: str) -> int:
@@ -87,8 +95,7 @@ def run_entry_point(main: Callable[[], Any], prog: str) -> int:
     success the communicators are released before returning.
     """
     launched = _launched_with_peers()
-    if launched:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if launched else None
     try:
         result = main()
     except SystemExit as exc:
@@ -102,6 +109,9 @@ def run_entry_point(main: Callable[[], Any], prog: str) -> int:
         if launched and _board_says_bad_input():
             _hard_exit(BAD_INPUT_STATUS)  # a peer's bad input broke this rank's collective
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     release_communicators()
     return result if isinstance(result, int) else 0
 

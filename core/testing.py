@@ -46,10 +46,11 @@ def _worker(
         )
         result = fn(rank, world, *args)
         queue.put((rank, "ok", _to_bytes(result)))
+        release_communicators()  # the groups' threads end before the interpreter does
     except BaseException:  # report everything, including assertion failures
         queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        release_communicators()  # the groups' threads end before the interpreter does
+        if dist.is_initialized():  # a collective may be in flight: no waiting on it
+            dist.destroy_process_group()
 
 
 def _to_bytes(value: Any) -> bytes:
