@@ -146,3 +146,20 @@ def _ddp_on_grad_group(rank: int, world: int) -> bool:
 
 def test_accelerate_ddp_averages_on_the_grad_group() -> None:
     assert run_distributed(_ddp_on_grad_group, 2, timeout=180) == [True, True]
+
+
+def test_group_ddp_kwargs_keep_the_users_ddp_settings() -> None:
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from dspzoo.core.accelerate import GroupDDPKwargs
+
+    class Group:  # like a process group, it cannot be deep-copied; the handler must not try
+        def __deepcopy__(self, memo: dict) -> Group:
+            raise TypeError("cannot pickle 'ProcessGroup' object")
+
+    group = Group()
+    users = DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=5)
+    kwargs = GroupDDPKwargs.on_group(group, users).to_kwargs()
+    assert kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 5, "process_group": group}
+    assert kwargs["process_group"] is group
+    assert GroupDDPKwargs.on_group(group).to_kwargs() == {"process_group": group}
