@@ -6,6 +6,12 @@ sequence parallelism innermost: SP group ``d`` is the consecutive ranks
 a switch are cheapest), and DP group ``i`` is the ranks with SP rank ``i``. For USP the SP
 axis is itself a ``ring × ulysses`` sub-mesh with Ulysses innermost: SP rank
 ``= ring_rank · ulysses_size + ulysses_rank``.
+
+Every group is its own communicator (``dist.new_group``), at every layout: the SP group, the DP
+group, the USP sub-groups, and the ``grad_group`` over all ranks that DDP averages gradients
+on. None of them is the default group (``dist.group.WORLD``), even at dp = 1 where the SP group
+spans the whole world, so DDP's bucket all-reduces, the SP switches and whatever else runs on
+the default group (barriers, reports) never share a communicator and need no common issue order.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .entry import release_communicators_at_exit
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -39,6 +47,8 @@ class SPMesh:
         ulysses_size: ranks of the Ulysses axis inside the SP group (USP); the ring axis has
             ``sp_size // ulysses_size``.
         ulysses_group, ring_group: the USP sub-groups (``None`` when of size 1 or not built).
+        grad_group: all ranks, on a communicator of its own, for gradient averaging (DDP's
+            ``process_group``); ``None`` on one process.
     """
 
     world_size: int
@@ -53,6 +63,7 @@ class SPMesh:
     ulysses_size: int = 1
     ulysses_group: Any = None
     ring_group: Any = None
+    grad_group: Any = None
 
     @property
     def ring_size(self) -> int:
@@ -92,13 +103,6 @@ def collective_timeout_s(timeout_s: float | None = None) -> float:
     if not timeout_s > 0:
         raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
     return float(timeout_s)
-
-
-def _set_timeout(groups: list[Any], seconds: float) -> None:
-    """Give the mesh's process groups a collective timeout (a stuck peer fails fast)."""
-    for group in groups:
-        if group is not None:
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 def build_mesh(
@@ -152,22 +156,22 @@ def build_mesh(
     dp_size = world // sp_size
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     ulysses = ulysses_size or 1
-    ring_group = ulysses_group = None
     if ulysses_size is None:
         mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
-        sp_mesh = mesh["sp"]
     else:
         mesh = init_device_mesh(
             device_type,
             (dp_size, sp_size // ulysses, ulysses),
             mesh_dim_names=("dp", "ring", "ulysses"),
         )
-        sp_mesh = mesh["ring", "ulysses"]._flatten("sp")
-        ring_group = mesh["ring"].get_group() if sp_size // ulysses > 1 else None
-        ulysses_group = mesh["ulysses"].get_group() if ulysses > 1 else None
-    sp_group = sp_mesh.get_group() if sp_size > 1 else None
-    dp_group = mesh["dp"].get_group() if dp_size > 1 else None
-    _set_timeout([sp_group, dp_group, ring_group, ulysses_group], collective_timeout_s(timeout_s))
+        mesh["ring", "ulysses"]._flatten("sp")
+    sp_blocks = [list(range(d * sp_size, (d + 1) * sp_size)) for d in range(dp_size)]
+    dp_blocks = [list(range(s, world, sp_size)) for s in range(sp_size)]
+    ulysses_blocks = [b[i : i + ulysses] for b in sp_blocks for i in range(0, sp_size, ulysses)]
+    ring_blocks = [b[u::ulysses] for b in sp_blocks for u in range(ulysses)]
+    use_usp = ulysses_size is not None
+    timeout = collective_timeout_s(timeout_s)
+    release_communicators_at_exit()
     return SPMesh(
         world_size=world,
         rank=rank,
@@ -175,13 +179,35 @@ def build_mesh(
         sp_size=sp_size,
         dp_rank=rank // sp_size,
         sp_rank=rank % sp_size,
-        sp_group=sp_group,
-        dp_group=dp_group,
+        sp_group=own_group(sp_blocks, timeout) if sp_size > 1 else None,
+        dp_group=own_group(dp_blocks, timeout) if dp_size > 1 else None,
         device_mesh=mesh,
         ulysses_size=ulysses,
-        ulysses_group=ulysses_group,
-        ring_group=ring_group,
+        ulysses_group=own_group(ulysses_blocks, timeout) if use_usp and ulysses > 1 else None,
+        ring_group=(
+            own_group(ring_blocks, timeout) if use_usp and sp_size // ulysses > 1 else None
+        ),
+        grad_group=own_group([list(range(world))], timeout),
     )
+
+
+def own_group(blocks: list[list[int]], timeout_s: float | None = None) -> Any:
+    """This rank's group among ``blocks`` (disjoint rank lists covering the world), each block
+    on a new communicator of its own, never the default group's (even for all ranks).
+
+    Collective over the world: every rank must call it with the same blocks, in the same order.
+    ``timeout_s``: the groups' collective timeout (default: the collective timeout setting).
+    """
+    rank = dist.get_rank()
+    timeout = datetime.timedelta(seconds=collective_timeout_s(timeout_s))
+    mine = None
+    for block in blocks:
+        group = dist.new_group(block, timeout=timeout)
+        if rank in block:
+            mine = group
+    if mine is None:
+        raise ValueError(f"rank {rank} is in none of the groups {blocks}")
+    return mine
 
 
 def mix_dp_rank(seed: int, dp_rank: int) -> int:

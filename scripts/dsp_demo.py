@@ -106,4 +106,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "dsp_demo.py"))

@@ -149,4 +149,6 @@ def main(argv: list[str] | None = None) -> dict[str, np.ndarray]:
 
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "predict_protein.py"))

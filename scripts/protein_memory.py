@@ -307,4 +307,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    raise SystemExit(main())
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "protein_memory.py"))
