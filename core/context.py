@@ -105,6 +105,10 @@ class Region(ABC):
         """Called when the region's ``with`` block ends normally (no stage is in force after)."""
         self.stage_name = None
 
+    def release(self) -> None:
+        """Called whenever the region's ``with`` block ends (normally or by an exception)."""
+        self.stage_name = None
+
 
 @contextmanager
 def open_region(region: Region) -> Iterator[Region]:
@@ -114,6 +118,7 @@ def open_region(region: Region) -> Iterator[Region]:
         yield region
         region.close()
     finally:
+        region.release()
         _ACTIVE.reset(token)
 
 
