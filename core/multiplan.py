@@ -18,17 +18,22 @@ MSA switch back to ``s`` overlaps the whole pair stack).
 :class:`MultiParallel` runs such a plan on the one runtime (:class:`SeqParallel`'s switches,
 asynchronous and chunked): ``to_stage`` launches the overlapped switches whose window opens
 and completes the ones the stage needs; ``gather`` all-gathers an operand along an
-activation's sharded dim.
+activation's sharded dim. ``mp.region(m=..., z=...)`` opens the region for plain-tensor blocks
+(:mod:`dspzoo.core.context`): ``m, z = stage("msa_row", m=m, z=z)`` does all of that, layers
+ask ``gather_for_local_use(t, "z")`` and ``local(mask, "m")``, and each stage's collectives are
+traced under the stage's name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from . import comm
+from .context import Region, check_local_shape, open_region
 from .layout import SeqSpec, shard_offset, shard_sizes
 from .planner import (
     DEFAULT_PRICING,
@@ -43,7 +48,7 @@ from .planner import (
 )
 from .planner import plan as _plan
 from .runtime import SeqParallel, SeqTensor
-from .trace import comm_region
+from .trace import comm_region, tag_stage
 
 __all__ = [
     "ActShape",
@@ -53,6 +58,7 @@ __all__ = [
     "MultiStage",
     "MultiState",
     "MultiStep",
+    "SeveralActivations",
     "Switch",
     "plan_multi",
 ]
@@ -134,6 +140,13 @@ class MultiParallel:
             shard_sizes(length, self.sp.size)[self.sp.rank],
         )
 
+    @contextmanager
+    def region(self, **local: torch.Tensor) -> Iterator[SeveralActivations]:
+        """Open the region of the activations whose local shards (cut on the plan's entry dims)
+        are given by name, for plain-tensor blocks (see :class:`SeveralActivations`)."""
+        with open_region(SeveralActivations(self, self.enter(local))) as region:
+            yield region
+
     def enter(self, local: Mapping[str, torch.Tensor]) -> MultiState:
         """Local shards (already cut on the plan's entry dims) → a :class:`MultiState`."""
         acts = {}
@@ -205,3 +218,130 @@ class MultiParallel:
         """The full (replicated) tensor of activation ``name``; finishes pending switches."""
         self.finish(state)
         return self.sp.exit(state.acts[name])
+
+
+class SeveralActivations(Region):
+    """The region of several activations (``mp.region(m=..., z=...)``).
+
+    :meth:`stage` takes the local tensors by name (``m, z = stage("msa_row", m=m, z=z)``) and
+    runs :meth:`MultiParallel.to_stage`. A switch the plan overlaps with later stages
+    (``switch_async``) is launched from the tensor last passed for its activation; until a
+    stage that needs the activation completes it, that activation is "in flight": passing a
+    different tensor for it raises, and :meth:`spec` / :meth:`local` of it raise.
+    """
+
+    def __init__(self, mp: MultiParallel, state: MultiState) -> None:
+        self.sp, self.mp, self.state = mp.sp, mp, state
+        self._sent: dict[str, torch.Tensor] = {}  # what each in-flight switch was launched from
+        self._tag: tuple[str, ...] | None = None
+
+    # -- stages --------------------------------------------------------------------------------
+    def stage(
+        self, name: str, x: torch.Tensor | None, acts: dict[str, torch.Tensor]
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if x is not None or not acts:
+            first = self.mp.plan.names[0]
+            raise TypeError(
+                f"stage({name!r}): this region carries the activations {list(self.mp.plan.names)}; "
+                f"name the ones the block holds, e.g. {first} = stage({name!r}, {first}={first})"
+            )
+        for act, t in acts.items():
+            self._put(act, t, f"stage({name!r})")
+        self._tag = tag_stage(name, self._tag)
+        before = {act: held.tensor for act, held in self.state.acts.items()}
+        self.mp.to_stage(self.state, name)
+        for act in self.state.pending:
+            self._sent.setdefault(act, before.get(act))
+        for act in [a for a in self._sent if a not in self.state.pending]:
+            del self._sent[act]
+        self.stage_name = name
+        out = tuple(self._get(act) for act in acts)
+        return out[0] if len(out) == 1 else out
+
+    def _known(self, act: str | None, what: str) -> str:
+        names = self.mp.plan.names
+        if act is None and len(names) == 1:
+            return names[0]
+        if act not in names:
+            raise ValueError(
+                f"{what}: name one of this region's activations {list(names)}, got {act!r}"
+            )
+        return act
+
+    def _put(self, act: str, t: torch.Tensor, what: str) -> None:
+        act = self._known(act, what)
+        if act in self.state.pending:
+            if t is not self._sent[act]:
+                raise RuntimeError(
+                    f"{what}: activation {act!r} was replaced after the plan launched its switch "
+                    f"(overlapped with the stages before one that needs it); a block must not "
+                    f"update {act!r} between its last stage and the next stage that touches it"
+                )
+            return
+        spec = self.state.acts[act].spec
+        check_local_shape(t, spec, self.sp.rank, self.sp.size, f"{what}, activation {act!r}")
+        self.state.acts[act] = SeqTensor(t, spec)
+
+    def _get(self, act: str) -> torch.Tensor:
+        return self._sent[act] if act in self.state.pending else self.state.acts[act].tensor
+
+    def seq(self, act: str, t: torch.Tensor) -> SeqTensor:
+        """The local tensor ``t`` of ``act`` as a SeqTensor, its in-flight switch completed."""
+        self._put(act, t, "region.seq")
+        self.mp._settle(self.state, act)
+        self._sent.pop(act, None)
+        return self.state.acts[act]
+
+    # -- what layers ask ------------------------------------------------------------------------
+    def spec(self, act: str | None = None) -> SeqSpec:
+        act = self._known(act, "layout")
+        if act in self.state.pending:
+            raise RuntimeError(
+                f"activation {act!r} is being switched (overlapped); use it in a stage that "
+                f"touches it, after stage(..., {act}={act})"
+            )
+        return self.state.acts[act].spec
+
+    def wrap(self, t: torch.Tensor, act: str | None = None) -> SeqTensor:
+        return SeqTensor(t, self.spec(act))
+
+    def activation_with(self, dims: tuple[str, ...]) -> str | None:
+        found = [n for n in self.mp.plan.names if set(dims) <= set(self.mp.plan.shape(n).dims)]
+        if len(found) != 1:
+            raise ValueError(
+                f"name the activation: dims {dims} belong to {found or 'none'} of "
+                f"{list(self.mp.plan.names)}"
+            )
+        return found[0]
+
+    def local(self, t: torch.Tensor, act: str | None, axes: dict[str, int] | None) -> torch.Tensor:
+        spec = self.spec(act)
+        dim = spec.sharded
+        if dim is None or self.sp.size == 1:
+            return t
+        if axes is None and t.dim() < spec.first_axis + len(spec.names):
+            return t
+        axis = spec.axis(dim) if axes is None else axes.get(dim)
+        if axis is None or t.shape[axis] == 1:
+            return t
+        if t.shape[axis] != spec.length(dim):
+            raise ValueError(
+                f"local: axis {axis} of a tensor of shape {tuple(t.shape)} has size "
+                f"{t.shape[axis]}, but dim {dim!r} of {act!r} has length {spec.length(dim)} "
+                f"(or 1 to broadcast)"
+            )
+        offset, size = self.mp.local_range(spec, dim)
+        return t.narrow(axis, offset, size)
+
+    def gather_for_local_use(self, t: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        return self.mp.gather(t, self.spec(act))
+
+    # -- end -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.mp.finish(self.state)
+        self._sent.clear()
+        super().close()
+
+    def release(self) -> None:
+        self._tag = tag_stage(None, self._tag)
+        super().release()

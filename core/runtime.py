@@ -1,13 +1,23 @@
 """The runtime a model talks to: sharded activations and the SP context.
 
-A model is written once, as if on one device, in terms of stages::
+A model is written once, as if on one device, in terms of stages. Its top level enters the
+sharded region and opens it for its blocks, which then see plain local tensors::
 
     act = sp.enter(x, names=("t", "s"), stages=STAGES)   # split on the planned dim
-    for block in blocks:
-        act = sp.to_stage(act, "spatial")                # switch if the plan says so
-        h = sp.attention(q, k, v, act.spec, over="s")    # attention over a whole dim
-        ...
+    with sp.region(act) as region:                       # blocks get plain tensors
+        x = act.tensor
+        for block in blocks:
+            x = stage("spatial", x)                      # (in the block) switch as planned
+            x = x + attn(norm(x))                        # SeqSelfAttention reads the layout
+            ...
+        act = region.seq(x)
     out = sp.exit(act)                                   # gather (or keep sharded for the loss)
+
+(:mod:`dspzoo.core.context`: ``stage``, ``local`` for tensors that travel with the activation,
+``layout``.) The explicit form stays available and is what the region runs on::
+
+    act = sp.to_stage(act, "spatial")                    # switch if the plan says so
+    h = sp.attention(q, k, v, act.spec, over="s")        # attention over a whole dim
 
 :class:`SeqTensor` carries the local tensor together with its :class:`~dspzoo.core.layout.SeqSpec`
 (names, true lengths, sharded dim, the method in force) and the plan, so the sharding state is
@@ -20,12 +30,15 @@ sets the method, ``attention`` runs locally or through the method.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from . import comm
+from .context import Region, check_local_shape, open_region
 from .layout import SeqSpec, shard_sizes
 from .mesh import SPMesh
 from .methods.megatron import gather_sequence, row_parallel_output
@@ -210,6 +223,18 @@ class SeqParallel:
         )
         return handle, act.spec.with_sharded(dim)
 
+    @contextmanager
+    def region(self, act: SeqTensor) -> Iterator[OneActivation]:
+        """Open the sharded region of ``act`` (from :meth:`enter`) for plain-tensor blocks.
+
+        Inside the ``with`` block, :func:`dspzoo.core.context.stage` moves the local tensor
+        from stage to stage, layers read the layout from the region, and
+        :func:`~dspzoo.core.context.local` slices tensors that travel with the activation;
+        ``region.seq(x)`` gives the result back as a :class:`SeqTensor` (e.g. for :meth:`exit`).
+        """
+        with open_region(OneActivation(self, act)) as region:
+            yield region
+
     # -- stages and attention ---------------------------------------------------------------
     def to_stage(self, act: SeqTensor, stage: str) -> SeqTensor:
         """Make ``act`` ready for ``stage``: switch to the planned sharded dim (if it differs)
@@ -364,3 +389,56 @@ class SeqParallel:
         if not get_method(spec.method).tensor_parallel or self.size == 1:
             return linear(y)
         return row_parallel_output(linear, y, spec, self.group)
+
+
+class OneActivation(Region):
+    """The region of one activation (``sp.region(act)``): its current layout and plan.
+
+    :meth:`stage` is :meth:`SeqParallel.to_stage` on plain tensors; the contract checks (a
+    stage planned with a method must call its entry) are the runtime's.
+    """
+
+    def __init__(self, sp: SeqParallel, act: SeqTensor) -> None:
+        if act.plan is None:
+            raise ValueError(
+                "sp.region: the activation has no plan; create it with sp.enter(..., stages=...)"
+            )
+        self.sp, self.act = sp, act
+
+    def seq(self, x: torch.Tensor) -> SeqTensor:
+        """The local tensor ``x`` (this rank's shard in the current layout) as a SeqTensor."""
+        check_local_shape(x, self.act.spec, self.sp.rank, self.sp.size, "region.seq")
+        return SeqTensor(x, self.act.spec, self.act.plan)
+
+    def wrap(self, t: torch.Tensor, act: str | None = None) -> SeqTensor:
+        """``t`` (same sequence axes as the activation, any channels) in the current layout."""
+        self._one(act, "wrap")
+        return SeqTensor(t, self.act.spec, self.act.plan)
+
+    def _one(self, act: str | None, what: str) -> None:
+        if act is not None:
+            raise ValueError(
+                f"{what}: this region carries one activation; call it without a name (got {act!r})"
+            )
+
+    def stage(
+        self, name: str, x: torch.Tensor | None, acts: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        if x is None or acts:
+            raise TypeError(
+                f"stage({name!r}): this region carries one activation: x = stage({name!r}, x)"
+            )
+        act = self.sp.to_stage(self.seq(x), name)
+        self.act, self.stage_name = act, name
+        return act.tensor
+
+    def spec(self, act: str | None = None) -> SeqSpec:
+        self._one(act, "layout")
+        return self.act.spec
+
+    def local(self, t: torch.Tensor, act: str | None, axes: dict[str, int] | None) -> torch.Tensor:
+        self._one(act, "local")
+        spec = self.act.spec
+        if axes is None and t.dim() < spec.first_axis + len(spec.names):
+            return t  # per sample ([B, C]): nothing laid along the sequence dims
+        return self.sp.shard_like(t, spec, axes)

@@ -135,6 +135,23 @@ def comm_region(name: str) -> Iterator[None]:
         _REGION.reset(token)
 
 
+def tag_stage(name: str | None, previous: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """Tag what follows with region ``name`` until the next call, without a ``with`` block.
+
+    For the one-line stages of plain-tensor blocks (:func:`dspzoo.core.context.stage`).
+    ``previous`` is what the last call returned: while it is still the innermost tag it is
+    replaced, otherwise ``name`` nests under the regions open now (an enclosing ``with
+    comm_region`` that ended took the old tag with it). ``name=None`` only removes
+    ``previous``. Returns the tag to pass to the next call.
+    """
+    now = _REGION.get()
+    base = now[:-1] if previous is not None and now == previous else now
+    tagged = None if name is None else (*base, name)
+    if tagged is not None or base != now:
+        _REGION.set(base if tagged is None else tagged)
+    return tagged
+
+
 def current_region() -> str:
     """The ``/``-joined names of the open regions."""
     return "/".join(_REGION.get())
