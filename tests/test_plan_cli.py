@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from dspzoo.core.costmodel import StageSpec, Workload, workload_for
+from dspzoo.core.costmodel import StageSpec, Workload
 from dspzoo.core.costmodel.workload import register_workload
 from dspzoo.core.plan import Stage
 from dspzoo.core.trace import format_bytes
@@ -24,6 +24,7 @@ from dspzoo.zoo import (
     unregister_family,
 )
 from dspzoo.zoo.plan_cli import main
+from dspzoo.zoo.workloads import workload_for
 
 
 def _plan(capsys, *argv: str) -> list[str]:

@@ -39,10 +39,10 @@ from dspzoo.core.costmodel import (
     format_table,
     predict_table,
     recommend,
-    workload_for,
 )
 
 from .registry import count_parameters, create_model, format_count, get_config, resolve_name
+from .workloads import workload_for
 
 # argparse dests of the per-kind size flags (each None unless given)
 SIZE_FLAGS = (
@@ -103,7 +103,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 @dataclass(frozen=True)
 class Sizing:
     """How ``dspzoo plan`` sizes one kind of model: the flags it reads and the
-    :func:`~dspzoo.core.costmodel.workload_for` keywords they give (with a note per size that
+    :func:`~dspzoo.zoo.workloads.workload_for` keywords they give (with a note per size that
     came from a default, printed under the header)."""
 
     kind: str

@@ -15,7 +15,7 @@ from .dit import VideoDiT, VideoDiTConfig, patchify, unpatchify
 from .latte import Latte
 from .latte1 import Latte1, Latte1Config
 from .stdit import STDiT
-from .workload import latte1_workload
+from .workload import dit_workload, latte1_workload
 
 _BIG = dict(in_channels=4, patch=(1, 2, 2), max_frames=1024, input_size=(64, 64), cond_dim=4096)
 CONFIGS = {
@@ -41,6 +41,8 @@ register_family("latte1", Latte1, Latte1Config)
 for _name, _config in LATTE1_CONFIGS.items():
     register_config("latte1", _name, _config)
 register_workload("latte1", latte1_workload)
+register_workload("stdit", dit_workload)
+register_workload("latte", dit_workload)
 
 __all__ = [
     "CONFIGS",
