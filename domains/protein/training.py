@@ -402,7 +402,8 @@ def ship_trained(
     """
     import dspzoo.domains.protein  # noqa: F401
     from dspzoo.zoo import from_pretrained, load_config, load_extra
-    from dspzoo.zoo.shipped import round_to_shipped_precision, ship_pretrained
+    from dspzoo.zoo.pretrained import ship_pretrained
+    from dspzoo.zoo.shipped import round_to_shipped_precision
 
     extra = load_extra(final_dir)
     model = round_to_shipped_precision(from_pretrained(final_dir, expected_family="evoformer"))
