@@ -14,7 +14,7 @@ Inside a script started by ``accelerate launch --multi_gpu --num_processes N`` (
 DDP (and FSDP2's ``fully_shard``) average gradients over the whole world; under the gradient
 contract of :mod:`dspzoo.core.loss` that is exactly the data-parallel average of
 single-process gradients, so no extra scaling is needed. ``accelerator.prepare`` builds DDP on
-``mesh.grad_group`` (all ranks, a communicator of its own; see :mod:`dspzoo.core.mesh`), so its
+``mesh.grad_group`` (all ranks, a communicator of its own; see :mod:`dspzoo.core.parallel.mesh`), so its
 bucket all-reduces never share a communicator with the SP group's collectives. On a machine without CUDA the
 Accelerator is built with ``cpu=True`` and gloo (``--multi_gpu`` still starts N processes),
 and glibc malloc's thresholds are raised process-wide (logged at INFO; opt out with
@@ -34,8 +34,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
 from . import perf
-from .mesh import SPMesh, build_mesh, seed_everything
-from .runtime import SeqParallel
+from .parallel.mesh import SPMesh, build_mesh, seed_everything
+from .parallel.runtime import SeqParallel
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def setup_accelerate(
     Args:
         sp_size: ranks per SP group; must divide the number of launched processes.
         seed: base seed; RNG is identical inside an SP group, distinct across DP groups.
-        strategy: sequence-parallel strategy name (``dspzoo.core.strategies.STRATEGIES``).
+        strategy: sequence-parallel strategy name (``dspzoo.core.parallel.strategies.STRATEGIES``).
         sp_dim: the dim an embedded strategy shards (default: the longest).
         ulysses_size: for ``usp``, the Ulysses degree inside the SP group (default:
             :func:`default_ulysses_size`).

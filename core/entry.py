@@ -12,7 +12,7 @@ a DDP model, a ``DeviceMesh``'s reference cycles) still holds the group.
 :func:`release_communicators` destroys every group and collects those references, which joins
 the threads (the destructor waits for them with the GIL released) while the interpreter is
 still whole; :func:`run_entry_point` calls it as soon as the entry point returns, and
-:func:`dspzoo.core.mesh.build_mesh` registers it to run at exit for other callers.
+:func:`dspzoo.core.parallel.mesh.build_mesh` registers it to run at exit for other callers.
 
 **Bad input under a launcher.** :func:`run_entry_point` turns ``UsageError``, ``ValueError``,
 ``KeyError`` and ``FileNotFoundError`` into one line on stderr and exit status 2. With several

@@ -10,7 +10,7 @@ turn, behind a barrier; the median per variant, the slowest rank's), on the same
 * ``bare``    — ``all_to_all_single`` of a ready, contiguous buffer with the same bytes
   (the floor: no layout work, no checks);
 * ``agree+bare`` — the agreement a checked switch makes (one tiny all-gather of the call's
-  signature and the checks on it, :func:`dspzoo.core.comm.exchange.agree_switch`) followed
+  signature and the checks on it, :func:`dspzoo.core.parallel.comm.exchange.agree_switch`) followed
   by the bare all-to-all: ``agree+bare / bare`` is the agreement's cost beside the
   all-to-all (the target is within 5 %);
 * ``switch``  — :func:`dspzoo.core.switch` from sharded-on-t to sharded-on-s of a
@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from dspzoo.core import switch, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
-from dspzoo.core.comm.exchange import agree_switch, switch_agreed
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.parallel.comm.exchange import agree_switch, switch_agreed
+from dspzoo.core.parallel.trace import format_bytes
 
 
 def timed_interleaved(

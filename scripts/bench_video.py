@@ -21,7 +21,7 @@ import torch.distributed as dist
 import dspzoo.domains.video  # noqa: F401
 from dspzoo.core import SavedTensorMeter, SeqParallel, build_mesh, sp_mse, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.parallel.trace import format_bytes
 from dspzoo.zoo import create_model
 
 

@@ -36,9 +36,9 @@ def _trial(
 ) -> dict[str, float]:
     """One rank of one trial: build the block and the local shards, run forward, measure."""
     resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))
-    from dspzoo.core.mesh import build_mesh
-    from dspzoo.core.multiplan import MultiParallel
-    from dspzoo.core.runtime import SeqParallel
+    from dspzoo.core.parallel.mesh import build_mesh
+    from dspzoo.core.parallel.multiplan import MultiParallel
+    from dspzoo.core.parallel.runtime import SeqParallel
     from dspzoo.domains.protein import CONFIGS
     from dspzoo.domains.protein.model import BlockContext, EvoformerBlock, evoformer_plan
 
@@ -75,10 +75,10 @@ def _trial(
 
 def _activations(rank: int, world: int, residues: int, depth: int) -> float:
     """Bytes autograd saves on this rank for one af2-width block forward (training)."""
-    from dspzoo.core.mesh import build_mesh
-    from dspzoo.core.multiplan import MultiParallel
-    from dspzoo.core.runtime import SeqParallel
-    from dspzoo.core.trace import SavedTensorMeter
+    from dspzoo.core.parallel.mesh import build_mesh
+    from dspzoo.core.parallel.multiplan import MultiParallel
+    from dspzoo.core.parallel.runtime import SeqParallel
+    from dspzoo.core.parallel.trace import SavedTensorMeter
     from dspzoo.domains.protein import CONFIGS
     from dspzoo.domains.protein.model import BlockContext, EvoformerBlock, evoformer_plan
 

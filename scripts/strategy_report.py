@@ -41,15 +41,15 @@ import torch
 import torch.distributed as dist
 
 from dspzoo.core.harness import full_gradients
-from dspzoo.core.layout import shard_sizes
-from dspzoo.core.methods.registry import (
+from dspzoo.core.parallel.layout import shard_sizes
+from dspzoo.core.parallel.methods.registry import (
     METHODS,
     AttentionShape,
     CommCount,
     get_method,
     megatron_pair_bytes,
 )
-from dspzoo.core.methods.ring import zigzag_lengths
+from dspzoo.core.parallel.methods.ring import zigzag_lengths
 
 MiB = 2**20
 VIDEO_DIMS = ("t", "s")
@@ -216,14 +216,14 @@ def plan_formula(
 # -- models and workloads -------------------------------------------------------------------------
 def megatron_support(model: torch.nn.Module) -> str | None:
     """``None`` if ``megatron_sp`` can run ``model``, else the reason it cannot."""
-    from dspzoo.core.strategies import STRATEGIES
+    from dspzoo.core.parallel.strategies import STRATEGIES
 
     if "megatron_sp" not in STRATEGIES:
         return "megatron_sp is not registered"
     try:
-        from dspzoo.core.methods import megatron  # noqa: F401
+        from dspzoo.core.parallel.methods import megatron  # noqa: F401
     except ImportError as exc:
-        return f"dspzoo.core.methods.megatron does not import ({exc})"
+        return f"dspzoo.core.parallel.methods.megatron does not import ({exc})"
     if not any(getattr(type(m), "TP_PLAN", None) for m in model.modules()):
         return (
             f"{type(model).__name__} declares no TP_PLAN linears (its blocks do not call "
@@ -337,7 +337,7 @@ def run_strategy(
     model = work.model
     tp_pairs = None
     if strategy == "megatron_sp":
-        from dspzoo.core.methods.megatron import parallelize_megatron
+        from dspzoo.core.parallel.methods.megatron import parallelize_megatron
 
         model = parallelize_megatron(copy.deepcopy(model), sp.group)
         tp_pairs = tp_pairs_per_block(model)
@@ -531,7 +531,7 @@ def reproduce_command(world: int) -> str:
 
 def select_strategies(requested: str, model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
     """Strategies to run (dsp first, the reference) and the skipped ones with their reasons."""
-    from dspzoo.core.strategies import STRATEGIES
+    from dspzoo.core.parallel.strategies import STRATEGIES
 
     names = list(STRATEGIES) if requested == "all" else [s.strip() for s in requested.split(",")]
     skipped: dict[str, str] = {}

@@ -30,10 +30,10 @@ from dspzoo.core.costmodel import (
     predict_table,
     recommend,
 )
-from dspzoo.core.mesh import SPMesh
-from dspzoo.core.methods.megatron import parallelize_megatron
+from dspzoo.core.parallel.mesh import SPMesh
+from dspzoo.core.parallel.methods.megatron import parallelize_megatron
+from dspzoo.core.parallel.trace import SavedTensorMeter
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.trace import SavedTensorMeter
 from dspzoo.domains.text.workload import text_workload
 from dspzoo.domains.video.workload import video_workload
 from dspzoo.zoo import create_model, get_config

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dspzoo.core import build_mesh, comm
-from dspzoo.core.layout import shard_offset, shard_sizes
-from dspzoo.core.methods import (
+from dspzoo.core.parallel.layout import shard_offset, shard_sizes
+from dspzoo.core.parallel.methods import (
     lss_attention,
     ring_attention,
     ulysses_attention,
@@ -30,8 +30,8 @@ from dspzoo.core.methods import (
     zigzag_gather,
     zigzag_lengths,
 )
+from dspzoo.core.parallel.trace import comm_region
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.trace import comm_region
 
 BAD = 1  # the rank that gets the bad input
 B, T, S, C = 2, 5, 7, 3  # lengths not divisible by 2 or 3
@@ -329,7 +329,7 @@ def test_a_timeout_names_the_collective_the_region_and_the_timeout() -> None:
 
 
 def test_mesh_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dspzoo.core.mesh import collective_timeout_s
+    from dspzoo.core.parallel.mesh import collective_timeout_s
 
     monkeypatch.delenv("DSPZOO_COLLECTIVE_TIMEOUT", raising=False)
     assert collective_timeout_s() == 300

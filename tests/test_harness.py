@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dspzoo.core.harness import check_model, relative_error
-from dspzoo.core.validate import InputValidationError
+from dspzoo.core.parallel.validate import InputValidationError
 from dspzoo.examples.axial3d import Axial3D, Axial3DConfig, Block, workload
 from dspzoo.zoo import create_model, get_config
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspzoo.core.mesh import SPMesh, build_mesh
+from dspzoo.core.parallel.mesh import SPMesh, build_mesh
 from dspzoo.core.testing import run_distributed
 
 

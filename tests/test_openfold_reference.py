@@ -23,9 +23,9 @@ import torch
 
 evoformer = pytest.importorskip("openfold3.core.model.latent.evoformer")
 
-from dspzoo.core.layout import SeqSpec  # noqa: E402
-from dspzoo.core.multiplan import MultiParallel  # noqa: E402
-from dspzoo.core.runtime import SeqParallel  # noqa: E402
+from dspzoo.core.parallel.layout import SeqSpec  # noqa: E402
+from dspzoo.core.parallel.multiplan import MultiParallel  # noqa: E402
+from dspzoo.core.parallel.runtime import SeqParallel  # noqa: E402
 from dspzoo.domains.protein import CONFIGS  # noqa: E402
 from dspzoo.domains.protein.convert_openfold import load_openfold  # noqa: E402
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from dspzoo.core.costmodel import StageSpec, Workload
 from dspzoo.core.costmodel.workload import register_workload
-from dspzoo.core.plan import Stage
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.parallel.plan import Stage
+from dspzoo.core.parallel.trace import format_bytes
 from dspzoo.zoo import (
     count_parameters,
     create_model,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dspzoo.core.plan import Stage, plan_fixed, plan_stages
+from dspzoo.core.parallel.plan import Stage, plan_fixed, plan_stages
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))

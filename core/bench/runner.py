@@ -138,8 +138,8 @@ class Runner:
 
     def __init__(self, name: str, case: Case, sp_size: int, accelerator: Any) -> None:
         from ..accelerate import default_ulysses_size
-        from ..mesh import build_mesh
-        from ..runtime import SeqParallel
+        from ..parallel.mesh import build_mesh
+        from ..parallel.runtime import SeqParallel
 
         self.name = name
         self.case = case
@@ -153,7 +153,7 @@ class Runner:
         else:
             self.sp = SeqParallel(self.mesh, name)
         if name == "megatron_sp" and sp_size > 1:
-            from ..methods.megatron import parallelize_megatron
+            from ..parallel.methods.megatron import parallelize_megatron
 
             model = parallelize_megatron(model, self.sp.group)
         self.model = model
@@ -175,7 +175,7 @@ class Runner:
 
     def traced_step(self) -> dict[str, Any]:
         """The warm-up step: bytes by phase, activation memory, loss and the gathered output."""
-        from ..trace import SavedTensorMeter, trace_comm
+        from ..parallel.trace import SavedTensorMeter, trace_comm
 
         self.model.zero_grad(set_to_none=True)
         peer = None
@@ -288,7 +288,7 @@ def choose_layout(args: argparse.Namespace, world: int) -> tuple[int, int, str]:
 
 def select_strategies(requested: str, case: Case, sp: int) -> tuple[list[str], dict[str, str]]:
     """Strategies to run (``dsp`` first: the reference) and the skipped ones with reasons."""
-    from ..strategies import STRATEGIES as REGISTERED
+    from ..parallel.strategies import STRATEGIES as REGISTERED
 
     if sp == 1:
         return ["dsp"], {"*": "SP 1: pure data parallelism, every strategy is the same"}
@@ -346,7 +346,7 @@ def _stats(times: list[float]) -> dict[str, float]:
 
 def baseline_time(case: Case, warmup: int, reps: int) -> list[float]:
     """One process alone (SP 1, the whole batch): the strong-scaling reference (rank 0)."""
-    from ..runtime import SeqParallel
+    from ..parallel.runtime import SeqParallel
 
     model, sp, times = copy.deepcopy(case.model), SeqParallel(), []
     for i in range(warmup + reps):

@@ -2,7 +2,7 @@
 
 A :class:`Workload` is the cost model's whole view of one training (or inference) step: the
 batch, the sequence dims and their lengths, the width, heads and key/value heads, the MLP
-width, and the model's layers as the *same* :class:`~dspzoo.core.plan.Stage` s the runtime
+width, and the model's layers as the *same* :class:`~dspzoo.core.parallel.plan.Stage` s the runtime
 plans with — each annotated with what runs inside it (:class:`StageSpec`: a self-attention
 over which dims, how many Megatron linear pairs, a cross-attention, an MLP). Nothing here
 imports torch modules of the models: shapes come from the config dataclasses alone, so the
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..plan import Stage
+from ..parallel.plan import Stage
 
 # family -> builder(name, config, *, batch, frames, spatial, seq_len, context, itemsize, params)
 _BUILDERS: dict[str, Callable[..., Workload]] = {}

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .. import context
+from ..parallel import context
 
 
 @lru_cache(maxsize=1)
@@ -83,7 +83,7 @@ class SeqSelfAttention(torch.nn.Module):
 
     The other sequence dims act as batch dims; the SP context decides what (if anything)
     must be communicated: nothing under DSP, whose plan keeps ``over`` whole. Inside an open
-    region (:mod:`dspzoo.core.context`) ``forward(x)`` reads the runtime and the layout from it;
+    region (:mod:`dspzoo.core.parallel.context`) ``forward(x)`` reads the runtime and the layout from it;
     ``forward(x, spec, sp)`` passes them explicitly (the earlier API). ``TP_PLAN``
     declares the linears for tensor parallelism (``megatron_sp``): ``qkv`` column-parallel
     with q, k, v stacked (each third sharded by heads), ``proj`` row-parallel; the

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import context
+from ..parallel import context
 
 
 class Mlp(nn.Module):
@@ -16,7 +16,7 @@ class Mlp(nn.Module):
     ``TP_PLAN``: under tensor parallelism (``megatron_sp``) ``fc1`` is column-parallel and
     ``fc2`` row-parallel (hidden units sharded): the ``sp.tp_enter``/``sp.tp_exit`` hooks act
     on the activation's ``spec`` and the SP context, passed explicitly or read from the open
-    region (:mod:`dspzoo.core.context`); outside a region and without them: a plain MLP.
+    region (:mod:`dspzoo.core.parallel.context`); outside a region and without them: a plain MLP.
     """
 
     TP_PLAN = {"fc1": "column", "fc2": "row"}
@@ -41,7 +41,7 @@ class Mlp(nn.Module):
 def _per_token(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``[B, C]`` → ``[B, 1, …, 1, C]`` to broadcast over ``x``'s tokens; a ``p`` with as many
     dims as ``x`` (e.g. per-frame ``[B, T, 1, C]``) is laid out like the activation: inside an
-    open region it is sliced for the current layout (:func:`dspzoo.core.context.local`),
+    open region it is sliced for the current layout (:func:`dspzoo.core.parallel.context.local`),
     outside one used as it is."""
     if p.dim() == x.dim():
         return context.local(p)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..strategies import STRATEGIES
+from ..parallel.strategies import STRATEGIES
 from .flags import check_values, flag
 
 # strategies the training scripts cannot drive yet (every one can: megatron_sp, which shards

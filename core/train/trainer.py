@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..loss import world_report
-from ..trace import SavedTensorMeter, format_bytes
+from ..parallel.trace import SavedTensorMeter, format_bytes
 from .checkpoint import save_checkpoint
 from .config import start_run, train_loader, warmup_cosine
 from .ema import EMA

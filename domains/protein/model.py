@@ -3,7 +3,7 @@
 The trunk carries the MSA activation ``m`` ``[B, S, R, c_m]`` (dims ``s``, ``r``) and the pair
 activation ``z`` ``[B, R, R, c_z]`` (dims ``i``, ``j``); ``r``, ``i`` and ``j`` are the same
 residues. :data:`STAGES` declares what each layer of a block needs whole, and
-:func:`~dspzoo.core.multiplan.plan_multi` decides where each activation is sharded: ``m`` on
+:func:`~dspzoo.core.parallel.multiplan.plan_multi` decides where each activation is sharded: ``m`` on
 ``s`` for row attention and on ``r`` for column attention, the transition and the outer
 product mean; ``z`` on ``i`` for the outgoing update and starting-node attention, on ``j`` for
 the incoming update and ending-node attention — six switches per block, the MSA's switch back to
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspzoo.core.context import current_stage, dropout, stage
-from dspzoo.core.multiplan import ActShape, Gather, MultiParallel, MultiStage, plan_multi
-from dspzoo.core.rng import mix_key
-from dspzoo.core.runtime import SeqParallel, SeqTensor
-from dspzoo.core.trace import comm_region
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.context import current_stage, dropout, stage
+from dspzoo.core.parallel.multiplan import ActShape, Gather, MultiParallel, MultiStage, plan_multi
+from dspzoo.core.parallel.rng import mix_key
+from dspzoo.core.parallel.runtime import SeqParallel, SeqTensor
+from dspzoo.core.parallel.trace import comm_region
+from dspzoo.core.parallel.validate import validate_collectively
 
 from .ops import (
     MSAColumnAttention,
@@ -109,7 +109,7 @@ def evoformer_stages(config: EvoformerConfig) -> tuple[MultiStage, ...]:
 
 
 def evoformer_plan(config: EvoformerConfig, residues: int, msa_depth: int, sp_size: int):
-    """The :class:`~dspzoo.core.multiplan.MultiPlan` of one block at these sizes."""
+    """The :class:`~dspzoo.core.parallel.multiplan.MultiPlan` of one block at these sizes."""
     shapes = {
         "m": ActShape(MSA_DIMS, (msa_depth, residues), config.c_m),
         "z": ActShape(PAIR_DIMS, (residues, residues), config.c_z),
@@ -361,7 +361,7 @@ class Evoformer(nn.Module):
         if dropout_on and rng_key is None:
             raise ValueError(
                 "Evoformer in training mode with dropout needs rng_key (e.g. "
-                "dspzoo.core.rng.mix_key(seed, step)) so that the masks are exact under sharding; "
+                "dspzoo.core.parallel.rng.mix_key(seed, step)) so that the masks are exact under sharding; "
                 "or call model.eval()"
             )
         recycles = cfg.num_recycles if num_recycles is None else int(num_recycles)

@@ -2,7 +2,7 @@
 
 Every layer takes this rank's shard of the activation it updates (``m`` ``[B, S, R, c_m]`` or
 ``z`` ``[B, R, R, c_z]`` in the layout the plan gave it) and the *whole* masks; inside the
-region the trunk opens (:mod:`dspzoo.core.context`) it slices the masks for the current layout
+region the trunk opens (:mod:`dspzoo.core.parallel.context`) it slices the masks for the current layout
 (``local(mask, "m")``) and all-gathers an operand it needs whole
 (``gather_for_local_use(t, "z")``: backward reduce-scatters). Outside a region both are the
 identity, so the same code is the single-device model (OpenFold's calling convention).
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from dspzoo.core.context import gather_for_local_use, local, sharded
+from dspzoo.core.parallel.context import gather_for_local_use, local, sharded
 
 
 def chunked(

@@ -16,10 +16,10 @@ from einops import rearrange
 from torch import nn
 
 from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
-from dspzoo.core.context import local
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d, sincos_2d
 from dspzoo.core.layers.mlp import FinalLayer
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.context import local
+from dspzoo.core.parallel.validate import validate_collectively
 
 SEQ_DIMS = ("t", "s")
 
@@ -73,7 +73,7 @@ def _sincos_tables(
 def frame_local(mod: torch.Tensor, act: SeqTensor, sp: SeqParallel) -> torch.Tensor:
     """This rank's part of a modulation tensor for the activation's current sharding (for
     blocks written against the explicit API; plain-tensor blocks let ``modulate``/``gated``
-    slice, see :func:`dspzoo.core.context.local`).
+    slice, see :func:`dspzoo.core.parallel.context.local`).
 
     ``[B, …, C]`` per-sample tensors pass through; per-frame ones ``[B, T', 1, C]`` are sliced on
     ``t`` when ``act`` is sharded there (in lockstep with the tokens) and kept whole otherwise.
@@ -107,7 +107,7 @@ class VideoDiT(nn.Module):
     """Base class: embeddings, conditioning and the DSP-aware forward.
 
     Subclasses set ``STAGES``, build ``self.blocks`` and call :meth:`initialize_weights`. The
-    blocks run inside the region :meth:`forward_tokens` opens (:mod:`dspzoo.core.context`) and
+    blocks run inside the region :meth:`forward_tokens` opens (:mod:`dspzoo.core.parallel.context`) and
     receive plain local tensors: ``block(x, block_inputs(c), context, context_mask) -> x``, with
     ``x = stage(name, x)`` before each stage; per-frame inputs arrive whole (``[B, T', 1, …]``)
     and are sliced for the current layout by ``modulate``/``gated`` (or ``local``).
@@ -261,11 +261,11 @@ class VideoDiT(nn.Module):
 
         ``timestep`` ``[B]`` gives ``[B, hidden]``; per-frame timesteps ``[B, T']`` (e.g. clean
         conditioning frames at t = 0 next to noisy ones) give ``[B, T', 1, hidden]``, laid out to
-        broadcast over ``[B, T', S, hidden]`` tokens and sliced with them (:func:`~dspzoo.core.context.local`).
+        broadcast over ``[B, T', S, hidden]`` tokens and sliced with them (:func:`~dspzoo.core.parallel.context.local`).
 
         Label dropout for classifier-free guidance: ``label_drop`` ``[B]`` bool replaces the
         marked labels with the null label. Trainers pass it drawn from keyed randomness
-        (:class:`dspzoo.core.rng.SampleRandom`), which makes the run independent of the
+        (:class:`dspzoo.core.parallel.rng.SampleRandom`), which makes the run independent of the
         dp × sp layout. Without it, a model in training mode with ``class_dropout_prob > 0``
         draws the mask from the global RNG (fine for one process, or with the global RNG
         seeded identically inside each SP group by :func:`dspzoo.core.seed_everything`).

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from dspzoo.core import Stage
-from dspzoo.core.context import stage
 from dspzoo.core.layers.attention import CrossAttention, SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
+from dspzoo.core.parallel.context import stage
 
 from .dit import VideoDiT, VideoDiTConfig
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from dspzoo.core.costmodel.workload import StageSpec, Workload
-from dspzoo.core.plan import Stage
+from dspzoo.core.parallel.plan import Stage
 
 from .latte import Latte
 from .latte1 import SEQ_DIMS, Latte1, Latte1Config

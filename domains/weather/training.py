@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspzoo.core.rng import mix_key
+from dspzoo.core.parallel.rng import mix_key
 from dspzoo.core.train import (
     RunConfig,
     Task,

@@ -1,6 +1,6 @@
 """Communication and activation-memory accounting.
 
-Every collective issued by :mod:`dspzoo.core.comm` reports to the active :class:`CommTracer`
+Every collective issued by :mod:`dspzoo.core.parallel.comm` reports to the active :class:`CommTracer`
 (if any) how many bytes this rank sent to *other* ranks, tagged with the op kind, the phase
 (forward/backward) and the named region that was open when the op was issued in the forward.
 
@@ -10,7 +10,7 @@ Bytes-sent conventions (per rank, payload only, self-traffic excluded):
     reduce-scatter:           (N − 1) · output chunk (padded chunk when shards are uneven)
     all-reduce:               2 · (N − 1) / N · buffer (ring algorithm)
 
-The cross-rank agreement that precedes each primitive (:mod:`dspzoo.core.comm.agreement`) is
+The cross-rank agreement that precedes each primitive (:mod:`dspzoo.core.parallel.comm.agreement`) is
 control traffic and is not recorded.
 
 :class:`SavedTensorMeter` counts activation memory exactly on any device: the bytes of the
@@ -138,7 +138,7 @@ def comm_region(name: str) -> Iterator[None]:
 def tag_stage(name: str | None, previous: tuple[str, ...] | None) -> tuple[str, ...] | None:
     """Tag what follows with region ``name`` until the next call, without a ``with`` block.
 
-    For the one-line stages of plain-tensor blocks (:func:`dspzoo.core.context.stage`).
+    For the one-line stages of plain-tensor blocks (:func:`dspzoo.core.parallel.context.stage`).
     ``previous`` is what the last call returned: while it is still the innermost tag it is
     replaced, otherwise ``name`` nests under the regions open now (an enclosing ``with
     comm_region`` that ended took the old tag with it). ``name=None`` only removes

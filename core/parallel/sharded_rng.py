@@ -38,7 +38,7 @@ scalar tail paths may differ in the last bit).
 Keys
 ----
 The caller supplies the key, e.g. ``mix_key(seed, step, layer, "dropout")`` from
-:mod:`dspzoo.core.rng`: a layer that drops out twice in one step needs two streams
+:mod:`dspzoo.core.parallel.rng`: a layer that drops out twice in one step needs two streams
 (``mix_key(seed, step, layer, "attn_dropout")``, ``… "mlp_dropout"``), and a new step a new key.
 The ranks of one SP group must pass the same key.
 

@@ -21,7 +21,7 @@ line per stage::
         return x + self.mlp(self.norm2(x))
 
 * :func:`stage` — plain local tensor(s) in and out: switches per plan (``sp.to_stage`` for one
-  activation, :class:`~dspzoo.core.multiplan.MultiParallel` for several, with its overlapped
+  activation, :class:`~dspzoo.core.parallel.multiplan.MultiParallel` for several, with its overlapped
   asynchronous switches), puts the stage's method in force and records the new layout.
 * :func:`local` — this rank's slice, for the current layout, of a tensor that travels with an
   activation (per-frame modulation, position tables, masks): laid out like the activation, each
@@ -66,9 +66,9 @@ _HOW = (
 class Region(ABC):
     """The activations of one open sharded region: the runtime and each one's current layout.
 
-    Subclasses: the one-activation region of :class:`~dspzoo.core.runtime.SeqParallel`
+    Subclasses: the one-activation region of :class:`~dspzoo.core.parallel.runtime.SeqParallel`
     (``sp.region(act)``) and the several-activation region of
-    :class:`~dspzoo.core.multiplan.MultiParallel` (``mp.region(m=..., z=...)``).
+    :class:`~dspzoo.core.parallel.multiplan.MultiParallel` (``mp.region(m=..., z=...)``).
     """
 
     sp: Any  # the SeqParallel runtime
@@ -95,7 +95,7 @@ class Region(ABC):
 
     @abstractmethod
     def wrap(self, t: torch.Tensor, act: str | None = None) -> Any:
-        """``t`` as a :class:`~dspzoo.core.runtime.SeqTensor` in ``act``'s current layout."""
+        """``t`` as a :class:`~dspzoo.core.parallel.runtime.SeqTensor` in ``act``'s current layout."""
 
     def activation_with(self, dims: tuple[str, ...]) -> str | None:
         """The activation name whose dims include ``dims`` (``None``: the only one)."""
@@ -154,7 +154,7 @@ def current_stage() -> str | None:
 
 
 def runtime() -> Any:
-    """The open region's :class:`~dspzoo.core.runtime.SeqParallel` (``None`` outside one)."""
+    """The open region's :class:`~dspzoo.core.parallel.runtime.SeqParallel` (``None`` outside one)."""
     region = _ACTIVE.get()
     return None if region is None else region.sp
 
@@ -203,7 +203,7 @@ def dropout(
 ) -> torch.Tensor:
     """Keyed inverted dropout of ``t`` (laid out like ``act``; default: the activation whose
     dims include ``shared_along``), bit for bit the one-process mask on any sharding (see
-    :meth:`~dspzoo.core.runtime.SeqParallel.dropout`)."""
+    :meth:`~dspzoo.core.parallel.runtime.SeqParallel.dropout`)."""
     shared = (shared_along,) if isinstance(shared_along, str) else tuple(shared_along)
     region = current("dropout()")
     name = act if act is not None else region.activation_with(shared)

@@ -4,7 +4,7 @@ A model declares its activations (:class:`ActShape`: dims, lengths, channels), w
 different activations are the same axis (``same_axis``), and its stages (:class:`MultiStage`):
 per activation the dims the stage mixes, the op kind it computes (``attention``, ``generic``,
 or a registered kind), what it gathers for local use, which activations it aligns. A
-single-activation model (:func:`dspzoo.core.plan.plan_stages`) is the one-activation case.
+single-activation model (:func:`dspzoo.core.parallel.plan.plan_stages`) is the one-activation case.
 
 A *policy* (:class:`Policy`, built by a strategy) says which options each stage has:
 
@@ -17,7 +17,7 @@ A *policy* (:class:`Policy`, built by a strategy) says which options each stage 
   every strategy, never an attention method on a convolution.
 
 Every option is priced in one unit, *elements sent per rank, forward + backward*, read from
-the method registry (:mod:`dspzoo.core.methods.registry`): a switch of activation ``a`` costs
+the method registry (:mod:`dspzoo.core.parallel.methods.registry`): a switch of activation ``a`` costs
 ``2·(M_a/N)·(N−1)/N``, a method ``plan_cost`` switch units of it. Ranks that idle or wait on a
 bigger shard (a dim shorter than ``N``, or not divisible by it) cost their lost compute: the
 busiest rank's excess elements over a balanced split, times :attr:`Pricing.compute_weight`
@@ -103,7 +103,7 @@ class MultiStage:
 
     ``mixes`` maps every activation the stage reads or writes to the dims it needs whole
     (``()``: touched, token-wise). ``op``: the op kind of the mixing (a registered kind,
-    :mod:`dspzoo.core.methods.registry`). ``method`` forces the method of a stage that mixes
+    :mod:`dspzoo.core.parallel.methods.registry`). ``method`` forces the method of a stage that mixes
     every dim; ``heads`` lets the planner rule out methods that need more heads than ranks;
     ``embed_if_underfilled`` lets a stage whose free dims are all shorter than the SP size run
     a mixed dim with a method instead. ``aligned`` lists activations whose sharded dims must
@@ -241,7 +241,7 @@ class MultiPlan:
 
         Switches (all-to-all): the blocks addressed to other ranks, forward and (reversed)
         backward. Gathers: ``(N−1)·`` the longest shard (all-gather forward, reduce-scatter
-        backward), as :mod:`dspzoo.core.comm` sends them. Zero for one rank.
+        backward), as :mod:`dspzoo.core.parallel.comm` sends them. Zero for one rank.
         """
         n = self.sp_size
         out: dict[tuple[str, str, str], int] = {}

@@ -6,10 +6,10 @@ and a pair activation ``z`` ``[B, R, R, c_z]`` (dims ``i``, ``j``), and ``r``, `
 the same residues. Each activation is sharded on one of its dims at a time; a stage may read
 one activation and write another (the outer product mean reads ``m`` and writes ``z``) or need
 an operand whole (a triangle-multiplication operand, a pair bias: all-gathered with
-:func:`~dspzoo.core.comm.gather_for_local_use`, whose backward reduce-scatters).
+:func:`~dspzoo.core.parallel.comm.gather_for_local_use`, whose backward reduce-scatters).
 
 The declarations (:class:`ActShape`, :class:`MultiStage`, :class:`Gather`) and the plan
-(:class:`MultiPlan`) are the one planner's (:mod:`dspzoo.core.planner`), which also plans
+(:class:`MultiPlan`) are the one planner's (:mod:`dspzoo.core.parallel.planner`), which also plans
 single-activation models; :func:`plan_multi` is its DSP policy. For each switch the plan
 records the last earlier stage that touches the activation: the switch can be *launched*
 right after it (``switch_async``) and overlap the stages in between (in the Evoformer: the
@@ -19,7 +19,7 @@ MSA switch back to ``s`` overlaps the whole pair stack).
 asynchronous and chunked): ``to_stage`` launches the overlapped switches whose window opens
 and completes the ones the stage needs; ``gather`` all-gathers an operand along an
 activation's sharded dim. ``mp.region(m=..., z=...)`` opens the region for plain-tensor blocks
-(:mod:`dspzoo.core.context`): ``m, z = stage("msa_row", m=m, z=z)`` does all of that, layers
+(:mod:`dspzoo.core.parallel.context`): ``m, z = stage("msa_row", m=m, z=z)`` does all of that, layers
 ask ``gather_for_local_use(t, "z")`` and ``local(mask, "m")``, and each stage's collectives are
 traced under the stage's name.
 """
@@ -77,7 +77,7 @@ def plan_multi(
     periodic: bool = True,
     pricing: Pricing = DEFAULT_PRICING,
 ) -> MultiPlan:
-    """DSP's plan over several activations (see :func:`dspzoo.core.planner.plan`).
+    """DSP's plan over several activations (see :func:`dspzoo.core.parallel.planner.plan`).
 
     Args:
         shapes: ``{activation: ActShape}``.

@@ -26,7 +26,7 @@ differentiating them again (``create_graph=True`` then a second backward) raises
 "trying to differentiate twice" on every rank, before any collective. ``split``'s backward is
 local and may be differentiated again.
 
-Shards are balanced and unpadded (:func:`dspzoo.core.layout.shard_sizes`). A switch moves
+Shards are balanced and unpadded (:func:`dspzoo.core.parallel.layout.shard_sizes`). A switch moves
 exactly the blocks other ranks need, laid out by one copy so that a single
 ``all_to_all_single`` (with per-rank split sizes when lengths are uneven) does the exchange and
 the received buffer is the result, or needs one more copy when leading axes are not trivial.

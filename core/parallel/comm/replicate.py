@@ -193,7 +193,7 @@ def gather(x: torch.Tensor, dim: int, group: Any, length: int | None = None) -> 
 
     Use when what follows is computed *identically* on every rank (a final layer, a loss on
     the whole output, sampling). Backward keeps this rank's slice of the gradient, scaled by
-    the group size (the adjoint under that precondition; see :mod:`dspzoo.core.comm`). If
+    the group size (the adjoint under that precondition; see :mod:`dspzoo.core.parallel.comm`). If
     ``length`` is omitted it is found with one tiny all-reduce.
 
     Shape ``[..., shard, ...]`` → ``[..., length, ...]``. Arguments are agreed on first (see

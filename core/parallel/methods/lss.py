@@ -3,7 +3,7 @@
 Each rank keeps its contiguous segment of queries. Keys and values of every segment arrive in
 one collective: this rank's k and v are concatenated along the last axis into one buffer
 ``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence with
-:func:`dspzoo.core.comm.gather_for_local_use`. That is what "fused communication" means here:
+:func:`dspzoo.core.parallel.comm.gather_for_local_use`. That is what "fused communication" means here:
 **one all-gather of [k|v] instead of two** (one launch, one synchronisation, the same bytes). Its
 backward is a reduce-scatter of the [dk|dv] buffer (each rank's queries produce gradients for
 every key; the sums go back to the keys' owners), so the gradients are exact.
@@ -12,7 +12,7 @@ The local queries then attend to all keys with causal masking by global offsets 
 rank ``r`` sits at ``offset_r + i`` and sees keys ``j <= offset_r + i``; keys past the segment's
 last query are not even read). GQA/MQA never expands K/V: the gathered buffer has ``Hkv`` heads.
 
-Memory: the kernel is :func:`dspzoo.core.methods.blockwise.chunked_attention` (imported lazily;
+Memory: the kernel is :func:`dspzoo.core.parallel.methods.blockwise.chunked_attention` (imported lazily;
 blocks of ``chunk`` queries × ``chunk`` keys with a running log-sum-exp, native GQA, only
 q, k, v, out and the log-sum-exp saved for backward). Without that module the fallback folds
 each KV group's ``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and
@@ -26,7 +26,7 @@ Bytes sent per rank (``N`` ranks, ``m = max(seq_lengths)``, ``B·Hkv·2·D`` ele
 forward all-gather ``(N−1)·m·B·Hkv·2D·itemsize`` — when ``N`` divides ``L`` that is
 ``(N−1)/N`` of the global K and V bytes, i.e. each rank receives the ``(N−1)/N`` of K and V it
 does not hold — and the backward reduce-scatter sends the same. Uneven splits move the padded
-chunk (``m`` rows), as every all-gather in :mod:`dspzoo.core.comm` does.
+chunk (``m`` rows), as every all-gather in :mod:`dspzoo.core.parallel.comm` does.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ...layers.attention import attend
 from ..comm import group_rank, group_size
 from ..comm.replicate import gather_for_local_use_agreed
-from ..layers.attention import attend
 from ..layout import shard_sizes
 from ..trace import comm_region
 from .ulysses import agree_attention_args, scaled
@@ -48,7 +48,7 @@ DEFAULT_CHUNK = 2048
 
 
 def _blockwise_kernel() -> Any | None:
-    """``dspzoo.core.methods.blockwise.chunked_attention`` when that module exists, else ``None``."""
+    """``dspzoo.core.parallel.methods.blockwise.chunked_attention`` when that module exists, else ``None``."""
     try:
         module = importlib.import_module(f"{__package__}.blockwise")
     except ImportError:

@@ -3,13 +3,13 @@
 A rank whose input is wrong (a shard of the wrong length, another dtype, another shape of
 the whole axes, another global length) must not start the collective: the others would wait
 in it until the process-group timeout, or gloo would abort on mismatched sizes. So every public
-primitive of :mod:`dspzoo.core.comm` and every attention method first exchanges a
+primitive of :mod:`dspzoo.core.parallel.comm` and every attention method first exchanges a
 :class:`Signature` of its call — a few ``int64`` words per rank (primitive, dims, lengths, dtype,
 device, shapes with the sharded axis left out, this rank's shard sizes, and whether this rank
 already found its own input invalid) — in one tiny ``all_gather``. Every rank then runs the
 same checks on the same gathered words, so either every rank goes on to the collective, or
 every rank raises the same :class:`CollectiveInputError`, naming the rank(s) that were wrong,
-the primitive and the comm region (:func:`dspzoo.core.trace.current_region`). A rank's own
+the primitive and the comm region (:func:`dspzoo.core.parallel.trace.current_region`). A rank's own
 error message (found before the agreement) reaches the others through one extra
 ``all_gather_object``, only on that error path.
 

@@ -13,13 +13,13 @@ sharded region and opens it for its blocks, which then see plain local tensors::
         act = region.seq(x)
     out = sp.exit(act)                                   # gather (or keep sharded for the loss)
 
-(:mod:`dspzoo.core.context`: ``stage``, ``local`` for tensors that travel with the activation,
+(:mod:`dspzoo.core.parallel.context`: ``stage``, ``local`` for tensors that travel with the activation,
 ``layout``.) The explicit form stays available and is what the region runs on::
 
     act = sp.to_stage(act, "spatial")                    # switch if the plan says so
     h = sp.attention(q, k, v, act.spec, over="s")        # attention over a whole dim
 
-:class:`SeqTensor` carries the local tensor together with its :class:`~dspzoo.core.layout.SeqSpec`
+:class:`SeqTensor` carries the local tensor together with its :class:`~dspzoo.core.parallel.layout.SeqSpec`
 (names, true lengths, sharded dim, the method in force) and the plan, so the sharding state is
 explicit and travels with the data. The strategy is a planning policy chosen at run time
 (``dsp``, ``ulysses``, ``ring``, ``lss``, ``usp``): the plan names, per stage, the sharded dim
@@ -90,7 +90,7 @@ class SeqParallel:
 
     Args:
         mesh: the dp × sp mesh (or ``None`` for a single process).
-        strategy: a name from :data:`dspzoo.core.strategies.STRATEGIES` (``"dsp"``,
+        strategy: a name from :data:`dspzoo.core.parallel.strategies.STRATEGIES` (``"dsp"``,
             ``"ulysses"``, ``"ring"``, ``"lss"``, ``"usp"``) or a :class:`Strategy` instance.
         dim: for an embedded strategy, the sequence dim to shard (default: the longest).
         switch_chunk: in no-grad mode, switch in pieces of at most this many channels into a
@@ -227,9 +227,9 @@ class SeqParallel:
     def region(self, act: SeqTensor) -> Iterator[OneActivation]:
         """Open the sharded region of ``act`` (from :meth:`enter`) for plain-tensor blocks.
 
-        Inside the ``with`` block, :func:`dspzoo.core.context.stage` moves the local tensor
+        Inside the ``with`` block, :func:`dspzoo.core.parallel.context.stage` moves the local tensor
         from stage to stage, layers read the layout from the region, and
-        :func:`~dspzoo.core.context.local` slices tensors that travel with the activation;
+        :func:`~dspzoo.core.parallel.context.local` slices tensors that travel with the activation;
         ``region.seq(x)`` gives the result back as a :class:`SeqTensor` (e.g. for :meth:`exit`).
         """
         with open_region(OneActivation(self, act)) as region:
@@ -362,7 +362,7 @@ class SeqParallel:
         be equal on the ranks of the group; ``shared_along`` names sequence dims along which one
         mask value is shared (AlphaFold's row-/column-wise dropout); ``batch_offset`` is the
         global index of the local batch's first sample. The global RNG is not touched. See
-        :mod:`dspzoo.core.sharded_rng`.
+        :mod:`dspzoo.core.parallel.sharded_rng`.
         """
         return seq_dropout(self, act, p, key, shared_along, training, batch_offset)
 

@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses sequence-parallel attention, exact for uneven sequences and heads.
 
 Each rank holds a contiguous slice of the sequence with every head. All-to-alls
-(:func:`dspzoo.core.comm.switch`) turn q, k and v into "whole sequence, a slice of the heads";
+(:func:`dspzoo.core.parallel.comm.switch`) turn q, k and v into "whole sequence, a slice of the heads";
 attention is then purely local (ordinary aligned causal masking, since the whole sequence is
 present), and one more all-to-all turns the output back into "sequence slice, every head".
 
@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
+from ...layers.attention import attend
 from ..comm import group_rank, group_size
 from ..comm.agreement import Signature, agree
 from ..comm.exchange import switch_agreed
-from ..layers.attention import attend
 from ..layout import shard_sizes
 from ..trace import comm_region
 

@@ -5,7 +5,7 @@ sequence of global length ``L = sum(seq_lengths)``. In ``N`` steps every rank at
 queries to every rank's key block: at step ``s`` rank ``r`` holds the block of rank
 ``(r − s) mod N`` and, before computing on it, starts sending it to ``r + 1`` (so the transfer
 overlaps the block's attention). Partial results are merged in fp32 (fp64 for fp64 inputs) with
-the log-sum-exp :func:`~dspzoo.core.methods.blockwise.merge`.
+the log-sum-exp :func:`~dspzoo.core.parallel.methods.blockwise.merge`.
 
 Layouts (which global positions a rank's tokens have; they drive the causal mask):
 
@@ -100,7 +100,7 @@ def ring_positions(seq_lengths: list[int], rank: int, layout: str = "contiguous"
 def zigzag_split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """Replicated → zigzag shard of axis ``dim`` (no communication either way).
 
-    Like :func:`dspzoo.core.comm.split`: backward puts this rank's gradient rows in place in
+    Like :func:`dspzoo.core.parallel.comm.split`: backward puts this rank's gradient rows in place in
     a zero tensor of the full shape. The output is a fresh tensor. The ranks agree on ``dim``
     and ``x``'s shape, dtype and device first (every rank raises if one differs).
     """
@@ -114,7 +114,7 @@ def zigzag_split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 def zigzag_gather(x: torch.Tensor, dim: int, group: Any, length: int) -> torch.Tensor:
     """Zigzag shard of axis ``dim`` → the replicated sequence of ``length`` rows.
 
-    Like :func:`dspzoo.core.comm.gather` (whose contract it inherits: what follows is computed
+    Like :func:`dspzoo.core.parallel.comm.gather` (whose contract it inherits: what follows is computed
     identically on every rank; backward keeps this rank's rows × N). Shards are padded to the
     longest zigzag shard for one all-gather, then reordered.
     """

@@ -36,7 +36,7 @@ def norm_dim(x: torch.Tensor, dim: int, what: str) -> int:
 def record(
     op: str, bytes_sent: int, group: Any, x: torch.Tensor, phase: str, region: str | None
 ) -> None:
-    """Report one collective to the active tracer (see :mod:`dspzoo.core.trace`)."""
+    """Report one collective to the active tracer (see :mod:`dspzoo.core.parallel.trace`)."""
     record_comm(op, bytes_sent, group_size(group), x, phase=phase, region=region)
 
 

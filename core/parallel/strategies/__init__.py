@@ -12,7 +12,7 @@ A strategy is a planning policy; the runtime executes any plan the same way.
 ``lss``        one dim sharded; attention over it: one fused all-gather of K and V
 ``usp``        one dim sharded; Ulysses inside ring groups (``build_mesh(ulysses_size=…)``)
 ``megatron_sp`` Megatron-LM tensor parallelism + sequence parallelism over the SP group:
-               needs ``parallelize_megatron(model, group)`` (:mod:`dspzoo.core.methods.megatron`)
+               needs ``parallelize_megatron(model, group)`` (:mod:`dspzoo.core.parallel.methods.megatron`)
 =============  ============================================================================
 """
 

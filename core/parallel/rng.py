@@ -11,7 +11,7 @@ generators seeded with such keys. Then
   exactly what the uninterrupted run would have.
 
 Randomness on *sharded* activations (dropout inside the sharded region) lives in
-:mod:`dspzoo.core.sharded_rng`, which builds on the same keys.
+:mod:`dspzoo.core.parallel.sharded_rng`, which builds on the same keys.
 """
 
 from __future__ import annotations

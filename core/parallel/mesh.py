@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .entry import release_communicators_at_exit
+from ..entry import release_communicators_at_exit
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

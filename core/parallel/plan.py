@@ -12,8 +12,8 @@ A plan says, per stage, the sharded dim **and the method** that runs the stage (
 embedded method such as ``ulysses`` or ``ring`` for a stage whose attention mixes the sharded
 dim, ``gather`` for a generic op that mixes every dim, ``megatron_sp`` on every stage under
 tensor parallelism). The choice and its costs are the planner's
-(:mod:`dspzoo.core.planner`), priced from the method registry
-(:mod:`dspzoo.core.methods.registry`); this module only declares and presents.
+(:mod:`dspzoo.core.parallel.planner`), priced from the method registry
+(:mod:`dspzoo.core.parallel.methods.registry`); this module only declares and presents.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Stage:
     ``op`` says what the stage computes over the dims it mixes: ``"attention"`` (the default,
     run through ``sp.attention``), ``"generic"`` (a convolution, pooling, an FFT, a custom
     mixer: it always gets its dims whole, by a switch or a gather, under every strategy) or a
-    registered kind (:func:`~dspzoo.core.methods.registry.register_op_kind`).
+    registered kind (:func:`~dspzoo.core.parallel.methods.registry.register_op_kind`).
     """
 
     name: str
@@ -251,7 +251,7 @@ def plan_stages(
         sp_size: ranks in the SP group.
         periodic: the stages repeat, so the last stage is followed by the first.
 
-    The one-activation case of :func:`dspzoo.core.planner.plan` under the DSP policy: a stage
+    The one-activation case of :func:`dspzoo.core.parallel.planner.plan` under the DSP policy: a stage
     that mixes every dim runs with the cheapest hybrid method of its op kind (``Stage.method``
     forces one; a generic op is gathered whole), and the plan becomes a hybrid. Raises
     ``ValueError`` for unknown dims.

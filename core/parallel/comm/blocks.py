@@ -1,7 +1,7 @@
 """Block layout: the one pack and the one unpack routine behind every collective.
 
 A collective over ``N`` ranks moves a tensor cut along one axis into blocks ``q = 0 … N−1`` of
-``sizes[q]`` rows (:func:`dspzoo.core.layout.shard_sizes`). On the wire the blocks lie end to end,
+``sizes[q]`` rows (:func:`dspzoo.core.parallel.layout.shard_sizes`). On the wire the blocks lie end to end,
 each a contiguous tensor with the source's axis order (so the receiver can read a block as a
 tensor), optionally padded with zero rows to a common length (all-gather and reduce-scatter
 need equal chunks).
@@ -16,8 +16,8 @@ need equal chunks).
 
 Synchronous CPU sends can pack into their group's workspace instead of a fresh buffer
 (:mod:`.settings`: one per group and ``(device, dtype)``, bounded by
-:func:`~dspzoo.core.comm.set_workspace_limit`, freed by
-:func:`~dspzoo.core.comm.release_workspace`).
+:func:`~dspzoo.core.parallel.comm.set_workspace_limit`, freed by
+:func:`~dspzoo.core.parallel.comm.release_workspace`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from .base import Strategy
 class DSP(Strategy):
     """Before each stage, re-shard onto a dim the stage does not mix (one all-to-all if it
     changed), so attention needs no communication; a stage that mixes *every* dim runs with
-    the cheapest embedded method (a hybrid plan, see :func:`~dspzoo.core.plan.plan_stages`)."""
+    the cheapest embedded method (a hybrid plan, see :func:`~dspzoo.core.parallel.plan.plan_stages`)."""
 
     name = "dsp"
 

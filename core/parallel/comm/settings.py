@@ -1,6 +1,6 @@
 """The settings the collectives read, and the CPU send workspaces they own (one per group).
 
-:data:`SETTINGS` is the one explicit configuration object of :mod:`dspzoo.core.comm`; the
+:data:`SETTINGS` is the one explicit configuration object of :mod:`dspzoo.core.parallel.comm`; the
 public setters (:func:`set_debug`, :func:`set_workspace_limit`, :func:`release_workspace`)
 change it, and ``DSPZOO_DEBUG`` / ``DSPZOO_COMM_WORKSPACE_MIB`` give its starting values.
 
@@ -54,7 +54,7 @@ class Workspace:
 
 @dataclass
 class CommSettings:
-    """What the collectives of :mod:`dspzoo.core.comm` read; change it through the setters.
+    """What the collectives of :mod:`dspzoo.core.parallel.comm` read; change it through the setters.
 
     Attributes:
         debug: also check in backward passes and compare the data of replicated inputs

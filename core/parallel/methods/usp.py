@@ -6,14 +6,14 @@ of one ring slot (consecutive SP ranks), ``ring_group`` the ``R`` ranks with the
 rank (stride ``U``). Every rank must belong to exactly one of each.
 
 Sequence layout: the global sequence is first laid out over the ring ranks as in
-:func:`~dspzoo.core.methods.ring.ring_attention` (``seq_lengths[j]`` tokens on ring slot ``j``,
+:func:`~dspzoo.core.parallel.methods.ring.ring_attention` (``seq_lengths[j]`` tokens on ring slot ``j``,
 ``"contiguous"`` or ``"zigzag"``), and ring slot ``j``'s segment is then split balanced and
 contiguous over its ``U`` Ulysses ranks (``shard_sizes(seq_lengths[j], U)``). So SP rank
 ``(j, u)`` holds the global positions :func:`usp_positions` returns; the causal mask uses them.
 For the contiguous layout with ``seq_lengths = shard_sizes(L, R)`` this is the plain contiguous
 order of the ``R · U`` shards (their sizes may differ from ``shard_sizes(L, R · U)``).
 
-Steps: :func:`~dspzoo.core.comm.switch` ``q, k, v`` from sequence-sharded to head-sharded
+Steps: :func:`~dspzoo.core.parallel.comm.switch` ``q, k, v`` from sequence-sharded to head-sharded
 inside ``ulysses_group`` (each rank then holds its ring slot's whole segment for ``H / U``
 heads), ring attention over ``ring_group``, and the inverse switch of the output. With GQA, when
 ``U`` does not divide both ``H`` and ``Hkv``, keys and values are first repeated to ``H`` heads

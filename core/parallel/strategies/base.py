@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..layers.attention import attend
+from ...layers.attention import attend
 from ..layout import SeqSpec
 from ..plan import Plan, Stage
 
