@@ -289,6 +289,35 @@ def test_one_bad_rank_raises_the_same_error_on_every_rank(world: int) -> None:
         assert len(set(texts.values())) == 1, (name, texts)
 
 
+def _usp_grid_extra_token(rank: int, world: int) -> str:
+    """USP on a 2 × 2 grid: SP rank 1 (ring slot 0, Ulysses rank 1) holds one token too many."""
+    mesh = build_mesh(world, ulysses_size=2, timeout_s=5)
+    lengths = shard_sizes(T, mesh.ring_size)  # tokens per ring slot
+    slot, u = divmod(rank, 2)
+    full = _qkv(1, 0, heads=2, length=T)
+    start = sum(lengths[:slot]) + shard_offset(lengths[slot], 2, u)
+    q, k, v = (t[:, start : start + shard_sizes(lengths[slot], 2)[u]] for t in full)
+    if rank == BAD:
+        q = torch.cat([q, q[:, :1]], dim=1)
+    with comm_region("attn"), pytest.raises(comm.CollectiveInputError) as info:
+        usp_attention(
+            q,
+            k,
+            v,
+            ulysses_group=mesh.ulysses_group,
+            ring_group=mesh.ring_group,
+            seq_lengths=lengths,
+            causal=True,
+        )
+    return str(info.value)
+
+
+def test_usp_grid_failure_reaches_every_rank() -> None:
+    texts = run_distributed(_usp_grid_extra_token, 4, timeout=120)
+    assert len(set(texts)) == 1, texts
+    assert "ring slot 0 (SP ranks 0…1)" in texts[0] and "Ulysses rank 1" in texts[0], texts[0]
+
+
 def _debug_mode_compares_replicated_data(rank: int, world: int) -> str:
     """Debug mode: a replicated input that differs in its values (not its shape) is caught too."""
     group = build_mesh(world, timeout_s=5).sp_group
