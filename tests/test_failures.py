@@ -193,6 +193,11 @@ def _zigzag_extra_row(model, x, group, n, r) -> None:
         zigzag_gather(torch.zeros(1, rows, 2), 1, group, T)
 
 
+def _check_consistent_args(model, x, group, n, r) -> None:
+    with comm_region("user"):
+        comm.check_consistent(x, group, "my_op", args=(_mine(r, 3, 4),), free_axes=(1,))
+
+
 # name → (the bad call, the primitive its error names, the region, words the message has)
 CASES: dict[str, tuple[Callable[..., None], str, str, str]] = {
     "model: extra row before the switch": (
@@ -246,6 +251,12 @@ CASES: dict[str, tuple[Callable[..., None], str, str, str]] = {
         "recv_shape",
     ),
     "zigzag_gather: extra row": (_zigzag_extra_row, "zigzag_gather", "lm_head", "zigzag layout"),
+    "check_consistent: other argument": (
+        _check_consistent_args,
+        "check_consistent",
+        "user",
+        "my_op arg 0 differs",
+    ),
 }
 
 
