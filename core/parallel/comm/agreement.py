@@ -315,7 +315,7 @@ def guard(
     """Re-raise a backend ``RuntimeError`` (timeout, lost peer) naming the primitive and region."""
     try:
         yield
-    except CollectiveTimeoutError:
+    except (CollectiveTimeoutError, torch.OutOfMemoryError):
         raise
     except RuntimeError as exc:
         timeout = group_timeout_s(group, device)

@@ -233,7 +233,7 @@ def agree_switch(
         sig.tensor("x", x, sharded=(src,)).local(f"rows of dim {src}", x.shape[src])
         _check_sizes("src_sizes", src_sizes, n, src_length)
         _check_sizes("dst_sizes", dst_sizes, n, x.shape[dst])
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agreed = agree(sig, group, x.device)
     rows = f"rows of dim {src}"

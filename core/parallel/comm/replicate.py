@@ -35,12 +35,12 @@ def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """Replicated → sharded: keep this rank's balanced slice of axis ``dim``.
 
     ``x`` must be identical on every rank of ``group``. Shape ``[..., L, ...]`` →
-    ``[..., shard_sizes(L, N)[rank], ...]``. No communication, forward or backward; the only
+    ``[..., shard_sizes(L, N)[rank], ...]``. No data moves, forward or backward; the only
     primitive whose backward may itself be differentiated (it is local).
 
-    The ranks agree on ``dim``, the shape, dtype and device first (one tiny all-gather; in
-    debug mode also a checksum of the data), so a rank holding something else raises the same
-    error on every rank.
+    The ranks agree on ``dim``, the shape, dtype and device first (one tiny all-gather of
+    their signatures; in debug mode also a checksum of the data), so a rank holding something
+    else raises the same error on every rank.
     """
     if group_size(group) == 1:
         return _one_process(x, dim, "split")
@@ -62,7 +62,7 @@ def agree_replicated(x: torch.Tensor, dim: int, group: Any, primitive: str) -> i
         sig.arg("dim", dim).tensor("x", x)
         if SETTINGS.debug:
             sig.arg("checksum", checksum(x))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agree(sig, group, x.device)
     return dim
@@ -91,7 +91,7 @@ def agree_sharded(
             raise ValueError(f"length must be >= 0, got {length}")
         sig.arg("dim", dim).arg("length", length).tensor("x", x, sharded=(dim,))
         sig.local(f"rows of dim {dim}", x.shape[dim])
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agreed = agree(sig, group, x.device)
     rows = f"rows of dim {dim}"

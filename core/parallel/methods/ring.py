@@ -126,7 +126,7 @@ def zigzag_gather(x: torch.Tensor, dim: int, group: Any, length: int) -> torch.T
         dim = norm_dim(x, dim, "zigzag_gather")
         sig.arg("dim", dim).arg("length", length).tensor("x", x, sharded=(dim,))
         sig.local(f"rows of dim {dim}", x.shape[dim])
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agreed = agree(sig, group, x.device)
     sizes = zigzag_lengths(length, n)
@@ -211,7 +211,7 @@ def ring_attention(
     positions: list[torch.Tensor] = []
     try:
         positions = _check_ring_args(q, k, v, seq_lengths, n, r, layout)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agree(sig, group, q.device)
     return ring_attention_agreed(q, k, v, group, positions, causal, scale)

@@ -125,7 +125,7 @@ def agree_attention_args(
         check_attention_args(q, k, v, seq_lengths, n, r, what)
         if more_checks is not None:
             more_checks()
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agree(sig, group, q.device)
 

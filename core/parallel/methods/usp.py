@@ -132,15 +132,19 @@ def _agree(
                 f"Ulysses rank {u_rank} of a ring segment of {segment} tokens should hold "
                 f"{want}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     for name, t in (("q", q), ("k", k), ("v", v)):
         sig.tensor(name, t, sharded=(1,) if t.dim() > 1 else ())
     verdict: Exception | None = None
     try:
         agree(sig, ulysses_group, q.device)
-    except ValueError as exc:  # shared with the other ring slots below
-        verdict = ValueError(f"in the Ulysses group of ring slot {r_rank}: {exc}")
+    except (ValueError, TypeError) as exc:  # shared with the other ring slots below
+        first = r_rank * u_size  # SP rank = ring rank · U + Ulysses rank
+        verdict = ValueError(
+            f"in the Ulysses group of ring slot {r_rank} (SP ranks {first}…{first + u_size - 1}): "
+            f"{exc}"
+        )
     # across the ring: the lengths, mask, scale, layout and q/k/v of every ring slot agree
     ring_sig = ring_signature(q, k, v, seq_lengths, causal, scale, layout, "usp_attention")
     ring_sig.error = verdict
@@ -148,7 +152,7 @@ def _agree(
         try:  # the ring layout must be valid for these lengths
             for j in range(r_size):
                 ring_positions(seq_lengths, j, layout)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
             ring_sig.error = exc
     agree(ring_sig, ring_group, q.device)
     return split
