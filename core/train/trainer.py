@@ -145,8 +145,9 @@ class Trainer:
         complete = step >= self.cfg.steps
         final = None
         if complete:
-            if self.task.has_evaluation() and self.final_figures is None:
-                self.evaluate(step)
+            if self.final_figures is None and self.task.has_evaluation():
+                if self.task.evaluates_at(step):  # e.g. a finished run resumed as it was
+                    self.evaluate(step)
             if self.ema is not None:  # the final model carries the averaged weights
                 self.ema.copy_to(self.raw_model)
             final = self.sync.full_model(self.raw_model)  # every rank: shards are gathered
