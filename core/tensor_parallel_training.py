@@ -1,7 +1,8 @@
 """Training under a strategy that shards the model's weights (``megatron_sp``), like any other.
 
-Every training script makes the same calls whatever the strategy; they only do something
-special when the strategy shards weights (:attr:`TensorParallelTraining.active`)::
+The Trainer's gradient synchronisation (:class:`dspzoo.core.train.sync.GradientSync`) makes
+these calls whatever the strategy; they only do something special when the strategy shards
+weights (:attr:`TensorParallelTraining.active`), and otherwise the Trainer runs DDP::
 
     tp = TensorParallelTraining(accelerator, mesh, sp)
     model = tp.shard(build_model(cfg))                 # parallelize_megatron, before the optimizer

@@ -60,6 +60,28 @@ def test_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path: Path) -> None:
     assert "| dsp |" in (out / "results.md").read_text()
 
 
+def test_end_to_end_mode_takes_the_trainers_steps(tmp_path: Path) -> None:
+    """End-to-end at SP 2 (a budget nothing fits): whole optimisation steps (DDP, and
+    megatron_sp's tensor-parallel path), outputs equal to DSP's, bytes equal to the formula."""
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+        "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", str(REPO / "scripts" / "benchmark.py"),
+        "--model", "stdit-tiny", "--frames", "4", "--latent", "8", "--warmup", "1",
+        "--reps", "1", "--peer", "off", "--cluster", "none", "--no-progress", "--out", str(out),
+        "--mode", "end-to-end", "--memory-budget-mib", "0.001", "--strategies", "dsp,megatron_sp",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nothing fits 0.001 MiB" in proc.stdout
+    rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"dsp", "megatron_sp"}
+    for name, r in rows.items():
+        assert r["max_abs_diff"] < 1e-5 and r["formula_exact"], name
+
+
 def test_dspzoo_bench_prints_the_launch_command(capsys) -> None:
     from dspzoo.zoo.cli import main
 

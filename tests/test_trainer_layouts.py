@@ -6,9 +6,10 @@ dp 2 × sp 1; the loss sequences agree to rel 1e-5. Shapes are uneven at SP 2 (5
 residues, 33 bytes, 3 weather states). Randomness is keyed by (seed, step, global sample
 index), so nothing may depend on the layout: weather's dropout once was keyed by the DP rank.
 
-The same launch resumes an axial3d run whose last save was interrupted between its two
-renames (``step_2`` moved aside as ``.old_step_2``) at SP 2: one rank recovers it, both
-resume from it, and the run continues as the uninterrupted one.
+The same launch resumes one-process checkpoints at SP 2 — protein and weather stopped after
+step 2, and an axial3d run whose last save was interrupted between its two renames (``step_2``
+moved aside as ``.old_step_2``; one rank recovers it) — and each run continues as the
+uninterrupted one.
 
 Run as a script under ``torch.distributed.run`` this file is the 2-process driver.
 """
@@ -28,6 +29,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
+RESUMED = ("protein", "weather", "axial3d")  # resumed at SP 2 from one-process checkpoints
 
 
 def _byte_file(root: Path) -> Path:
@@ -128,9 +130,10 @@ def _driver(data: str, out: str) -> None:
         for sp in (2, 1):  # dp 1 × sp 2, then dp 2 × sp 1
             run = config(sp=sp, output_dir=str(Path(out) / f"{name}-sp{sp}"))
             losses[f"{name}/sp{sp}"] = train(run)["losses"]
-    train, config = domains(Path(data))["axial3d"]
-    resumed = train(config(sp=2, output_dir=str(Path(out) / "interrupted"), resume="latest"))
-    losses["axial3d/resumed"] = resumed["losses"]
+    for name in RESUMED:
+        train, config = domains(Path(data))[name]
+        resumed = train(config(sp=2, output_dir=str(Path(out) / f"{name}-cut"), resume="latest"))
+        losses[f"{name}/resumed"] = resumed["losses"]
     if dist.get_rank() == 0:
         (Path(out) / "losses.json").write_text(json.dumps(losses))
 
@@ -144,10 +147,11 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     reference = {}
     for name, (train, config) in domains(data).items():
         reference[name] = train(config(sp=1, output_dir=str(root / "one" / name)))["losses"]
-    # an axial3d run stopped after step 2 whose save then died between its two renames
-    train, config = domains(data)["axial3d"]
-    train(config(sp=1, output_dir=str(out / "interrupted"), stop_after=2))
-    ckpts = out / "interrupted" / "checkpoints"
+    for name in RESUMED:  # one-process runs stopped after step 2, resumed at SP 2 by the launch
+        train, config = domains(data)[name]
+        train(config(sp=1, output_dir=str(out / f"{name}-cut"), stop_after=2))
+    # the axial3d save of step 2 then died between its two renames
+    ckpts = out / "axial3d-cut" / "checkpoints"
     os.replace(ckpts / "step_2", ckpts / ".old_step_2")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            str(Path(__file__).resolve()), str(data), str(out)]  # fmt: skip
@@ -176,9 +180,11 @@ def test_weather_dropout_is_active(launched, tmp_path: Path) -> None:
     assert plain[-1] != pytest.approx(reference["weather"][-1], rel=1e-4)
 
 
-def test_an_interrupted_save_is_recovered_and_resumed_at_sp2(launched) -> None:
+@pytest.mark.parametrize("domain", RESUMED)
+def test_one_process_checkpoints_resume_at_sp2(launched, domain: str) -> None:
+    """Protein and weather resume at another layout; axial3d from an interrupted save."""
     reference, got = launched
-    assert got["axial3d/resumed"] == pytest.approx(reference["axial3d"][2:], rel=1e-5)
+    assert got[f"{domain}/resumed"] == pytest.approx(reference[domain][2:], rel=1e-5)
 
 
 if __name__ == "__main__":

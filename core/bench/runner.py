@@ -90,7 +90,8 @@ class Case:
             out = model(tokens[:, :-1], sp, gather_output=False)
             return lm_loss(out, tokens[:, 1:], sp), out
         out = model(inputs["x"], inputs["t"], inputs["y"], sp=sp, gather_output=False)
-        target = sp.shard_like(model.patchify_target(inputs["target"]), out)
+        raw = getattr(model, "module", model)  # under DDP (end-to-end mode)
+        target = sp.shard_like(raw.patchify_target(inputs["target"]), out)
         return sp_mse(out.tensor, target, sp.group), out
 
 
@@ -134,9 +135,17 @@ def build_case(args: argparse.Namespace, batch: int) -> Case:
 
 # -- one strategy's runner ------------------------------------------------------------------------
 class Runner:
-    """A strategy with its own model copy and ``SeqParallel``; traced and timed steps."""
+    """A strategy with its own model copy and ``SeqParallel``; traced and timed steps.
 
-    def __init__(self, name: str, case: Case, sp_size: int, accelerator: Any) -> None:
+    ``train_step``: take whole optimisation steps as training does (end-to-end mode) — the
+    Trainer's :class:`~dspzoo.core.train.OptimisationStep` with the strategy's gradient
+    synchronisation (DDP over dp × sp, or megatron_sp's tensor-parallel path) and AdamW —
+    instead of a forward and backward with a DP gradient average.
+    """
+
+    def __init__(
+        self, name: str, case: Case, sp_size: int, accelerator: Any, train_step: bool = False
+    ) -> None:
         from ..accelerate import default_ulysses_size
         from ..parallel.mesh import build_mesh
         from ..parallel.runtime import SeqParallel
@@ -152,7 +161,16 @@ class Runner:
             self.sp: Any = DeepSpeedUlysses(self.mesh)
         else:
             self.sp = SeqParallel(self.mesh, name)
-        if name == "megatron_sp" and sp_size > 1:
+        self.optimisation_step = None
+        if train_step and name != PEER:
+            from ..train import GradientSync, OptimisationStep
+
+            sync = GradientSync(accelerator, self.mesh, self.sp)
+            model = sync.shard(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            model, optimizer = sync.prepare(model, optimizer)
+            self.optimisation_step = OptimisationStep(accelerator, model, optimizer, sync)
+        elif name == "megatron_sp" and sp_size > 1:
             from ..parallel.methods.megatron import parallelize_megatron
 
             model = parallelize_megatron(model, self.sp.group)
@@ -186,15 +204,27 @@ class Runner:
                 peer_ctx = count_deepspeed_bytes()
                 peer = peer_ctx.__enter__()
             try:
-                with SavedTensorMeter(self.model.parameters()) as meter:
-                    loss, out = self.case.step(self.model, self.sp, self.inputs)
-                if peer is not None:
-                    peer.phase = "backward"
-                loss.backward()
+                if self.optimisation_step is not None:
+                    meter = SavedTensorMeter(self.model.parameters())
+                    outputs = []
+
+                    def loss_fn() -> torch.Tensor:
+                        loss, out = self.case.step(self.model, self.sp, self.inputs)
+                        outputs.append(out)
+                        return loss
+
+                    loss, out = self.optimisation_step(loss_fn, meter), outputs[0]
+                else:
+                    with SavedTensorMeter(self.model.parameters()) as meter:
+                        loss, out = self.case.step(self.model, self.sp, self.inputs)
+                    if peer is not None:
+                        peer.phase = "backward"
+                    loss.backward()
             finally:
                 if peer is not None:
                     peer_ctx.__exit__(None, None, None)
-        self._sync_dp()
+        if self.optimisation_step is None:
+            self._sync_dp()
         model_bytes = {
             ph: sum(r.bytes_sent for r in tracer.records if r.op in MODEL_OPS and r.phase == ph)
             for ph in ("forward", "backward")
@@ -220,9 +250,12 @@ class Runner:
         self.model.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
-        loss, _ = self.case.step(self.model, self.sp, self.inputs)
-        loss.backward()
-        self._sync_dp()
+        if self.optimisation_step is not None:
+            self.optimisation_step(lambda: self.case.step(self.model, self.sp, self.inputs)[0])
+        else:
+            loss, _ = self.case.step(self.model, self.sp, self.inputs)
+            loss.backward()
+            self._sync_dp()
         self.times.append(time.perf_counter() - start)
 
     def formula(self, rank_in_sp: int) -> dict[str, float]:
@@ -251,8 +284,9 @@ def choose_layout(args: argparse.Namespace, world: int) -> tuple[int, int, str]:
     ``--batch`` × N (the work per rank stays fixed as N grows). ``strong``: SP = every process,
     batch ``--batch`` (fixed work), plus a one-process baseline for the speed-up.
     ``end-to-end``: global batch ``--batch`` × N over ``sp × dp = N``, with the smallest SP
-    whose predicted memory per rank (activations + parameters, gradients, Adam) fits
-    ``--memory-budget-mib`` (the DSP paper's rule).
+    whose predicted memory per rank (activations + parameters, gradients, Adam: whole on
+    every rank, as under DDP) fits ``--memory-budget-mib`` (the DSP paper's rule); its steps
+    are the Trainer's optimisation steps (:class:`Runner`).
     """
     if args.mode in ("sp", "strong"):
         return world, args.batch, f"SP {world}, batch {args.batch}"
@@ -269,8 +303,9 @@ def choose_layout(args: argparse.Namespace, world: int) -> tuple[int, int, str]:
         if batch % dp:
             continue
         wl = probe.workload(batch // dp)
+        # DDP, as training: every rank holds whole weights, gradients and Adam moments
         need = activation_bytes(wl, "dsp", sp) + model_state_bytes(
-            wl.params, param_itemsize=4, grad_itemsize=4, shard=world, zero=1
+            wl.params, param_itemsize=4, grad_itemsize=4, shard=world, zero=0
         )
         tried.append(f"SP {sp}: {need / 2**20:.0f} MiB")
         if need <= budget:
@@ -378,7 +413,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         names.append(PEER)
     else:
         skipped[PEER] = why_not
-    runners = [Runner(n, case, sp_size, accelerator) for n in names]
+    train_step = args.mode == "end-to-end"
+    runners = [Runner(n, case, sp_size, accelerator, train_step) for n in names]
     main = rank == 0
     bar = None
     if main and not args.no_progress:

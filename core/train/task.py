@@ -116,6 +116,7 @@ class Task:
         return None
 
     def has_evaluation(self) -> bool:
+        """Whether the domain overrides :meth:`evaluate`."""
         return type(self).evaluate is not Task.evaluate
 
     def evaluates_at(self, step: int) -> bool:
