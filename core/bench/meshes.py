@@ -31,9 +31,13 @@ class MeshCache:
     the benchmark does, since all ranks run the same strategy list.
     """
 
-    def __init__(self, accelerator: Any = None) -> None:
+    def __init__(self, accelerator: Any = None, built: tuple[SPMesh, ...] = ()) -> None:
+        """``built``: meshes the caller already has (e.g. the world mesh of SP 1), reused."""
         self.accelerator = accelerator
         self._meshes: dict[tuple[int, int | None], SPMesh] = {}
+        for mesh in built:
+            ulysses = mesh.ulysses_size if mesh.ulysses_group is not None else None
+            self._meshes[(mesh.sp_size, ulysses)] = mesh
 
     def get(self, sp_size: int, ulysses_size: int | None = None) -> SPMesh:
         """The mesh of ``sp_size`` ranks per SP group (``ulysses_size``: USP's sub-mesh)."""

@@ -89,8 +89,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"## {result['case']}",
         "",
         f"mode `{result['mode']}`: {result['layout']}; {result['world']} processes, "
-        f"{result['threads_per_process']} thread(s) each, {result.get('meshes_built', '?')} "
-        f"mesh(es) shared by the strategies; {timing}. Bytes: sent per rank per step, worst "
+        f"{result['threads_per_process']} thread(s) each, {result.get('meshes', '?')} "
+        f"mesh(es) in all, one per SP layout, shared by the strategies; {timing}. Bytes: sent per rank per step, worst "
         "rank, traced by the runtime's tracer beside the cost model's `comm_bytes` walking the "
         "same plan ('=': equal on every rank for every op and phase); memory: activations saved "
         f"for backward per rank (worst rank) beside `activation_bytes`; check: {check}.",
