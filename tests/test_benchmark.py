@@ -231,3 +231,16 @@ def test_dspzoo_bench_prints_the_launch_command(capsys) -> None:
     line = capsys.readouterr().out.strip()
     assert line.startswith("accelerate launch --multi_gpu --num_processes 4 --num_machines 1")
     assert line.endswith("scripts/benchmark.py --model bytelm-tiny --seq-len 64")
+
+
+def test_two_runs_side_by_side() -> None:
+    from dspzoo.core.bench.compare import side_by_side
+
+    def run(*ring: float) -> dict:
+        dsp = [1.0, 1.0, 1.0, 1.0]
+        return {"rows": [{"strategy": "dsp", "times": dsp}, {"strategy": "ring", "times": ring}]}
+
+    steady = side_by_side(run(1.2, 1.3, 1.4, 1.3), run(1.25, 1.3, 1.45, 1.35))
+    assert "| ring | 1.30 |" in steady and steady.endswith("| no |")
+    moved = side_by_side(run(1.2, 1.3, 1.4, 1.3), run(2.0, 2.1, 2.0, 2.1))
+    assert moved.endswith("| yes |")
