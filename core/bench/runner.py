@@ -282,11 +282,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     reference = None
     if not args.no_check:  # one process on this rank's DP group's samples
         reference = one_process_reference(case, runners[0].inputs)
+    timed_rounds = args.warmup - 1 + args.reps if args.reps else 0
     bar = None
     if main and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(runners) * (args.warmup + args.reps), desc="bench", unit="step")
+        bar = tqdm(total=len(runners) * (1 + timed_rounds), desc="bench", unit="step")
     mine: dict[str, dict[str, Any]] = {}
     for r in runners:  # warm-up 1: traced and metered
         mine[r.name] = r.traced_step(reference)
@@ -294,7 +295,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             bar.set_postfix_str(r.name)
             bar.update()
     del reference
-    timed_rounds = args.warmup - 1 + args.reps if args.reps else 0
     for i in range(timed_rounds):  # interleaved, order rotated per repetition
         order = runners[i % len(runners) :] + runners[: i % len(runners)]
         for r in order:
