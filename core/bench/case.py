@@ -73,7 +73,7 @@ class Case:
 
     def workload(self, batch: int) -> Any:
         """The cost model's description of ``batch`` samples of this case."""
-        from ..costmodel import workload_for
+        from dspzoo.zoo.workloads import workload_for
 
         if self.text:
             return workload_for(
