@@ -50,8 +50,9 @@ from __future__ import annotations
 from .agreement import CollectiveInputError, CollectiveTimeoutError
 from .checks import check_consistent
 from .exchange import SwitchHandle, switch, switch_async
-from .group import all_reduce_sum, group_rank, group_size
+from .group import group_rank, group_size
 from .p2p import ring_exchange
+from .reductions import all_reduce_sum
 from .replicate import gather, gather_for_local_use, split
 from .settings import SETTINGS, release_workspace, set_debug, set_workspace_limit
 

@@ -49,17 +49,3 @@ def record_size_sync(group: Any) -> None:
     n = group_size(group)
     one = torch.zeros(1, dtype=torch.long)
     record("size_sync", 8 * 2 * (n - 1) // n, group, one, "forward", None)
-
-
-def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum of ``x`` over ``group`` (no autograd; for counts and metrics)."""
-    if group_size(group) == 1:
-        return x
-    from .agreement import guard  # agreement imports this module
-
-    x = x.detach().clone()
-    with guard("all_reduce_sum", group, None, x.device):
-        dist.all_reduce(x, group=group)
-    n = group_size(group)
-    record("all_reduce", 2 * (n - 1) * x.numel() * x.element_size() // n, group, x, "forward", None)
-    return x
