@@ -23,7 +23,8 @@ from dspzoo.core.bench import MeshCache, build_parser, not_runnable, select_stra
 from dspzoo.core.bench.case import Case
 from dspzoo.core.bench.peer import deepspeed_cannot_run
 from dspzoo.core.bench.stats import moved_beyond_iqr, paired_ratios, spread
-from dspzoo.core.costmodel import comm_bytes, workload_for
+from dspzoo.core.costmodel import comm_bytes
+from dspzoo.zoo.workloads import workload_for
 from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.methods.registry import (
     AttentionShape,
