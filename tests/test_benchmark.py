@@ -24,7 +24,6 @@ from dspzoo.core.bench.case import Case
 from dspzoo.core.bench.peer import deepspeed_cannot_run
 from dspzoo.core.bench.stats import moved_beyond_iqr, paired_ratios, spread
 from dspzoo.core.costmodel import comm_bytes
-from dspzoo.zoo.workloads import workload_for
 from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.methods.registry import (
     AttentionShape,
@@ -34,6 +33,7 @@ from dspzoo.core.parallel.methods.registry import (
     switch_bytes,
 )
 from dspzoo.core.parallel.strategies import STRATEGIES
+from dspzoo.zoo.workloads import workload_for
 
 REPO = Path(__file__).resolve().parents[1]
 
