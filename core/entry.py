@@ -6,12 +6,14 @@ going from 2 to 1 on a tensor that has a Python object decrefs that object, taki
 (``c10/util/intrusive_ptr.h``, ``PyInterpreter::decref``). If the interpreter has meanwhile
 begun to finalize, Python ends the thread with ``pthread_exit``, whose unwinding through a
 ``noexcept`` frame calls ``std::terminate``: "terminate called without an active exception",
-SIGABRT, after a run that succeeded. The worker threads live as long as their process group,
+SIGABRT, after a run that succeeded (an aborted rank's core: ``ProcessGroupGloo::runLoop`` →
+``~AsyncAllreduceWork`` → ``TensorImpl::decref_pyobject`` → ``gil_scoped_acquire`` →
+``take_gil`` → ``PyThread_exit_thread`` → ``std::terminate``, while the main thread is in
+``Py_FinalizeEx``). The worker threads live as long as their process group,
 and :func:`torch.distributed.destroy_process_group` does not end them while anything (a mesh,
 a DDP model, a ``DeviceMesh``'s reference cycles) still holds the group.
 :func:`release_communicators` destroys every group and collects those references, which joins
-the threads (the destructor waits for them with the GIL released) while the interpreter is
-still whole; :func:`run_entry_point` calls it as soon as the entry point returns, and
+the threads while the interpreter can still hand them the GIL; :func:`run_entry_point` calls it as soon as the entry point returns, and
 :func:`dspzoo.core.mesh.build_mesh` registers it to run at exit for other callers.
 
 **Bad input under a launcher.** :func:`run_entry_point` turns ``UsageError``, ``ValueError``,
