@@ -13,7 +13,9 @@ SIGABRT, after a run that succeeded (an aborted rank's core: ``ProcessGroupGloo:
 and :func:`torch.distributed.destroy_process_group` does not end them while anything (a mesh,
 a DDP model, a ``DeviceMesh``'s reference cycles) still holds the group.
 :func:`release_communicators` destroys every group and collects those references, which joins
-the threads while the interpreter can still hand them the GIL; :func:`run_entry_point` calls it as soon as the entry point returns, and
+the threads while the interpreter can still hand them the GIL (except for the group of a
+``DistributedDataParallel`` model: torch keeps it referenced from C++ after the module is freed,
+so its threads outlive the release, idle: DDP waits for its all-reduces inside ``backward``); :func:`run_entry_point` calls it as soon as the entry point returns, and
 :func:`dspzoo.core.mesh.build_mesh` registers it to run at exit for other callers.
 
 **Bad input under a launcher.** :func:`run_entry_point` turns ``UsageError``, ``ValueError``,
