@@ -64,13 +64,13 @@ def error_message(exc: BaseException) -> str:
 def release_communicators() -> None:
     """Destroy every process group and wait until their communication threads have exited.
 
-    Safe to call more than once, and without ``torch.distributed``. Run it only when no
-    collective is in flight on this rank (a group's destructor waits for its queued work).
+    Safe to call more than once, without ``torch.distributed``, and after the caller destroyed
+    the groups itself. Run it only when no collective is in flight on this rank (a group's
+    destructor waits for its queued work).
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    dist.destroy_process_group()
-    gc.collect()  # groups held in reference cycles (DeviceMesh) are destroyed now, not at exit
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups destroyed earlier but held in reference cycles go now, not at exit
 
 
 _registered = False
