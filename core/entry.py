@@ -6,12 +6,17 @@ going from 2 to 1 on a tensor that has a Python object decrefs that object, taki
 (``c10/util/intrusive_ptr.h``, ``PyInterpreter::decref``). If the interpreter has meanwhile
 begun to finalize, Python ends the thread with ``pthread_exit``, whose unwinding through a
 ``noexcept`` frame calls ``std::terminate``: "terminate called without an active exception",
-SIGABRT, after a run that succeeded. The worker threads live as long as their process group,
+SIGABRT, after a run that succeeded (an aborted rank's core: ``ProcessGroupGloo::runLoop`` →
+``~AsyncAllreduceWork`` → ``TensorImpl::decref_pyobject`` → ``gil_scoped_acquire`` →
+``take_gil`` → ``PyThread_exit_thread`` → ``std::terminate``, while the main thread is in
+``Py_FinalizeEx``). The worker threads live as long as their process group,
 and :func:`torch.distributed.destroy_process_group` does not end them while anything (a mesh,
 a DDP model, a ``DeviceMesh``'s reference cycles) still holds the group.
 :func:`release_communicators` destroys every group and collects those references, which joins
-the threads (the destructor waits for them with the GIL released) while the interpreter is
-still whole; :func:`run_entry_point` calls it as soon as the entry point returns, and
+the threads while the interpreter can still hand them the GIL (except for the group of a
+``DistributedDataParallel`` model: torch keeps it referenced from C++ after the module is freed,
+so its threads outlive the release, idle: DDP waits for its all-reduces inside ``backward``);
+:func:`run_entry_point` calls it as soon as the entry point returns, and
 :func:`dspzoo.core.parallel.mesh.build_mesh` registers it to run at exit for other callers.
 
 **Bad input under a launcher.** :func:`run_entry_point` turns ``UsageError``, ``ValueError``,
@@ -60,13 +65,13 @@ def error_message(exc: BaseException) -> str:
 def release_communicators() -> None:
     """Destroy every process group and wait until their communication threads have exited.
 
-    Safe to call more than once, and without ``torch.distributed``. Run it only when no
-    collective is in flight on this rank (a group's destructor waits for its queued work).
+    Safe to call more than once, without ``torch.distributed``, and after the caller destroyed
+    the groups itself. Run it only when no collective is in flight on this rank (a group's
+    destructor waits for its queued work).
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    dist.destroy_process_group()
-    gc.collect()  # groups held in reference cycles (DeviceMesh) are destroyed now, not at exit
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups destroyed earlier but held in reference cycles go now, not at exit
 
 
 _registered = False

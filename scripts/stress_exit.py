@@ -75,7 +75,7 @@ def _launch_torchrun(nproc: int, timeout: float) -> tuple[list[int], str]:
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
-    rank_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
+    rank_codes = [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+) \(pid", output)]
     return [done.returncode, *rank_codes], output
 
 
