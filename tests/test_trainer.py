@@ -110,3 +110,11 @@ def test_ddp_runs_on_the_gradient_communicator(own_group: bool) -> None:
     has one (else the default group); megatron_sp takes the tensor-parallel path."""
     for result in run_distributed(_prepared_group, 2, own_group):
         assert result == {"ddp": True, "group": True, "methods": ("ddp", "tensor-parallel")}
+
+
+def test_a_task_refuses_another_domains_config() -> None:
+    from dspzoo.domains.text.training import TextTrainConfig
+    from dspzoo.examples.axial3d_training import Axial3DTask
+
+    with pytest.raises(TypeError, match="Axial3DTask takes a Axial3DTrainConfig, got Text"):
+        Axial3DTask(TextTrainConfig())
