@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from ..trace import current_region
 from .group import all_gather_single, group_rank, group_size
+from .rehearsal import Entry
+from .settings import SETTINGS
 
 WIDTH = 64  # int64 words per rank in the agreement
 
@@ -190,8 +192,22 @@ def ranks_text(ranks: Sequence[int]) -> str:
 class Agreed:
     """The gathered signatures of every rank; checks on them give the same verdict everywhere."""
 
-    def __init__(self, sig: Signature, rows: list[list[int]], n: int, region: str) -> None:
+    def __init__(
+        self,
+        sig: Signature,
+        rows: list[list[int]],
+        n: int,
+        region: str,
+        entry: Entry | None = None,
+        folded: bool = False,
+    ) -> None:
         self.sig, self.rows, self.n, self.region = sig, rows, n, region
+        # the group's record of this call (:mod:`.rehearsal`); a primitive that can fold the
+        # call next time sets ``entry.plan`` (on every rank alike: after checks that passed)
+        self.entry = entry
+        # True: the rows are the prediction, which this rank's call matches; nothing was
+        # exchanged yet, so the caller must run the folded collective and settle it
+        self.folded = folded
 
     def fail(self, detail: str, primitive: str | None = None) -> NoReturn:
         """Raise the group's error (call it on every rank, from checks on gathered data)."""
@@ -271,13 +287,22 @@ def _verdict(sig: Signature, table: list[list[int]], region: str, group: Any) ->
     )
 
 
-def agree(sig: Signature, group: Any, device: torch.device | str = "cpu") -> Agreed:
-    """Exchange ``sig`` over ``group`` (one tiny all-gather) and check it on every rank.
+def agree(
+    sig: Signature, group: Any, device: torch.device | str = "cpu", fold: bool = False
+) -> Agreed:
+    """Agree on ``sig`` over ``group`` and check it on every rank; the :class:`Agreed` words.
 
     Raises :class:`CollectiveInputError` on every rank if any rank's ``sig.error`` is set or the
     ``same`` fields differ; otherwise returns the :class:`Agreed` words for the caller's checks
     on the ``free`` fields (which must call :meth:`Agreed.fail` identically on every rank).
     On one process, raises ``sig.error`` if set.
+
+    When the group's rehearsal (:mod:`.rehearsal`) predicts a foldable next call, nothing is
+    exchanged here: a caller that can ``fold`` and whose words are this rank's row of the
+    prediction gets ``Agreed(folded=True)`` and runs the folded collective itself; any other
+    rank takes part in the predicted collective with zeros and a miss status (so the others
+    learn of it inside their collective), then agrees in full — as the others do once they read
+    that status. Otherwise: one tiny all-gather of every rank's words.
     """
     n = group_size(group)
     region = current_region()
@@ -285,14 +310,37 @@ def agree(sig: Signature, group: Any, device: torch.device | str = "cpu") -> Agr
         if sig.error is not None:
             raise sig.error
         return Agreed(sig, [sig.words(0)], 1, region)
-    words = array.array("q", sig.words(int(sig.error is not None)))
-    mine = torch.frombuffer(words, dtype=torch.long)  # no copy (CPU)
+    status = int(sig.error is not None)
+    words = sig.words(status)
+    rehearsal = SETTINGS.rehearsal(group)
+    predicted = rehearsal.predicted()
+    if predicted is not None:
+        if fold and not status and words == predicted.table[group_rank(group)]:
+            return Agreed(sig, predicted.table, n, region, predicted, folded=True)
+        with guard(sig.primitive, group, region, device):
+            predicted.plan.miss(group)
+        rehearsal.missed()
+    return agree_in_full(sig, group, device, words)
+
+
+def agree_in_full(
+    sig: Signature, group: Any, device: torch.device | str = "cpu", words: list[int] | None = None
+) -> Agreed:
+    """:func:`agree` by one tiny all-gather of every rank's words (no prediction); records the call."""
+    n = group_size(group)
+    region = current_region()
+    if words is None:
+        words = sig.words(int(sig.error is not None))
+    mine = torch.frombuffer(array.array("q", words), dtype=torch.long)  # no copy (CPU)
     if torch.device(device).type != "cpu":  # NCCL moves device tensors only
         mine = mine.to(device)
     everyone = torch.empty(n * WIDTH, dtype=torch.long, device=device)
     with guard(sig.primitive, group, region, device):
         all_gather_single(everyone, mine, group=group)
-    return _verdict(sig, everyone.view(n, WIDTH).tolist(), region, group)
+    table = everyone.view(n, WIDTH).tolist()
+    agreed = _verdict(sig, table, region, group)
+    agreed.entry = SETTINGS.rehearsal(group).agreed(table)
+    return agreed
 
 
 # --------------------------------------------------------------------------------------------

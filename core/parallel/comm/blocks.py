@@ -75,10 +75,9 @@ def pack_blocks(
     per_row = _numel_per_row(x, axis)
     total = per_row * sum(rows)
     if len(set(sizes)) == 1 and (pad_to is None or pad_to == sizes[0]):
-        blocks = x.unflatten(axis, (len(sizes), sizes[0])).movedim(axis, 0)
-        blocks = blocks[keep.start : keep.stop]
-        if blocks.is_contiguous():
-            return blocks.reshape(-1)
+        if blocks_in_place(x, axis, sizes, keep):
+            return _blocks(x, axis, sizes, keep).reshape(-1)
+        blocks = _blocks(x, axis, sizes, keep)
         out = _send_buffer(total, x, reuse, group)
         out.view(blocks.shape).copy_(blocks)
         return out
@@ -92,6 +91,17 @@ def pack_blocks(
             slot.narrow(axis, sizes[q], r - sizes[q]).zero_()
         start += per_row * r
     return out
+
+
+def _blocks(x: torch.Tensor, axis: int, sizes: list[int], keep: range) -> torch.Tensor:
+    """Equal blocks ``keep`` of ``x`` cut along ``axis``, stacked on a new leading axis (a view)."""
+    blocks = x.unflatten(axis, (len(sizes), sizes[0])).movedim(axis, 0)
+    return blocks[keep.start : keep.stop]
+
+
+def blocks_in_place(x: torch.Tensor, axis: int, sizes: list[int], keep: range) -> bool:
+    """Whether the blocks ``keep`` already lie end to end in ``x``'s memory (sending needs no copy)."""
+    return len(set(sizes)) == 1 and _blocks(x, axis, sizes, keep).is_contiguous()
 
 
 def _numel_per_row(x: torch.Tensor, axis: int) -> int:

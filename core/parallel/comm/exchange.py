@@ -19,8 +19,9 @@ from torch.autograd.function import once_differentiable
 
 from ..layout import shard_sizes
 from ..trace import current_region
-from .agreement import Signature, agree, guard
-from .blocks import empty_blocks, offsets, pack_blocks, unpack_blocks
+from .agreement import Agreed, Signature, agree, agree_in_full, guard
+from .blocks import blocks_in_place, empty_blocks, offsets, pack_blocks, unpack_blocks
+from .folded import MISS, OK, exchange_with_headers
 from .group import group_rank, group_size, norm_dim, record, record_size_sync
 from .settings import SETTINGS
 
@@ -166,6 +167,7 @@ class SwitchHandle:
         self._recv: torch.Tensor | None = None
         self._send: torch.Tensor | None = None  # kept alive until the exchange completes
         self._result: torch.Tensor | None = None
+        self._done: torch.Tensor | None = None  # the result of a folded exchange, already in
 
     def wait(self) -> torch.Tensor:
         """Block until the exchange is done and return the switched tensor (idempotent)."""
@@ -177,6 +179,9 @@ class SwitchHandle:
 
     def _finish(self) -> torch.Tensor:
         """Wait for the exchange and unpack the received blocks (no autograd)."""
+        if self._done is not None:
+            done, self._done = self._done, None
+            return done
         if self.work is not None:
             with guard(self.primitive, self.group, self.region):
                 self.work.wait()
@@ -213,12 +218,16 @@ def agree_switch(
     src_sizes: list[int] | None,
     dst_sizes: list[int] | None,
     primitive: str,
-) -> _SwitchMeta:
-    """Check the arguments on every rank together (one tiny all-gather); this rank's meta.
+    fold: bool = False,
+    in_full: bool = False,
+) -> tuple[_SwitchMeta, Agreed]:
+    """Check the arguments on every rank together; this rank's meta and the agreement.
 
     Every rank raises the same :class:`~.agreement.CollectiveInputError` if any rank's
     dims, lengths, split sizes, dtype, device or whole-axis sizes differ from the others', or
-    its shard of ``src`` is not the one the length gives it.
+    its shard of ``src`` is not the one the length gives it. With ``fold`` the call may come
+    back ``agreed.folded`` (the rehearsed call, nothing exchanged yet: see :func:`_start`);
+    ``in_full`` agrees by the all-gather whatever the prediction (after a folded call missed).
     """
     n, r = group_size(group), group_rank(group)
     sig = Signature(primitive)
@@ -233,9 +242,16 @@ def agree_switch(
         sig.tensor("x", x, sharded=(src,)).local(f"rows of dim {src}", x.shape[src])
         _check_sizes("src_sizes", src_sizes, n, src_length)
         _check_sizes("dst_sizes", dst_sizes, n, x.shape[dst])
+        cuts = dst_sizes if dst_sizes is not None else shard_sizes(x.shape[dst], n)
+        sig.local(_PACKS, int(not blocks_in_place(x, dst, cuts, _keep(n, r))))
     except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
-    agreed = agree(sig, group, x.device)
+    if in_full:
+        agreed = agree_in_full(sig, group, x.device)
+    else:
+        agreed = agree(sig, group, x.device, fold=fold)
+    if agreed.folded:
+        return agreed.entry.plan.meta, agreed
     rows = f"rows of dim {src}"
     if src_sizes is not None:
         want, how = src_sizes, f"src_sizes {src_sizes}"
@@ -247,7 +263,42 @@ def agree_switch(
         want, how = shard_sizes(src_length, n), f"balanced shards of their sum {src_length}"
     agreed.check_rows(rows, want, how)
     length = sum(src_sizes) if src_sizes is not None else src_length
-    return _SwitchMeta.build(x, src, dst, length, n, r, src_sizes, dst_sizes)
+    return _SwitchMeta.build(x, src, dst, length, n, r, src_sizes, dst_sizes), agreed
+
+
+_PACKS = "packs its send"  # the free word: 1 when this rank's send needs a layout copy anyway
+
+
+def _keep(n: int, r: int) -> range:
+    """The blocks a rank sends through the all-to-all (the end ranks copy their own in place)."""
+    return range(1, n) if r == 0 else range(n - 1) if r == n - 1 else range(n)
+
+
+@dataclass(frozen=True)
+class _FoldedSwitch:
+    """This rank's part in a rehearsed switch (:mod:`.rehearsal`): enough to take part in it
+    with zeros when its own call is not the predicted one."""
+
+    meta: _SwitchMeta
+    dtype: torch.dtype
+    device: torch.device
+
+    def miss(self, group: Any) -> None:
+        like = torch.empty(0, dtype=self.dtype, device=self.device)
+        exchange_with_headers(None, self.meta, like, group, MISS)
+
+
+def _may_fold(agreed: Agreed, x: torch.Tensor, meta: _SwitchMeta) -> None:
+    """Let the group fold this call next time if every rank packs its send anyway.
+
+    The header then rides in the pack copy; a rank whose blocks lie in place would pay a copy
+    it does not make today, more than the separate agreement at large sizes. CPU only: the
+    folded exchange reads the status words on the host.
+    """
+    if agreed.entry is None or x.device.type != "cpu":
+        return
+    if all(v[0] for v in agreed.local(_PACKS)):
+        agreed.entry.plan = _FoldedSwitch(meta, x.dtype, x.device)
 
 
 def _check_sizes(name: str, sizes: list[int] | None, n: int, length: int | None) -> None:
@@ -272,10 +323,25 @@ def _start(
     dst_sizes: list[int] | None = None,
     checked: bool = True,
 ) -> SwitchHandle:
-    """Agree on the arguments (unless ``checked`` is off), launch the forward exchange, return its handle."""
+    """Agree on the arguments (unless ``checked`` is off), launch the forward exchange, return its handle.
+
+    A synchronous checked switch that the group rehearsed (:mod:`.rehearsal`) runs folded: its
+    status word travels in the all-to-all itself (:mod:`.folded`); if some rank did not match,
+    every rank agrees in full (raising the same error everywhere, or redoing the call when the
+    prediction was only stale).
+    """
     primitive = "switch_async" if async_op else "switch"
+    region = current_region()
     if checked:
-        meta = agree_switch(x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
+        args = (x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
+        meta, agreed = agree_switch(*args, fold=not async_op)
+        if agreed.folded:
+            handle = _run_folded(x, meta, group, region)
+            if handle is not None:
+                return handle
+            meta, agreed = agree_switch(*args, in_full=True)
+        if not async_op:
+            _may_fold(agreed, x, meta)
     else:  # the caller has agreed on these arguments already
         src, dst = norm_dim(x, src, primitive), norm_dim(x, dst, primitive)
         length = sum(src_sizes) if src_sizes is not None else src_length
@@ -283,11 +349,26 @@ def _start(
         meta = _SwitchMeta.build(
             x, src, dst, length, group_size(group), group_rank(group), src_sizes, dst_sizes
         )
-    handle = SwitchHandle(meta, group, current_region(), primitive)
+    handle = SwitchHandle(meta, group, region, primitive)
     with torch.no_grad(), guard(primitive, group, handle.region, x.device):
         handle._recv, handle.work, handle._send = _launch(x.detach(), meta, group, async_op)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, "forward", handle.region)
     handle._input = x
+    return handle
+
+
+def _run_folded(x: torch.Tensor, meta: _SwitchMeta, group: Any, region: str) -> SwitchHandle | None:
+    """The rehearsed switch with its status folded in; ``None`` when some rank missed."""
+    rehearsal = SETTINGS.rehearsal(group)
+    with torch.no_grad(), guard("switch", group, region, x.device):
+        y, ok = exchange_with_headers(x.detach(), meta, x, group, OK)
+    if not ok:
+        rehearsal.missed()
+        return None
+    rehearsal.matched()
+    record("all_to_all", meta.bytes_sent(x.element_size()), group, x, "forward", region)
+    handle = SwitchHandle(meta, group, region, "switch")
+    handle._input, handle._done = x, y
     return handle
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .rehearsal import Rehearsal
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0") not in ("", "0", "false", "False")
@@ -74,6 +76,20 @@ class CommSettings:
     _workspaces: OrderedDict[int, tuple[Any, Workspace]] = field(
         default_factory=OrderedDict, repr=False
     )
+    _rehearsals: dict[int, tuple[Any, Rehearsal]] = field(default_factory=dict, repr=False)
+
+    def rehearsal(self, group: Any) -> Rehearsal:
+        """The agreed calls of ``group`` (:mod:`.rehearsal`), created on first use.
+
+        Never evicted: every rank of a group must hold the same history, and an eviction that
+        depends on this rank's use of *other* groups would not happen on every rank alike.
+        """
+        key = id(group)
+        entry = self._rehearsals.get(key)
+        if entry is None or entry[0] is not group:
+            entry = (group, Rehearsal())  # holding the group keeps its id from being reused
+            self._rehearsals[key] = entry
+        return entry[1]
 
     def workspace(self, group: Any) -> Workspace:
         """The send workspace of ``group`` (created on first use; LRU-bounded)."""
