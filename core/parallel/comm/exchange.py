@@ -23,6 +23,7 @@ from .agreement import Agreed, Signature, agree, agree_in_full, guard
 from .blocks import blocks_in_place, empty_blocks, offsets, pack_blocks, unpack_blocks
 from .folded import MISS, OK, exchange_with_headers
 from .group import group_rank, group_size, norm_dim, record, record_size_sync
+from .rehearsal import Entry
 from .settings import SETTINGS
 
 
@@ -336,7 +337,7 @@ def _start(
         args = (x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
         meta, agreed = agree_switch(*args, fold=not async_op)
         if agreed.folded:
-            handle = _run_folded(x, meta, group, region)
+            handle = _run_folded(x, meta, group, region, agreed.entry)
             if handle is not None:
                 return handle
             meta, agreed = agree_switch(*args, in_full=True)
@@ -357,7 +358,9 @@ def _start(
     return handle
 
 
-def _run_folded(x: torch.Tensor, meta: _SwitchMeta, group: Any, region: str) -> SwitchHandle | None:
+def _run_folded(
+    x: torch.Tensor, meta: _SwitchMeta, group: Any, region: str, entry: Entry
+) -> SwitchHandle | None:
     """The rehearsed switch with its status folded in; ``None`` when some rank missed."""
     rehearsal = SETTINGS.rehearsal(group)
     with torch.no_grad(), guard("switch", group, region, x.device):
@@ -365,7 +368,7 @@ def _run_folded(x: torch.Tensor, meta: _SwitchMeta, group: Any, region: str) -> 
     if not ok:
         rehearsal.missed()
         return None
-    rehearsal.matched()
+    rehearsal.matched(entry)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, "forward", region)
     handle = SwitchHandle(meta, group, region, "switch")
     handle._input, handle._done = x, y

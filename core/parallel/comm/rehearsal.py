@@ -12,19 +12,26 @@ still takes part in the predicted collective, with zeros and a ``miss`` status w
 the payload, and every rank, seeing that word, then runs the full agreement to learn what went
 wrong (or, when the prediction was merely stale — a new shape —, to redo the call).
 
-The prediction is the entry after the last matched one: a *lap* of the calls of one training
-step repeats (the last entry wraps around to the first); a call that differs starts a new
-branch (the entries after it are dropped), or a new lap when it equals the first entry. Only
-calls that a primitive can fold (:attr:`Entry.plan` set by the primitive, on every rank alike
-after its agreement passed) are predicted; any other next call is agreed in full.
+The prediction is the call that followed the group's previous call the last time that call
+was made (a table of successors keyed by the previous call's table, bounded, evicted in the
+same order on every rank). A model's steady state repeats, so after its first step every call
+is predicted, except where one call is followed by different calls at different points of a
+step (the last layer's call followed by the head's instead of the next layer's): there the
+prediction misses once and is corrected — such a call costs the wasted folded exchange plus the
+full agreement. Only calls that a primitive can fold (:attr:`Entry.plan`, set by the primitive
+on every rank alike after its agreement passed) are predicted; any other call is agreed in
+full.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_ENTRIES = 1024  # a lap longer than this (or a never-repeating sequence) starts over
+MAX_ENTRIES = 1024  # successors kept per group (least recently recorded dropped first)
+
+Table = tuple[tuple[int, ...], ...]
 
 
 @dataclass
@@ -37,30 +44,29 @@ class Entry:
 
     table: list[list[int]]
     plan: Any = None
+    key: Table = ()
+
+    def __post_init__(self) -> None:
+        self.key = tuple(tuple(row) for row in self.table)
 
 
 @dataclass
 class Rehearsal:
-    """The agreed calls of one group in order, and the position of the next call among them."""
+    """The agreed calls of one group: which call followed which; the same on every rank."""
 
-    entries: list[Entry] = field(default_factory=list)
-    cursor: int = 0
+    successors: OrderedDict[Table | None, Entry] = field(default_factory=OrderedDict)
+    last: Table | None = None  # the group's previous call (None: none yet)
     hits: int = 0  # calls run folded (no separate agreement)
     misses: int = 0  # predicted calls that some rank did not match (full agreement followed)
 
     def predicted(self) -> Entry | None:
         """The group's expected next call, if it can be folded; the same on every rank."""
-        if not self.entries:
-            return None
-        entry = self.entries[self.cursor] if self.cursor < len(self.entries) else self.entries[0]
-        return entry if entry.plan is not None else None
+        entry = self.successors.get(self.last)
+        return entry if entry is not None and entry.plan is not None else None
 
-    def _index(self) -> int:
-        return self.cursor if self.cursor < len(self.entries) else 0
-
-    def matched(self) -> None:
-        """Every rank matched the prediction (its status words said so): move past it."""
-        self.cursor = self._index() + 1
+    def matched(self, entry: Entry) -> None:
+        """Every rank matched the prediction ``entry`` (its status words said so)."""
+        self.last = entry.key
         self.hits += 1
 
     def missed(self) -> None:
@@ -68,17 +74,13 @@ class Rehearsal:
         self.misses += 1
 
     def agreed(self, table: list[list[int]]) -> Entry:
-        """Record a call agreed in full at the current position; returns its entry."""
-        if self.entries and table == self.entries[0].table:  # a new lap
-            self.cursor = 1
-            return self.entries[0]
-        if self.cursor < len(self.entries) and table == self.entries[self.cursor].table:
-            self.cursor += 1  # the entry was not foldable, or some rank fell back to agreeing
-            return self.entries[self.cursor - 1]
-        if self.cursor >= MAX_ENTRIES:
-            self.entries, self.cursor = [], 0
-        del self.entries[self.cursor :]  # a new branch from here
-        entry = Entry(table)
-        self.entries.append(entry)
-        self.cursor += 1
+        """Record a call agreed in full as the successor of the previous call; its entry."""
+        entry = self.successors.get(self.last)
+        if entry is None or entry.table != table:
+            entry = Entry(table)
+            self.successors[self.last] = entry
+            self.successors.move_to_end(self.last)
+            while len(self.successors) > MAX_ENTRIES:
+                self.successors.popitem(last=False)
+        self.last = entry.key
         return entry
