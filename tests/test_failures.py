@@ -300,6 +300,73 @@ def test_one_bad_rank_raises_the_same_error_on_every_rank(world: int) -> None:
         assert len(set(texts.values())) == 1, (name, texts)
 
 
+REHEARSED_CASES: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], str]] = {
+    "extra row": (_extra_row, "rows of dim 1"),
+    "wrong dtype": (_wrong_dtype, "x.dtype differs"),
+    "extra channel": (_extra_channel, "x.shape differs"),
+}
+
+
+def _reference(model: TwoStage, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(model.spatial(torch.tanh(model.temporal(x))))
+
+
+def _rehearsed_calls_fail_everywhere(rank: int, world: int) -> dict[str, Any]:
+    """Bad inputs on a call the group predicted: its agreement rides in the all-to-all itself."""
+    from dspzoo.core.parallel.comm.settings import SETTINGS
+
+    group = build_mesh(world, timeout_s=5).sp_group
+    rehearsal = SETTINGS.rehearsal(group)
+    torch.manual_seed(0)
+    model = TwoStage()
+    x = torch.randn(B, T, S, C)
+    with torch.no_grad():
+        for _ in range(3):  # the group learns the model's calls; the third forward is folded
+            torch.testing.assert_close(
+                model(_slice(x, 1, world, rank), group), _reference(model, x)
+            )
+    assert rehearsal.hits == 1 and rehearsal.misses == 0, (rehearsal.hits, rehearsal.misses)
+    messages = {}
+    cases = {
+        f"rehearsed: {name}": (_model_case(c), "switch", words)
+        for name, (c, words) in REHEARSED_CASES.items()
+    }
+    cases["rehearsed: diverged"] = (_diverged, "switch/gather", "different collectives")
+    for name, (case, primitive, words) in cases.items():
+        with torch.no_grad():  # a good forward: the next switch is predicted again
+            model(_slice(x, 1, world, rank), group)
+        hits, misses = rehearsal.hits, rehearsal.misses
+        start = time.monotonic()
+        with pytest.raises(comm.CollectiveInputError) as info:
+            case(model, x, group, world, rank)
+        assert time.monotonic() - start < 4, name  # not a timeout
+        assert (rehearsal.hits, rehearsal.misses) == (hits, misses + 1), name
+        text = str(info.value)
+        assert text.startswith(f"{primitive} (comm region '"), (name, text)
+        assert f"rank {BAD}" in text and words in text, (name, text)
+        messages[name] = text
+    # a prediction that is only stale (every rank calls with another batch): redone, exact
+    x2 = torch.randn(B + 1, T, S, C)
+    x_local = _slice(x2, 1, world, rank).requires_grad_(True)
+    misses = rehearsal.misses
+    out = model(x_local, group)
+    assert rehearsal.misses == misses + 1
+    (out.sum() / world).backward()
+    x_ref = x2.clone().requires_grad_(True)
+    _reference(model, x_ref).sum().backward()
+    torch.testing.assert_close(out, _reference(model, x2))
+    torch.testing.assert_close(x_local.grad, _slice(x_ref.grad, 1, world, rank))
+    return messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bad_input_on_a_rehearsed_call_raises_on_every_rank(world: int) -> None:
+    results = run_distributed(_rehearsed_calls_fail_everywhere, world, timeout=180)
+    for name in results[0]:
+        texts = {r: results[r][name] for r in range(world)}
+        assert len(set(texts.values())) == 1, (name, texts)
+
+
 def _usp_grid_extra_token(rank: int, world: int) -> str:
     """USP on a 2 × 2 grid: SP rank 1 (ring slot 0, Ulysses rank 1) holds one token too many."""
     mesh = build_mesh(world, ulysses_size=2, timeout_s=5)

@@ -200,8 +200,9 @@ class Agreed:
         region: str,
         entry: Entry | None = None,
         folded: bool = False,
+        group: Any = None,
     ) -> None:
-        self.sig, self.rows, self.n, self.region = sig, rows, n, region
+        self.sig, self.rows, self.n, self.region, self.group = sig, rows, n, region, group
         # the group's record of this call (:mod:`.rehearsal`); a primitive that can fold the
         # call next time sets ``entry.plan`` (on every rank alike: after checks that passed)
         self.entry = entry
@@ -210,7 +211,12 @@ class Agreed:
         self.folded = folded
 
     def fail(self, detail: str, primitive: str | None = None) -> NoReturn:
-        """Raise the group's error (call it on every rank, from checks on gathered data)."""
+        """Raise the group's error (call it on every rank, from checks on gathered data).
+
+        The call is not kept in the group's rehearsal (it failed everywhere).
+        """
+        if self.entry is not None and not self.folded:
+            SETTINGS.rehearsal(self.group).undo()
         raise CollectiveInputError(
             f"{primitive or self.sig.primitive} (comm region '{self.region or '-'}', group of {self.n} "
             f"ranks): {detail}. Raised on every rank of the group."
@@ -316,7 +322,7 @@ def agree(
     predicted = rehearsal.predicted()
     if predicted is not None:
         if fold and not status and words == predicted.table[group_rank(group)]:
-            return Agreed(sig, predicted.table, n, region, predicted, folded=True)
+            return Agreed(sig, predicted.table, n, region, predicted, folded=True, group=group)
         with guard(sig.primitive, group, region, device):
             predicted.plan.miss(group)
         rehearsal.missed()
@@ -339,7 +345,7 @@ def agree_in_full(
         all_gather_single(everyone, mine, group=group)
     table = everyone.view(n, WIDTH).tolist()
     agreed = _verdict(sig, table, region, group)
-    agreed.entry = SETTINGS.rehearsal(group).agreed(table)
+    agreed.entry, agreed.group = SETTINGS.rehearsal(group).agreed(table), group
     return agreed
 
 

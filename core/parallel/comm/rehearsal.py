@@ -58,6 +58,7 @@ class Rehearsal:
     last: Table | None = None  # the group's previous call (None: none yet)
     hits: int = 0  # calls run folded (no separate agreement)
     misses: int = 0  # predicted calls that some rank did not match (full agreement followed)
+    _undo: tuple[Table | None, Entry | None] | None = field(default=None, repr=False)
 
     def predicted(self) -> Entry | None:
         """The group's expected next call, if it can be folded; the same on every rank."""
@@ -75,7 +76,8 @@ class Rehearsal:
 
     def agreed(self, table: list[list[int]]) -> Entry:
         """Record a call agreed in full as the successor of the previous call; its entry."""
-        entry = self.successors.get(self.last)
+        entry = before = self.successors.get(self.last)
+        self._undo = (self.last, before)
         if entry is None or entry.table != table:
             entry = Entry(table)
             self.successors[self.last] = entry
@@ -84,3 +86,15 @@ class Rehearsal:
                 self.successors.popitem(last=False)
         self.last = entry.key
         return entry
+
+    def undo(self) -> None:
+        """Forget the call just recorded by :meth:`agreed` (its caller's checks failed on every rank)."""
+        if self._undo is None:
+            return
+        last, before = self._undo
+        self._undo = None
+        if before is None:
+            self.successors.pop(last, None)
+        else:
+            self.successors[last] = before
+        self.last = last
