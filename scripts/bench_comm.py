@@ -135,6 +135,8 @@ def main() -> None:
             "unchecked": lambda x=x: switch_agreed(x, 1, 2, group, src_length=length),
             "naive": lambda x=x: naive_switch(x, 1, 2, n),
         }
+        agree_then_bare()  # the group learns the timed sequence: agreement, then the switch
+        switch(x, 1, 2, group, src_length=length)
         rehearsal = SETTINGS.rehearsal(group)
         hits, misses = rehearsal.hits, rehearsal.misses
         timed = timed_interleaved(variants, args.iters, args.warmup)
