@@ -20,6 +20,7 @@ nothing more).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,82 +82,116 @@ def pack_with_headers(
     return out
 
 
-def recv_layout(
-    counts: list[int], r: int, local_own: bool, h: int
-) -> tuple[list[int], list[int], int]:
-    """Where block ``p`` and its header land in the receive buffer; ``(data starts, header starts, total)``.
+@dataclass(frozen=True)
+class FoldedLayout:
+    """Where everything of one rank's folded switch lies; computed once per rehearsed call.
 
-    ``counts[p]`` elements come from rank ``p``; with ``local_own`` this rank's own block is
-    copied in place, not received (no header).
+    ``meta`` is the rank's ``exchange._SwitchMeta``. Blocks ``keep`` go through the all-to-all
+    (the end ranks copy their own block in place instead); in the receive buffer of ``total``
+    elements, block ``p`` starts at ``starts[p]`` and the headers of the received chunks at
+    ``heads``.
     """
-    starts, heads, pos = [], [], 0
-    for p, count in enumerate(counts):
-        if local_own and p == r:
-            starts.append(pos)
-            pos += count
-        elif p == 0:
-            heads.append(pos)
-            starts.append(pos + h)
-            pos += count + h
-        else:
-            starts.append(pos)
-            heads.append(pos + count)
-            pos += count + h
-    return starts, heads, pos
+
+    meta: Any
+    h: int
+    per_row: int
+    keep: range
+    send_splits: list[int]
+    recv_splits: list[int]
+    starts: list[int]
+    heads: list[int]
+    total: int
+    own_offset: int  # where this rank's own block starts along ``dst`` in its input
+    joined: bool  # the received data is contiguous and already the result (a view)
+
+    @classmethod
+    def build(cls, meta: Any, dtype: torch.dtype) -> FoldedLayout:
+        n, r = len(meta.send_splits), meta.rank
+        h = header_len(dtype)
+        local_own = r in (0, n - 1)
+        keep = range(1, n) if r == 0 else range(n - 1) if r == n - 1 else range(n)
+        counts = list(meta.recv_splits)
+        starts, heads, pos = [], [], 0
+        for p, count in enumerate(counts):
+            if local_own and p == r:
+                starts.append(pos)
+                pos += count
+            elif p == 0:  # rank 0 puts its header first, the others last
+                heads.append(pos)
+                starts.append(pos + h)
+                pos += count + h
+            else:
+                starts.append(pos)
+                heads.append(pos + count)
+                pos += count + h
+        contiguous = all(starts[p + 1] == starts[p] + counts[p] for p in range(n - 1))
+        return cls(
+            meta=meta,
+            h=h,
+            per_row=_block_numel(meta.x_shape, meta.dst, 1),
+            keep=keep,
+            send_splits=[meta.send_splits[q] + h if q in keep else 0 for q in range(n)],
+            recv_splits=[counts[p] + h if p in keep else 0 for p in range(n)],
+            starts=starts,
+            heads=heads,
+            total=pos,
+            own_offset=offsets(meta.dst_sizes)[r],
+            joined=contiguous and _direct(meta.y_shape, meta.src, meta.src_sizes, None),
+        )
 
 
 def exchange_with_headers(
     x: torch.Tensor | None,
-    meta: Any,
+    layout: FoldedLayout,
     like: torch.Tensor,
     group: Any,
     status: int,
 ) -> tuple[torch.Tensor | None, bool]:
-    """One folded switch exchange (``meta``: an ``exchange._SwitchMeta``); ``(result, all OK)``.
+    """One folded switch exchange; ``(result, every rank sent OK)``.
 
     ``x`` is ``None`` on a rank that missed the prediction (it sends zeros and :data:`MISS`, and
     gets no result). Synchronous; the result is ``None`` unless every rank sent :data:`OK`.
     """
-    n, r = len(meta.send_splits), meta.rank
-    h = header_len(like.dtype)
-    per_row = _block_numel(meta.x_shape, meta.dst, 1)
-    local_own = r in (0, n - 1)
-    keep = range(1, n) if (local_own and r == 0) else range(n - 1) if local_own else range(n)
+    meta, r = layout.meta, layout.meta.rank
     send = pack_with_headers(
-        x, meta.dst, meta.dst_sizes, keep, per_row, r == 0, status, like, group
+        x, meta.dst, meta.dst_sizes, layout.keep, layout.per_row, r == 0, status, like, group
     )
-    counts = list(meta.recv_splits)
-    starts, heads, total = recv_layout(counts, r, local_own, h)
-    flat = torch.empty(total, dtype=like.dtype, device=like.device)
-    send_splits = [meta.send_splits[q] + h if q in keep else 0 for q in range(n)]
-    recv_splits = [counts[p] + h if p in keep else 0 for p in range(n)]
-    if local_own:
-        own_numel = counts[r]
-        area = flat[own_numel:] if r == 0 else flat[: total - own_numel]
-    else:
+    flat = torch.empty(layout.total, dtype=like.dtype, device=like.device)
+    own_count = meta.recv_splits[r]
+    local_own = len(layout.keep) < len(meta.send_splits)
+    if not local_own:
         area = flat
-    work = dist.all_to_all_single(area, send, recv_splits, send_splits, group=group, async_op=True)
+    elif r == 0:
+        area = flat[own_count:]
+    else:
+        area = flat[: layout.total - own_count]
+    work = dist.all_to_all_single(
+        area, send, layout.recv_splits, layout.send_splits, group=group, async_op=True
+    )
     if local_own and x is not None:  # own block straight into place while the others travel
-        own = x.narrow(meta.dst, offsets(meta.dst_sizes)[r], meta.dst_sizes[r])
-        flat[starts[r] : starts[r] + counts[r]].view(own.shape).copy_(own)
+        own = x.narrow(meta.dst, layout.own_offset, meta.dst_sizes[r])
+        start = layout.starts[r]
+        flat[start : start + own_count].view(own.shape).copy_(own)
     work.wait()
+    heads = layout.heads
     statuses = flat[heads].tolist() if len(heads) > 1 else [flat[heads[0]].item()]
     if x is None or status != OK or any(s != OK for s in statuses):
         return None, False
-    return _join(flat, starts, counts, meta), True
+    return _join(flat, layout), True
 
 
-def _join(flat: torch.Tensor, starts: list[int], counts: list[int], meta: Any) -> torch.Tensor:
+def _join(flat: torch.Tensor, layout: FoldedLayout) -> torch.Tensor:
     """The switched tensor from the received blocks (a view when they already are it)."""
-    src, sizes, shape = meta.src, meta.src_sizes, meta.y_shape
-    contiguous = all(starts[p + 1] == starts[p] + counts[p] for p in range(len(counts) - 1))
-    if contiguous:
-        region = flat[starts[0] : starts[0] + sum(counts)]
-        if _direct(shape, src, sizes, None):
-            return region.view(shape)
-        return unpack_blocks(region, src, sizes, shape)
+    meta = layout.meta
+    src, sizes, shape, counts = meta.src, meta.src_sizes, meta.y_shape, meta.recv_splits
+    if layout.joined:
+        return flat[layout.starts[0] : layout.starts[0] + sum(counts)].view(shape)
+    if all(layout.starts[p + 1] == layout.starts[p] + counts[p] for p in range(len(counts) - 1)):
+        return unpack_blocks(
+            flat[layout.starts[0] : layout.starts[0] + sum(counts)], src, sizes, shape
+        )
     out = torch.empty(shape, dtype=flat.dtype, device=flat.device)
-    for p, (start, offset) in enumerate(zip(starts, offsets(sizes))):
+    for p, (start, offset) in enumerate(zip(layout.starts, offsets(sizes))):
         block = list(shape)
         block[src] = sizes[p]
         out.narrow(src, offset, sizes[p]).copy_(flat[start : start + counts[p]].view(block))

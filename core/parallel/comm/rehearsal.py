@@ -59,6 +59,9 @@ class Rehearsal:
     hits: int = 0  # calls run folded (no separate agreement)
     misses: int = 0  # predicted calls that some rank did not match (full agreement followed)
     _undo: tuple[Table | None, Entry | None] | None = field(default=None, repr=False)
+    # this rank's signatures of recent calls, by their local arguments (a cache of a pure
+    # function of them, so it need not be the same on every rank)
+    signatures: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def predicted(self) -> Entry | None:
         """The group's expected next call, if it can be folded; the same on every rank."""
