@@ -31,7 +31,6 @@ agreement is control traffic and is not traced), and that every timed ``switch``
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
@@ -47,26 +46,35 @@ from dspzoo.core.parallel.trace import format_bytes
 
 def timed_interleaved(
     fns: dict[str, Callable[[], object]], iters: int, warmup: int
-) -> dict[str, float]:
-    """Median wall time (s) of each of ``fns``, run in turn every repetition (interleaved).
+) -> torch.Tensor:
+    """Wall times (s) ``[iters, len(fns)]`` of ``fns``, run in turn every repetition (interleaved).
 
-    A barrier precedes each call; the slowest rank's median decides.
+    A barrier precedes each call; each entry is the slowest rank's time of that call. Odd
+    repetitions run the variants in reverse order, so that no variant always follows the same
+    one (what a call leaves behind — freed buffers, a busy peer — falls on each alike).
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
+    times = torch.zeros(iters, len(fns), dtype=torch.float64)
+    order = list(enumerate(fns.values()))
+    for i in range(iters):
+        for j, fn in order if i % 2 == 0 else order[::-1]:
             dist.barrier()
             start = time.perf_counter()
             fn()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-    medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return dict(zip(fns, medians.tolist()))
+            times[i, j] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times
+
+
+def paired(times: torch.Tensor, a: str, b: str) -> str:
+    """``a / b`` per repetition (same moment, same load): median and interquartile range."""
+    ratio = times[:, VARIANTS.index(a)] / times[:, VARIANTS.index(b)]
+    q25, q50, q75 = torch.quantile(ratio, torch.tensor([0.25, 0.5, 0.75], dtype=ratio.dtype))
+    return f"{q50:.3f}x [{q25:.3f}-{q75:.3f}]"
 
 
 def naive_switch(x: torch.Tensor, src: int, dst: int, n: int) -> torch.Tensor:
@@ -147,7 +155,7 @@ def main() -> None:
     if mesh.is_main:
         print(
             f"\nswitch micro-benchmark, N = {n}, backend = {dist.get_backend()}, device = {device}, "
-            f"median of {args.iters} interleaved repetitions (slowest rank)"
+            f"median of {args.iters} interleaved repetitions (slowest rank per call)"
         )
         print(
             f"{'local size':>10} {'shape [1,T/N,S,C]':>22} "
@@ -155,7 +163,8 @@ def main() -> None:
             + f" {'switch/unchecked':>17} {'(sw-unch)/bare':>15} {'agree+bare/bare':>16}"
             f" {'switch/bare':>12} {'naive/switch':>13} {'traced bytes':>13} {'formula':>10}"
         )
-        for size, shape, t, measured, expected in rows:
+        for size, shape, times, measured, expected in rows:
+            t = dict(zip(VARIANTS, times.median(dim=0).values.tolist()))
             ok = "==" if measured == expected else "!="
             print(
                 f"{format_bytes(size):>10} {str(shape):>22} "
@@ -165,6 +174,12 @@ def main() -> None:
                 f" {t['agree+bare'] / t['bare']:15.3f}x"
                 f" {t['switch'] / t['bare']:11.3f}x {t['naive'] / t['switch']:12.3f}x"
                 f" {measured:>13} {ok} {expected}"
+            )
+        print("\nratios per repetition (both variants timed back to back): median [25%-75%]")
+        for size, _, times, _, _ in rows:
+            print(
+                f"{format_bytes(size):>10}  switch/unchecked {paired(times, 'switch', 'unchecked')}"
+                f"   agree+bare/bare {paired(times, 'agree+bare', 'bare')}"
             )
         print(
             "\nreproduce: accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "
