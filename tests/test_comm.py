@@ -401,6 +401,43 @@ def _check_explicit_sizes(rank: int, world: int) -> int:
     return 1
 
 
+def _check_rehearsed_switch(rank: int, world: int) -> int:
+    """Repeated switches run folded (status words in the all-to-all, no separate agreement).
+
+    Every layout — the result received in place or joined by a copy, uneven and empty shards,
+    bf16, three and more ranks (headers between the blocks) — equals the single-process slice,
+    forward and backward, on the first (agreed in full) and the repeated (folded) calls, and the
+    folded result may be modified in place.
+    """
+    from dspzoo.core.parallel.comm.settings import SETTINGS
+
+    group = dist.group.WORLD
+    rehearsal = SETTINGS.rehearsal(group)
+    hits = rehearsal.hits
+    checks = 0
+    cases = [
+        ((1, 5, 7, 3), torch.float64),
+        ((2, 3, 4), torch.float64),
+        ((1, 9, 2, 4), torch.bfloat16),
+    ]
+    for shape, dtype in cases:
+        torch.manual_seed(0)
+        full = torch.randn(shape).to(dtype)
+        weight = torch.randn(shape).to(dtype)
+        for src, dst in itertools.permutations(range(len(shape)), 2):
+            x = _slice(full, src, world, rank)
+            for _ in range(3):  # the group learns the call; the later ones are folded
+                xr = x.clone().requires_grad_(True)
+                y = comm.switch(xr, src, dst, group, src_length=full.shape[src])
+                torch.testing.assert_close(y, _slice(full, dst, world, rank), rtol=0, atol=0)
+                (y * _slice(weight, dst, world, rank)).sum().backward()
+                torch.testing.assert_close(xr.grad, _slice(weight, src, world, rank))
+                y.detach().add_(1)  # in place on the result is allowed
+                checks += 1
+    assert rehearsal.hits - hits >= len(cases), "no switch ran folded"
+    return checks
+
+
 CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_explicit_sizes,
     _check_primitives,
@@ -413,6 +450,7 @@ CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_double_backward,
     _check_workspace,
     _check_mismatched_switch,
+    _check_rehearsed_switch,
 )
 
 
