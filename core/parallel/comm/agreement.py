@@ -13,6 +13,11 @@ the primitive and the comm region (:func:`dspzoo.core.parallel.trace.current_reg
 error message (found before the agreement) reaches the others through one extra
 ``all_gather_object``, only on that error path.
 
+A ``switch`` the group has made before skips the all-gather: the group's history of agreed
+calls (:mod:`.rehearsal`, the same on every rank) predicts it, and its status words travel
+inside its all-to-all (:mod:`.folded`); a rank whose call is not the predicted one takes part
+with zeros and a miss status, and then every rank agrees in full as above.
+
 The agreement is control traffic: it is not traced (the tracer reports payload bytes only).
 Backward collectives need none (autograd hands every rank a gradient of the forward output's
 shape and dtype) unless debug mode is on.

@@ -254,7 +254,9 @@ def agree_switch(
         agreed = agree_in_full(sig, group, x.device)
     else:
         agreed = agree(sig, group, x.device, fold=fold)
-    if agreed.folded:
+    if agreed.folded:  # the predicted call, as agreed before: its meta is this rank's plan's
+        if src_length is None and src_sizes is None:
+            record_size_sync(group)  # traced like the unfolded call
         return agreed.entry.plan.meta, agreed
     rows = f"rows of dim {src}"
     if src_sizes is not None:
