@@ -426,14 +426,19 @@ def _check_rehearsed_switch(rank: int, world: int) -> int:
         weight = torch.randn(shape).to(dtype)
         for src, dst in itertools.permutations(range(len(shape)), 2):
             x = _slice(full, src, world, rank)
+            length = full.shape[src] if dst else None  # without a length: the sum of shards
+            traced = []
             for _ in range(3):  # the group learns the call; the later ones are folded
                 xr = x.clone().requires_grad_(True)
-                y = comm.switch(xr, src, dst, group, src_length=full.shape[src])
+                with trace_comm() as tracer:
+                    y = comm.switch(xr, src, dst, group, src_length=length)
+                traced.append([(c.op, c.phase, c.bytes_sent) for c in tracer.records])
                 torch.testing.assert_close(y, _slice(full, dst, world, rank), rtol=0, atol=0)
                 (y * _slice(weight, dst, world, rank)).sum().backward()
                 torch.testing.assert_close(xr.grad, _slice(weight, src, world, rank))
                 y.detach().add_(1)  # in place on the result is allowed
                 checks += 1
+            assert traced[0] == traced[1] == traced[2], traced  # the fold is not traced
     assert rehearsal.hits - hits >= len(cases), "no switch ran folded"
     return checks
 
