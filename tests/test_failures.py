@@ -345,6 +345,14 @@ def _rehearsed_calls_fail_everywhere(rank: int, world: int) -> dict[str, Any]:
         assert text.startswith(f"{primitive} (comm region '"), (name, text)
         assert f"rank {BAD}" in text and words in text, (name, text)
         messages[name] = text
+
+    # rank 1's activation in another memory layout (same values): a valid call, still exact
+    def other_strides(h: torch.Tensor, r: int) -> torch.Tensor:
+        return h.transpose(0, 3).contiguous().transpose(0, 3) if r == BAD else h
+
+    with torch.no_grad():
+        out = model(_slice(x, 1, world, rank), group, other_strides)
+    torch.testing.assert_close(out, _reference(model, x))
     # a prediction that is only stale (every rank calls with another batch): redone, exact
     x2 = torch.randn(B + 1, T, S, C)
     x_local = _slice(x2, 1, world, rank).requires_grad_(True)
