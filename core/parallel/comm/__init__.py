@@ -35,12 +35,14 @@ Outputs are never views of their inputs, so in-place ops on them are fine.
 Failures reach every rank: each forward primitive first agrees on its arguments across the
 group (:mod:`.agreement`, one tiny all-gather), so a bad shard, a length, dtype or shape
 mismatch on any rank raises the same :class:`CollectiveInputError` on every rank, naming the
-rank, the primitive and the comm region; a backend failure (timeout, lost peer) is re-raised as
+rank, the primitive and the comm region (a ``switch`` the group has made before folds that
+agreement into its all-to-all instead: :mod:`.rehearsal`, :mod:`.folded`); a backend failure (timeout, lost peer) is re-raised as
 :class:`CollectiveTimeoutError` naming the primitive, the region and the group's timeout.
 
 Modules: :mod:`.settings` (the settings object: debug mode, per-group send workspaces),
 :mod:`.agreement` (the cross-rank agreement and the errors), :mod:`.blocks` (block layout:
-the one pack/unpack), :mod:`.checks` (``check_consistent`` for user code), :mod:`.group`
+the one pack/unpack), :mod:`.rehearsal` (each group's agreed calls, predicting the next),
+:mod:`.folded` (the switch exchange with status words in its chunks), :mod:`.checks` (``check_consistent`` for user code), :mod:`.group`
 (group queries, tracing, small reductions), :mod:`.replicate` (split, gather,
 gather_for_local_use), :mod:`.exchange` (switch, switch_async), :mod:`.p2p` (ring exchange).
 """
