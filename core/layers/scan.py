@@ -1,0 +1,481 @@
+"""Selective-scan kernels for Mamba-1 and Mamba-2 (SSD), a causal depthwise conv with a halo,
+and segment summaries for passing state between sequence segments.
+
+Pure PyTorch, chunked and parallel (no Python loop over time steps); the state is accumulated in
+fp32 (fp64 when an input is fp64). On CUDA tensors, and only on CUDA tensors, the entry points
+hand over to mamba-ssm / causal-conv1d when those import and the call fits what they support.
+
+Mamba-1 recurrence, per channel ``d`` and state ``n`` (``A`` real, usually negative)::
+
+    h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t u_t          y_t = C_t · h_t + D u_t      (⊙ silu(z_t))
+
+The chunked kernel splits time into chunks of ``T`` steps. Inside a chunk the log-decay is
+``S_t = A · Σ_{s≤t} Δ_s``, and ``h_t = e^{S_t} (H + Σ_{s≤t} e^{-S_s} Δ_s B_s u_s)`` where ``H`` is
+the state entering the chunk: one cumulative sum, no loop. ``T`` is chosen per call so that
+``|S|`` stays below :data:`_SAFE_LOG_DECAY` (no overflow); the chunk-end states are the same
+problem one level up (recursion), and a log-step (Hillis–Steele) scan handles a level whose
+single steps already decay too fast for the factorised form.
+
+Mamba-2 (SSD) shares one scalar decay per head, so a chunk is a masked "attention" block
+``(C Bᵀ ∘ L) X`` and the chunk states pass through a small exact segment-sum matrix.
+
+State passing across segments (what a sequence-sharded scan needs): scan each segment from zero
+state, summarise it as ``(decay, contribution)`` (:func:`selective_scan_summary`,
+:func:`ssd_summary`), combine summaries with :func:`exclusive_combine` to get each segment's
+incoming state, and add :func:`selective_scan_correction` / :func:`ssd_correction` to its output.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+# |log-decay| allowed inside one factorised chunk: e^{±40} stays far from fp32 overflow (e^{88})
+# even when multiplied by large inputs; fp64 has room for much more.
+_SAFE_LOG_DECAY = {torch.float32: 40.0, torch.float64: 300.0}
+_MAX_CHUNK = 64  # longest chunk the Mamba-1 kernel tries (working set vs. Python overhead)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA dispatch: only CUDA tensors, only when the package imports
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _import_optional(module: str) -> Any | None:
+    """The module if it imports, else ``None`` (cached; tests monkeypatch this)."""
+    try:
+        return importlib.import_module(module)
+    except Exception:  # an absent or broken CUDA extension is "not available"
+        return None
+
+
+def cuda_kernel(module: str, name: str, *tensors: torch.Tensor | None) -> Callable | None:
+    """``module.name`` when every given tensor is on CUDA and ``module`` imports, else ``None``.
+
+    The device is checked first, so CPU tensors never reach a CUDA/Triton kernel even on a
+    machine where mamba-ssm happens to import.
+    """
+    present = [t for t in tensors if t is not None]
+    if not present or not all(t.is_cuda for t in present):
+        return None
+    mod = _import_optional(module)
+    return getattr(mod, name, None) if mod is not None else None
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """fp64 when any input is fp64, else fp32: the state is never accumulated in half."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# The diagonal linear recurrence h_t = exp(δ_t A) ⊙ h_{t-1} + x_t (Mamba-1's core)
+# ---------------------------------------------------------------------------------------------
+
+
+def _chunk_length(delta: torch.Tensor, a_max: torch.Tensor, limit: float) -> int:
+    """Longest power-of-two chunk (≤ ``_MAX_CHUNK``) whose summed ``|δ| · max|A|`` stays ≤ ``limit``.
+
+    ``delta``: ``[B, L, D]``; ``a_max``: ``[D]``. Returns 1 when single steps are already too steep.
+    """
+    rate = delta.detach().abs() * a_max.detach()
+    length = rate.shape[1]
+    chunk = _MAX_CHUNK
+    while chunk > 1:
+        pad = (-length) % chunk
+        padded = F.pad(rate, (0, 0, 0, pad))
+        if padded.unflatten(1, (-1, chunk)).sum(2).amax().item() <= limit:
+            return chunk
+        chunk //= 2
+    return 1
+
+
+def _log_step_scan(
+    delta: torch.Tensor, A: torch.Tensor, x: torch.Tensor, h0: torch.Tensor
+) -> torch.Tensor:
+    """Hillis–Steele scan (⌈log₂ L⌉ parallel steps) of ``h_t = exp(δ_t A) h_{t-1} + x_t``.
+
+    ``delta`` ``[B, L, D]``, ``A`` ``[D, N]``, ``x`` ``[B, L, D, N]``, ``h0`` ``[B, D, N]`` →
+    every state ``[B, L, D, N]``. Only products of decays: safe for any step size.
+    """
+    decay = torch.exp(delta.unsqueeze(-1) * A)
+    state = torch.cat([x[:, :1] + decay[:, :1] * h0.unsqueeze(1), x[:, 1:]], dim=1)
+    length, step = x.shape[1], 1
+    while step < length:
+        state = torch.cat(
+            [state[:, :step], torch.addcmul(state[:, step:], decay[:, step:], state[:, :-step])], 1
+        )
+        decay = torch.cat([decay[:, :step], decay[:, step:] * decay[:, :-step]], 1)
+        step *= 2
+    return state
+
+
+def diagonal_scan(
+    delta: torch.Tensor, A: torch.Tensor, x: torch.Tensor, h0: torch.Tensor
+) -> torch.Tensor:
+    """All states of ``h_t = exp(δ_t A) ⊙ h_{t-1} + x_t``, chunked.
+
+    Args:
+        delta: ``[B, L, D]`` step sizes (compute dtype).
+        A: ``[D, N]`` continuous-time decay rates.
+        x: ``[B, L, D, N]`` inputs (``Δ B u`` for Mamba-1).
+        h0: ``[B, D, N]`` state before the first step.
+
+    Returns:
+        ``[B, L, D, N]``: the state after every step.
+    """
+    batch, length, dim, nstate = x.shape
+    chunk = _chunk_length(delta, A.abs().amax(-1), _SAFE_LOG_DECAY[x.dtype])
+    if chunk == 1:
+        return _log_step_scan(delta, A, x, h0)
+    chunk = min(chunk, length)
+    pad = (-length) % chunk
+    delta = F.pad(delta, (0, 0, 0, pad)).unflatten(1, (-1, chunk))  # [B, K, T, D]
+    x = F.pad(x, (0, 0, 0, 0, 0, pad)).unflatten(1, (-1, chunk))  # [B, K, T, D, N]
+    cum_delta = delta.cumsum(2)
+    growth = torch.exp(cum_delta.unsqueeze(-1) * A)  # e^{S_t}: decay from the chunk start
+    weighted = torch.cumsum(x / growth, dim=2)  # Σ_{s≤t} e^{-S_s} x_s
+    if weighted.shape[1] == 1:
+        incoming = h0.unsqueeze(1)
+    else:
+        ends = diagonal_scan(cum_delta[:, :, -1], A, growth[:, :, -1] * weighted[:, :, -1], h0)
+        incoming = torch.cat([h0.unsqueeze(1), ends[:, :-1]], dim=1)  # [B, K, D, N]
+    states = growth * (weighted + incoming.unsqueeze(2))
+    return states.flatten(1, 2)[:, :length]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba-1: selective_scan
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_count(B: torch.Tensor, C: torch.Tensor, dim: int) -> int:
+    """Channel groups ``G`` shared by the input-dependent B/C (1 when neither is grouped)."""
+    counts = {M.shape[1] for M in (B, C) if M.dim() == 4 and M.shape[1] > 1}
+    if len(counts) > 1:
+        raise ValueError(f"grouped B and C must have the same number of groups; got {counts}")
+    groups = counts.pop() if counts else 1
+    if dim % groups:
+        raise ValueError(f"the {groups} groups of B/C must divide D={dim}")
+    return groups
+
+
+def _grouped_projection(M: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """B or C broadcastable against states ``[B, L, G, D/G, N]``.
+
+    Fixed ``[D, N]`` → ``[1, 1, G, D/G, N]``; input-dependent ``[B, N, L]`` → ``[B, L, 1, 1, N]``;
+    grouped ``[B, G, N, L]`` → ``[B, L, G, 1, N]``.
+    """
+    M = M.to(dtype)
+    if M.dim() == 2:
+        return M.unflatten(0, (groups, -1))[None, None]
+    if M.dim() == 3:
+        M = M.unsqueeze(1)
+    return rearrange(M, "b g n l -> b l g 1 n")
+
+
+def _check_mamba1(u, delta, A, B, C, initial_state) -> None:
+    if u.dim() != 3 or delta.shape != u.shape:
+        raise ValueError(
+            f"u and delta must both be [B, D, L]; got {tuple(u.shape)} and {tuple(delta.shape)}"
+        )
+    if A.dim() != 2 or A.shape[0] != u.shape[1]:
+        raise ValueError(f"A must be [D={u.shape[1]}, N]; got {tuple(A.shape)}")
+    if A.is_complex():
+        raise ValueError("complex A is not supported; pass a real A (Mamba's A = -exp(A_log))")
+    for name, M in (("B", B), ("C", C)):
+        if M.shape[-2 if M.dim() > 2 else -1] != A.shape[1]:
+            raise ValueError(f"{name} must have N={A.shape[1]} states; got {tuple(M.shape)}")
+        if M.dim() == 2 and M.shape[0] != u.shape[1]:
+            raise ValueError(f"fixed {name} must be [D={u.shape[1]}, N]; got {tuple(M.shape)}")
+        if M.dim() > 2 and (M.shape[0] != u.shape[0] or M.shape[-1] != u.shape[2]):
+            raise ValueError(
+                f"{name} must be [D, N], [B, N, L] or [B, G, N, L] with B={u.shape[0]}, "
+                f"L={u.shape[2]}; got {tuple(M.shape)}"
+            )
+    if initial_state is not None and initial_state.shape != (u.shape[0], A.shape[0], A.shape[1]):
+        raise ValueError(
+            f"initial_state must be [B, D, N] = {(u.shape[0], A.shape[0], A.shape[1])}; "
+            f"got {tuple(initial_state.shape)}"
+        )
+
+
+def selective_scan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+    reverse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-1 selective scan with the semantics of mamba-ssm's ``selective_scan_fn``.
+
+    Args:
+        u: ``[B, D, L]`` input.
+        delta: ``[B, D, L]`` step sizes (before ``delta_bias`` / softplus).
+        A: ``[D, N]`` real decay rates.
+        B, C: ``[D, N]`` (fixed), ``[B, N, L]`` (input-dependent) or ``[B, G, N, L]`` (grouped:
+            channel ``d`` uses group ``d // (D / G)``).
+        D: ``[D]`` skip weight; z: ``[B, D, L]`` gate (output ``· silu(z)``).
+        delta_bias: ``[D]`` added to ``delta``; delta_softplus: apply softplus to ``delta``.
+        initial_state: ``[B, D, N]`` state before the first step (zero when ``None``).
+        return_final_state: also return the ``[B, D, N]`` state after the last step
+            (differentiable, fp32/fp64).
+        reverse: scan from the last step to the first (the initial state enters at step L-1).
+
+    Returns:
+        ``[B, D, L]`` output in ``u``'s dtype, and the final state when asked.
+    """
+    _check_mamba1(u, delta, A, B, C, initial_state)
+    kernel = None
+    if initial_state is None and not return_final_state and not reverse:
+        kernel = cuda_kernel(
+            "mamba_ssm.ops.selective_scan_interface", "selective_scan_fn", u, delta, A, B, C
+        )
+    if kernel is not None:
+        return kernel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    if reverse:
+        u, delta, z = _flip_time(u), _flip_time(delta), _flip_time(z)
+        B, C = (M if M.dim() == 2 else _flip_time(M) for M in (B, C))
+    out, final = _selective_scan_torch(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state
+    )
+    if reverse:
+        out = out.flip(-1)
+    return (out, final) if return_final_state else out
+
+
+def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state):
+    """The chunked CPU path of :func:`selective_scan` (forward order)."""
+    dtype = _compute_dtype(u, delta, A, B, C, initial_state)
+    batch, dim, _ = u.shape
+    nstate = A.shape[1]
+    dt = delta.to(dtype)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype).unsqueeze(-1)
+    if delta_softplus:
+        dt = F.softplus(dt)
+    dt = dt.transpose(1, 2)  # [B, L, D]
+    A = A.to(dtype)
+    groups = _group_count(B, C, dim)
+    Bm, Cm = (_grouped_projection(M, groups, dtype) for M in (B, C))
+    drive = (dt * u.to(dtype).transpose(1, 2)).unflatten(-1, (groups, -1)).unsqueeze(-1)
+    x = (drive * Bm).flatten(2, 3)  # Δ u B: [B, L, D, N]
+    h0 = (
+        initial_state.to(dtype)
+        if initial_state is not None
+        else u.new_zeros((batch, dim, nstate), dtype=dtype)
+    )
+    states = diagonal_scan(dt, A, x, h0)
+    y = (states.unflatten(2, (groups, -1)) * Cm).sum(-1).flatten(2, 3).transpose(1, 2)
+    if D is not None:
+        y = y + u.to(dtype) * D.to(dtype).unsqueeze(-1)
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y.to(u.dtype), states[:, -1]
+
+
+def _flip_time(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Reverse the last (time) dim."""
+    return None if t is None else t.flip(-1)
+
+
+def _mamba1_steps(
+    delta: torch.Tensor,
+    delta_bias: torch.Tensor | None,
+    delta_softplus: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Effective step sizes ``[B, D, L]``: ``softplus?(delta + delta_bias)`` in ``dtype``."""
+    dt = delta.to(dtype)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype).unsqueeze(-1)
+    return F.softplus(dt) if delta_softplus else dt
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba-2: ssd_scan (state-space duality, chunked)
+# ---------------------------------------------------------------------------------------------
+
+
+def _segment_sum(log_decay: torch.Tensor) -> torch.Tensor:
+    """``out[..., t, s] = Σ_{s<r≤t} log_decay[..., r]`` for ``s ≤ t``, ``-inf`` above the diagonal.
+
+    ``[..., T]`` → ``[..., T, T]``; summed directly (not as a difference of cumulative sums)
+    so long chunks keep their precision.
+    """
+    length = log_decay.shape[-1]
+    strict = torch.ones(length, length, dtype=torch.bool, device=log_decay.device).tril(-1)
+    sums = log_decay.unsqueeze(-1).expand(*log_decay.shape, length).masked_fill(~strict, 0)
+    sums = sums.cumsum(-2)
+    causal = torch.ones(length, length, dtype=torch.bool, device=log_decay.device).tril()
+    return sums.masked_fill(~causal, float("-inf"))
+
+
+def _ssd_steps(
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Effective step sizes ``[B, L, H]``: ``clamp(softplus?(dt + dt_bias), *dt_limit)``."""
+    dt = dt.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if tuple(dt_limit) != (0.0, float("inf")):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def _check_ssd(x, dt, A, B, C, chunk_size, initial_states) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, L, H, P]; got {tuple(x.shape)}")
+    batch, length, heads, headdim = x.shape
+    if dt.shape != (batch, length, heads):
+        raise ValueError(f"dt must be [B, L, H] = {(batch, length, heads)}; got {tuple(dt.shape)}")
+    if A.shape != (heads,):
+        raise ValueError(f"A must be [H={heads}]; got {tuple(A.shape)}")
+    if B.dim() != 4 or B.shape[:2] != (batch, length) or C.shape != B.shape:
+        raise ValueError(
+            f"B and C must both be [B={batch}, L={length}, G, N]; got {tuple(B.shape)} "
+            f"and {tuple(C.shape)}"
+        )
+    if heads % B.shape[2]:
+        raise ValueError(f"the {B.shape[2]} groups of B/C must divide the {heads} heads")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    expected = (batch, heads, headdim, B.shape[3])
+    if initial_states is not None and initial_states.shape != expected:
+        raise ValueError(
+            f"initial_states must be [B, H, P, N] = {expected}; got {tuple(initial_states.shape)}"
+        )
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+    reverse: bool = False,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2 SSD scan with the semantics of mamba-ssm's ``mamba_chunk_scan_combined``.
+
+    Per head ``h`` (group ``g = h // (H / G)``): ``S_t = exp(Δ_t A_h) S_{t-1} + Δ_t x_t ⊗ B_t``
+    (``S``: ``[P, N]``), ``y_t = S_t C_t + D_h x_t``, then ``· silu(z_t)``.
+
+    Args:
+        x: ``[B, L, H, P]``; dt: ``[B, L, H]`` (before ``dt_bias`` / softplus / ``dt_limit``);
+        A: ``[H]``; B, C: ``[B, L, G, N]``; chunk_size: any positive length (need not divide L).
+        D: ``[H]`` or ``[H, P]``; z: ``[B, L, H, P]``; dt_bias: ``[H]``.
+        initial_states: ``[B, H, P, N]``; return_final_states: also return the final
+            ``[B, H, P, N]`` state (fp32/fp64, differentiable).
+        reverse: scan from the last step to the first.
+
+    Returns:
+        ``[B, L, H, P]`` in ``x``'s dtype, and the final states when asked.
+    """
+    _check_ssd(x, dt, A, B, C, chunk_size, initial_states)
+    kernel = None
+    if not reverse:
+        kernel = cuda_kernel(
+            "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", x, dt, A, B, C
+        )
+    if kernel is not None:
+        return kernel(
+            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+            initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            return_final_states=return_final_states,
+        )  # fmt: skip
+    if reverse:
+        x, dt, B, C, z = (None if t is None else t.flip(1) for t in (x, dt, B, C, z))
+    dtype = _compute_dtype(x, dt, A, B, C, initial_states)
+    steps = _ssd_steps(dt, dt_bias, dt_softplus, dt_limit, dtype)
+    out, final = _ssd_chunked(x.to(dtype), steps, A.to(dtype), B.to(dtype), C.to(dtype),
+                              chunk_size, initial_states)  # fmt: skip
+    if D is not None:
+        skip = D.to(dtype) if D.dim() == 2 else D.to(dtype).unsqueeze(-1)
+        out = out + x.to(dtype) * skip
+    if z is not None:
+        out = out * F.silu(z.to(dtype))
+    out = out.to(x.dtype)
+    if reverse:
+        out = out.flip(1)
+    return (out, final) if return_final_states else out
+
+
+def _ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    initial_states: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD without skip/gate: ``x`` ``[B, L, H, P]``, ``dt`` ``[B, L, H]`` (effective), ``A``
+    ``[H]``, ``B``/``C`` ``[B, L, G, N]`` → output ``[B, L, H, P]`` and final ``[B, H, P, N]``."""
+    length, groups = x.shape[1], B.shape[2]
+    chunk = min(chunk_size, length)
+    pad = (-length) % chunk  # padded steps have dt = 0: no decay, no input
+
+    def chunks(t: torch.Tensor, pattern: str) -> torch.Tensor:
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return rearrange(t, pattern, t=chunk, g=groups)
+
+    xs = chunks(x * dt.unsqueeze(-1), "b (k t) (g e) p -> b k t g e p")  # Δ x
+    log_decay = chunks(dt * A, "b (k t) (g e) -> b k g e t")
+    Bs = chunks(B, "b (k t) g n -> b k t g n")
+    Cs = chunks(C, "b (k t) g n -> b k t g n")
+    cum = log_decay.cumsum(-1)  # [B, K, G, E, T]
+
+    # 1. inside each chunk: a causal, decaying "attention" C_t·B_s
+    scores = torch.einsum("bktgn,bksgn->bkgts", Cs, Bs)
+    mixing = scores.unsqueeze(3) * torch.exp(_segment_sum(log_decay))  # [B, K, G, E, T, S]
+    y_diag = torch.einsum("bkgets,bksgep->bktgep", mixing, xs)
+
+    # 2. each chunk's own end state (from zero)
+    to_end = torch.exp(cum[..., -1:] - cum)  # [B, K, G, E, T]
+    chunk_states = torch.einsum("bktgn,bkget,bktgep->bkgepn", Bs, to_end, xs)
+
+    # 3. states entering each chunk: exact segment-sum recurrence over chunks
+    if initial_states is None:
+        start = chunk_states.new_zeros(chunk_states[:, :1].shape)
+    else:
+        start = rearrange(initial_states.to(x.dtype), "b (g e) p n -> b 1 g e p n", g=groups)
+    stacked = torch.cat([start, chunk_states], dim=1)  # [B, K+1, G, E, P, N]
+    chunk_decay = torch.exp(_segment_sum(F.pad(cum[..., -1], (0, 0, 0, 0, 1, 0)).movedim(1, -1)))
+    passed = torch.einsum("bgezc,bcgepn->bzgepn", chunk_decay, stacked)
+    entering, final = passed[:, :-1], passed[:, -1]
+
+    # 4. entering state → output, decayed from the chunk start
+    y_off = torch.einsum("bktgn,bkgepn->bktgep", Cs, entering) * rearrange(
+        torch.exp(cum), "b k g e t -> b k t g e 1"
+    )
+    out = rearrange(y_diag + y_off, "b k t g e p -> b (k t) (g e) p")[:, :length]
+    return out, rearrange(final, "b g e p n -> b (g e) p n")
