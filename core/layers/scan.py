@@ -479,3 +479,175 @@ def _ssd_chunked(
     )
     out = rearrange(y_diag + y_off, "b k t g e p -> b (k t) (g e) p")[:, :length]
     return out, rearrange(final, "b g e p n -> b (g e) p n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal depthwise conv with a halo
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    halo: torch.Tensor | None = None,
+    return_halo: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv: ``y_t = act(b + Σ_k w_k x_{t-K+1+k})`` per channel.
+
+    Args:
+        x: ``[B, C, L]``; weight: ``[C, K]`` (or ``[C, 1, K]`` as ``nn.Conv1d`` stores it);
+        bias: ``[C]``; activation: ``None`` or ``"silu"``/``"swish"``.
+        halo: ``[B, C, K-1]``, the inputs just before ``x`` (zeros when ``None``): the tail of
+            the previous segment, so that ``conv(x) == cat(conv(x1), conv(x2, halo=tail(x1)))``.
+        return_halo: also return the ``[B, C, K-1]`` tail to feed the next segment.
+    """
+    weight = weight.squeeze(1) if weight.dim() == 3 else weight
+    channels, width = weight.shape
+    if x.dim() != 3 or x.shape[1] != channels:
+        raise ValueError(f"x must be [B, C={channels}, L]; got {tuple(x.shape)}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish'; got {activation!r}")
+    expected = (x.shape[0], channels, width - 1)
+    if halo is not None and halo.shape != expected:
+        raise ValueError(f"halo must be [B, C, K-1] = {expected}; got {tuple(halo.shape)}")
+    kernel = None
+    if halo is None and not return_halo:
+        kernel = cuda_kernel("causal_conv1d", "causal_conv1d_fn", x, weight)
+    if kernel is not None:
+        return kernel(x, weight, bias, activation=activation)
+    if halo is None:
+        halo = x.new_zeros(expected)
+    padded = torch.cat([halo.to(x.dtype), x], dim=-1)
+    y = F.conv1d(padded, weight.unsqueeze(1).to(x.dtype), bias, groups=channels)
+    if activation is not None:
+        y = F.silu(y)
+    if not return_halo:
+        return y
+    return y, padded[..., padded.shape[-1] - (width - 1) :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment summaries: passing state between segments scanned from zero
+# ---------------------------------------------------------------------------------------------
+
+
+def selective_scan_decay(
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+) -> torch.Tensor:
+    """A segment's total Mamba-1 decay ``exp(A · Σ_t Δ_t)``: ``delta`` ``[B, D, L]`` → ``[B, D, N]``.
+
+    With the segment's final state from zero (``selective_scan(..., return_final_state=True)``),
+    this is the segment's summary ``(decay, contribution)``.
+    """
+    dtype = _compute_dtype(delta, A)
+    steps = _mamba1_steps(delta, delta_bias, delta_softplus, dtype)
+    return torch.exp(steps.sum(-1).unsqueeze(-1) * A.to(dtype))
+
+
+def ssd_decay(
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """A segment's total SSD decay per head ``exp(A_h Σ_t Δ_t)``: ``dt`` ``[B, L, H]`` →
+    ``[B, H, 1, 1]`` (broadcastable against ``[B, H, P, N]`` states)."""
+    dtype = _compute_dtype(dt, A)
+    steps = _ssd_steps(dt, dt_bias, dt_softplus, dt_limit, dtype)
+    return torch.exp(steps.sum(1) * A.to(dtype))[..., None, None]
+
+
+def exclusive_combine(
+    decays: torch.Tensor, contributions: torch.Tensor, initial: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exclusive scan of segment summaries along dim 0 (the segment/rank index).
+
+    Segment ``r`` maps an incoming state ``h`` to ``decays[r] · h + contributions[r]``.
+
+    Args:
+        decays: ``[R, ...]`` (broadcastable against ``contributions``).
+        contributions: ``[R, ...]``: each segment's final state from zero.
+        initial: the state before segment 0 (zero when ``None``).
+
+    Returns:
+        ``(incoming, final)``: ``[R, ...]`` state entering each segment and the state after the
+        last one. Log-step (Hillis–Steele) over ``R``: ⌈log₂ R⌉ tensor steps, no loop over ranks.
+    """
+    decays = decays.expand_as(contributions)
+    if initial is not None:
+        contributions = torch.cat(
+            [contributions[:1] + decays[:1] * initial, contributions[1:]], dim=0
+        )
+    segments, step = contributions.shape[0], 1
+    inclusive, carry = contributions, decays
+    while step < segments:
+        inclusive = torch.cat(
+            [inclusive[:step], torch.addcmul(inclusive[step:], carry[step:], inclusive[:-step])]
+        )
+        carry = torch.cat([carry[:step], carry[step:] * carry[:-step]])
+        step *= 2
+    start = inclusive.new_zeros(inclusive[:1].shape) if initial is None else initial.unsqueeze(0)
+    incoming = torch.cat([start.to(inclusive.dtype), inclusive[:-1]], dim=0)
+    return incoming, inclusive[-1]
+
+
+def selective_scan_correction(
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    C: torch.Tensor,
+    incoming: torch.Tensor,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    reverse: bool = False,
+) -> torch.Tensor:
+    """What an incoming state adds to a segment's Mamba-1 output (scanned from zero).
+
+    ``y_t += (C_t · (exp(A Σ_{s≤t} Δ_s) ⊙ h_in)) · silu(z_t)``; ``delta`` ``[B, D, L]``, ``A``
+    ``[D, N]``, ``C`` as in :func:`selective_scan`, ``incoming`` ``[B, D, N]`` → ``[B, D, L]``
+    (compute dtype). ``reverse`` accumulates the decay from the last step.
+    """
+    dtype = _compute_dtype(delta, A, C, incoming)
+    steps = _mamba1_steps(delta, delta_bias, delta_softplus, dtype)
+    cum = (steps.flip(-1).cumsum(-1).flip(-1) if reverse else steps.cumsum(-1)).transpose(1, 2)
+    decayed = torch.exp(cum.unsqueeze(-1) * A.to(dtype)) * incoming.to(dtype).unsqueeze(1)
+    batch, dim = delta.shape[:2]
+    groups = _group_count(C, C, dim)
+    Cm = _grouped_projection(C, groups, dtype)
+    out = (decayed.unflatten(2, (groups, -1)) * Cm).sum(-1).flatten(2, 3).transpose(1, 2)
+    return out * F.silu(z.to(dtype)) if z is not None else out
+
+
+def ssd_correction(
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    C: torch.Tensor,
+    incoming: torch.Tensor,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    reverse: bool = False,
+) -> torch.Tensor:
+    """What an incoming state adds to a segment's SSD output (scanned from zero).
+
+    ``y_t += exp(A_h Σ_{s≤t} Δ_s) (h_in C_t) · silu(z_t)``; ``dt`` ``[B, L, H]``, ``C``
+    ``[B, L, G, N]``, ``incoming`` ``[B, H, P, N]`` → ``[B, L, H, P]`` (compute dtype).
+    """
+    dtype = _compute_dtype(dt, A, C, incoming)
+    steps = _ssd_steps(dt, dt_bias, dt_softplus, dt_limit, dtype)
+    cum = steps.flip(1).cumsum(1).flip(1) if reverse else steps.cumsum(1)
+    groups = C.shape[2]
+    state_out = torch.einsum(
+        "blgn,bgepn->blgep",
+        C.to(dtype),
+        rearrange(incoming.to(dtype), "b (g e) p n -> b g e p n", g=groups),
+    ).flatten(2, 3)
+    out = state_out * torch.exp(cum * A.to(dtype)).unsqueeze(-1)
+    return out * F.silu(z.to(dtype)) if z is not None else out
