@@ -118,10 +118,68 @@ def _log_step_scan(
     return state
 
 
+def _chunked_states(
+    delta: torch.Tensor, A: torch.Tensor, x: torch.Tensor, h0: torch.Tensor
+) -> torch.Tensor:
+    """The chunked forward of :func:`diagonal_scan` (shapes there)."""
+    length = x.shape[1]
+    chunk = _chunk_length(delta, A.abs().amax(-1), _SAFE_LOG_DECAY[x.dtype])
+    if chunk == 1:
+        return _log_step_scan(delta, A, x, h0)
+    chunk = min(chunk, length)
+    pad = (-length) % chunk
+    delta = F.pad(delta, (0, 0, 0, pad)).unflatten(1, (-1, chunk))  # [B, K, T, D]
+    x = F.pad(x, (0, 0, 0, 0, 0, pad)).unflatten(1, (-1, chunk))  # [B, K, T, D, N]
+    log_growth = delta.cumsum(2).unsqueeze(-1) * A  # S_t: log-decay from the chunk start
+    weighted = torch.cumsum(x * torch.exp(-log_growth), dim=2)  # Σ_{s≤t} e^{-S_s} x_s
+    growth = torch.exp(log_growth)
+    if weighted.shape[1] == 1:
+        incoming = h0.unsqueeze(1)
+    else:
+        ends = _chunked_states(
+            delta.sum(2), A, growth[:, :, -1] * weighted[:, :, -1], h0
+        )  # chunk-end states: the same recurrence over chunks
+        incoming = torch.cat([h0.unsqueeze(1), ends[:, :-1]], dim=1)  # [B, K, D, N]
+    states = growth.mul_(weighted.add_(incoming.unsqueeze(2)))
+    return states.flatten(1, 2)[:, :length]
+
+
+class _DiagonalScan(torch.autograd.Function):
+    """Chunked forward; backward is the same recurrence run in reverse (the adjoint).
+
+    With ``g_t = ∂L/∂h_t + exp(δ_{t+1} A) g_{t+1}``: ``∂L/∂x_t = g_t``,
+    ``∂L/∂(δ_t A) = g_t ⊙ exp(δ_t A) ⊙ h_{t-1}``, ``∂L/∂h_0 = exp(δ_0 A) ⊙ g_0``.
+    Saves only the states (which the output contraction keeps anyway), ``δ``, ``A`` and ``h_0``.
+    """
+
+    @staticmethod
+    def forward(ctx, delta, A, x, h0):
+        states = _chunked_states(delta, A, x, h0)
+        ctx.save_for_backward(delta, A, h0, states)
+        return states
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_states):
+        delta, A, h0, states = ctx.saved_tensors
+        next_delta = F.pad(delta[:, 1:], (0, 0, 0, 1))  # δ_{t+1}; nothing after the last step
+        adjoint = _chunked_states(
+            next_delta.flip(1), A, grad_states.flip(1), torch.zeros_like(h0)
+        ).flip(1)
+        previous = torch.cat([h0.unsqueeze(1), states[:, :-1]], dim=1)
+        d_log_decay = adjoint * previous * torch.exp(delta.unsqueeze(-1) * A)
+        grad_delta = (d_log_decay * A).sum(-1) if ctx.needs_input_grad[0] else None
+        grad_A = (
+            torch.einsum("bldn,bld->dn", d_log_decay, delta) if ctx.needs_input_grad[1] else None
+        )
+        grad_h0 = torch.exp(delta[:, 0].unsqueeze(-1) * A) * adjoint[:, 0]
+        return grad_delta, grad_A, adjoint, grad_h0
+
+
 def diagonal_scan(
     delta: torch.Tensor, A: torch.Tensor, x: torch.Tensor, h0: torch.Tensor
 ) -> torch.Tensor:
-    """All states of ``h_t = exp(δ_t A) ⊙ h_{t-1} + x_t``, chunked.
+    """All states of ``h_t = exp(δ_t A) ⊙ h_{t-1} + x_t``, chunked, with an adjoint backward.
 
     Args:
         delta: ``[B, L, D]`` step sizes (compute dtype).
@@ -132,24 +190,7 @@ def diagonal_scan(
     Returns:
         ``[B, L, D, N]``: the state after every step.
     """
-    batch, length, dim, nstate = x.shape
-    chunk = _chunk_length(delta, A.abs().amax(-1), _SAFE_LOG_DECAY[x.dtype])
-    if chunk == 1:
-        return _log_step_scan(delta, A, x, h0)
-    chunk = min(chunk, length)
-    pad = (-length) % chunk
-    delta = F.pad(delta, (0, 0, 0, pad)).unflatten(1, (-1, chunk))  # [B, K, T, D]
-    x = F.pad(x, (0, 0, 0, 0, 0, pad)).unflatten(1, (-1, chunk))  # [B, K, T, D, N]
-    cum_delta = delta.cumsum(2)
-    growth = torch.exp(cum_delta.unsqueeze(-1) * A)  # e^{S_t}: decay from the chunk start
-    weighted = torch.cumsum(x / growth, dim=2)  # Σ_{s≤t} e^{-S_s} x_s
-    if weighted.shape[1] == 1:
-        incoming = h0.unsqueeze(1)
-    else:
-        ends = diagonal_scan(cum_delta[:, :, -1], A, growth[:, :, -1] * weighted[:, :, -1], h0)
-        incoming = torch.cat([h0.unsqueeze(1), ends[:, :-1]], dim=1)  # [B, K, D, N]
-    states = growth * (weighted + incoming.unsqueeze(2))
-    return states.flatten(1, 2)[:, :length]
+    return _DiagonalScan.apply(delta, A, x, h0)
 
 
 # ---------------------------------------------------------------------------------------------
