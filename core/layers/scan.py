@@ -657,12 +657,66 @@ def selective_scan_correction(
     dtype = _compute_dtype(delta, A, C, incoming)
     steps = _mamba1_steps(delta, delta_bias, delta_softplus, dtype)
     cum = (steps.flip(-1).cumsum(-1).flip(-1) if reverse else steps.cumsum(-1)).transpose(1, 2)
-    decayed = torch.exp(cum.unsqueeze(-1) * A.to(dtype)) * incoming.to(dtype).unsqueeze(1)
-    batch, dim = delta.shape[:2]
-    groups = _group_count(C, C, dim)
+    groups = _group_count(C, C, delta.shape[1])
     Cm = _grouped_projection(C, groups, dtype)
-    out = (decayed.unflatten(2, (groups, -1)) * Cm).sum(-1).flatten(2, 3).transpose(1, 2)
+    out = _DecayedReadout.apply(cum, A.to(dtype), Cm, incoming.to(dtype), groups).transpose(1, 2)
     return out * F.silu(z.to(dtype)) if z is not None else out
+
+
+_READOUT_BLOCK = 1 << 21  # elements of one [B, T, D, N] block in the decayed read-out
+
+
+class _DecayedReadout(torch.autograd.Function):
+    """``y[b, t, d] = Σ_n C[b, t, g(d), n] · exp(A[d, n] · S[b, t, d]) · h[b, d, n]``.
+
+    ``S`` (``cum``) ``[B, L, D]``, ``A`` ``[D, N]``, ``Cm`` broadcastable to
+    ``[B, L, G, D/G, N]`` (:func:`_grouped_projection`), ``h`` ``[B, D, N]`` → ``[B, L, D]``.
+    The ``[B, L, D, N]`` decays are never kept: forward and backward run over blocks of time
+    steps and recompute them, so the read-out saves only its inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, cum, A, Cm, h, groups):
+        ctx.save_for_backward(cum, A, Cm, h)
+        ctx.groups = groups
+        out = cum.new_empty(cum.shape)
+        for t0, t1, c_block in _readout_blocks(cum, A, Cm):
+            decayed = torch.exp(cum[:, t0:t1, :, None] * A) * h[:, None]
+            out[:, t0:t1] = (decayed.unflatten(2, (groups, -1)) * c_block).sum(-1).flatten(2)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cum, A, Cm, h = ctx.saved_tensors
+        groups = ctx.groups
+        grad_cum = torch.empty_like(cum)
+        grad_A, grad_h = torch.zeros_like(A), torch.zeros_like(h)
+        grad_C = torch.zeros_like(Cm)
+        for t0, t1, c_block in _readout_blocks(cum, A, Cm):
+            decay = torch.exp(cum[:, t0:t1, :, None] * A)  # [B, T, D, N]
+            g = grad[:, t0:t1, :, None]
+            c_full = c_block.expand(*g.shape[:2], groups, A.shape[0] // groups, A.shape[1])
+            g_c = g * c_full.flatten(2, 3)  # ∂y/∂(decay · h)
+            grad_h += (g_c * decay).sum(1)
+            weighted = g_c.mul_(h[:, None]).mul_(decay)  # ∂y/∂(A · S)
+            grad_cum[:, t0:t1] = (weighted * A).sum(-1)
+            grad_A += torch.einsum("btdn,btd->dn", weighted, cum[:, t0:t1])
+            g_cm = (g * decay * h[:, None]).unflatten(2, (groups, -1))
+            if Cm.shape[1] == 1:
+                grad_C += g_cm.sum_to_size(Cm.shape)
+            else:
+                grad_C[:, t0:t1] = g_cm.sum_to_size(c_block.shape)
+        return grad_cum, grad_A, grad_C, grad_h, None
+
+
+def _readout_blocks(cum: torch.Tensor, A: torch.Tensor, Cm: torch.Tensor):
+    """``(t0, t1, Cm's block)`` over time blocks of about :data:`_READOUT_BLOCK` elements."""
+    batch, length, dim = cum.shape
+    step = max(1, _READOUT_BLOCK // max(1, batch * dim * A.shape[1]))
+    for t0 in range(0, length, step):
+        t1 = min(length, t0 + step)
+        yield t0, t1, Cm if Cm.shape[1] == 1 else Cm[:, t0:t1]
 
 
 def ssd_correction(
