@@ -232,6 +232,15 @@ def test_scan_op_kind_and_its_methods_are_registered() -> None:
         Stage("attn", ("l",), method="state_passing")
 
 
+def test_a_scan_over_a_dim_the_activation_lacks_is_refused() -> None:
+    x = torch.zeros(BATCH, 5, 3, HIDDEN).double()
+    for over in (("h",), (), ("t", "t")):
+        model = ScanModel("mamba2", ("t", "s"), ("t",))
+        model.over = over
+        with pytest.raises(ValueError, match="unknown|name the dims"):
+            model(x, SeqParallel())
+
+
 def test_halo_hops() -> None:
     assert halo_hops([4, 3], 3) == 1
     assert halo_hops([2, 1, 1, 1], 3) == 3

@@ -135,7 +135,7 @@ def _check_input(x: torch.Tensor, hidden: int, name: str) -> None:
         raise ValueError(f"{name} expects [B, L, C={hidden}]; got {tuple(x.shape)}")
 
 
-def scan_along(mixer: nn.Module, x: torch.Tensor, over: str | tuple[str, ...] = ()) -> torch.Tensor:
+def scan_along(mixer: nn.Module, x: torch.Tensor, over: str | tuple[str, ...]) -> torch.Tensor:
     """``mixer`` (a Mamba mixer) along the sequence dim(s) ``over`` of ``x``, in that order.
 
     Inside an open sharded region: ``sp.scan(mixer, x, layout, over)`` (``x``:

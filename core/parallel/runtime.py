@@ -333,6 +333,8 @@ class SeqParallel:
         outermost of ``over``. Returns ``[B, *seq_local, C']``.
         """
         over_dims = (over,) if isinstance(over, str) else tuple(over)
+        if not over_dims or len(set(over_dims)) != len(over_dims):
+            raise ValueError(f"sp.scan: name the dims to scan, each once (got over={over!r})")
         for name in over_dims:
             spec.index(name)  # clear error for unknown dims
         sharded = spec.sharded
