@@ -4,7 +4,7 @@ sharded sequence exactly, and DSP's axial plan runs it with no communication ins
 Every mixer (Mamba-1 / Mamba-2, one direction / bidirectional) × method × SP 2, 3, 4 on lengths
 no SP size divides (down to one token per rank, so the conv halo needs several hops): the
 output and every parameter gradient equal one process, and every rank's traced bytes equal the
-registry's formula (:meth:`Method.scan_bytes`). Bad input raises on every rank. One spawn of 4
+cost model's (:func:`comm_bytes`, which reads the registry's :meth:`Method.scan_bytes`). Bad input raises on every rank. One spawn of 4
 gloo workers runs every case (groups of 2, 3 and 4 ranks reused).
 """
 
@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dspzoo.core.costmodel.formulas import comm_bytes
+from dspzoo.core.costmodel.workload import StageSpec, Workload
 from dspzoo.core.harness import full_gradients, relative_error
 from dspzoo.core.layers.mamba import (
     Mamba1Config,
@@ -29,7 +31,7 @@ from dspzoo.core.parallel import context
 from dspzoo.core.parallel.comm import CollectiveInputError
 from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.mesh import SPMesh
-from dspzoo.core.parallel.methods.registry import CommCount, get_method, methods_for
+from dspzoo.core.parallel.methods.registry import get_method, methods_for
 from dspzoo.core.parallel.methods.scan import halo_hops
 from dspzoo.core.parallel.plan import Stage, plan_stages
 from dspzoo.core.parallel.runtime import SeqParallel
@@ -91,15 +93,23 @@ def _run(model: nn.Module, x: torch.Tensor, sp: SeqParallel, seed: int) -> torch
     return out.detach()
 
 
-def _non_exit_bytes(tracer) -> dict[tuple[str, str], tuple[int, int]]:
+def _traced(tracer) -> dict[tuple[str, str], tuple[int, int]]:
     out: dict[tuple[str, str], list[int]] = {}
     for rec in tracer.records:
-        if rec.region.startswith("exit"):
-            continue
         entry = out.setdefault((rec.op, rec.phase), [0, 0])
         entry[0] += 1
         entry[1] += rec.bytes_sent
     return {k: tuple(v) for k, v in out.items()}
+
+
+def _workload(model: ScanModel, names, lengths, over) -> Workload:
+    """The cost model's view of ``ScanModel``: one scan stage, the exit gather."""
+    spec = StageSpec(model.stages[0], scan_over=over, scan=model.mixer.scan_shape(1, ()))
+    return Workload(
+        name="scan_stage", family="test", batch=BATCH, dims=names, lengths=lengths,
+        hidden=HIDDEN, heads=1, kv_heads=1, mlp_hidden=0, layers=((spec,),),
+        period=model.stages, in_width=HIDDEN, exit_width=HIDDEN, itemsize=8,
+    )  # fmt: skip
 
 
 def _case(
@@ -124,21 +134,11 @@ def _case(
         err = relative_error(grads[name], p.grad)
         if err > TOLERANCE:
             failures.append(f"{where}: gradient of {name} error {err:.2e}")
-    want = CommCount()
-    if method is not None:
-        n = mesh.sp_size
-        rest = 1
-        for d, length in zip(names, lengths):
-            if d in over[1:]:
-                rest *= length
-        seq = tuple(s * rest for s in shard_sizes(lengths[names.index(over[0])], n))
-        lines = BATCH
-        for d, length in zip(names, lengths):
-            if d not in over:
-                lines *= length
-        get_method(method).scan_bytes(want, model.mixer.scan_shape(lines, seq, 8), mesh.sp_rank)
+    workload = _workload(model, names, lengths, over)
+    plan = sp.plan(names, lengths, model.stages)
+    want = comm_bytes(workload, plan, mesh.sp_size, mesh.sp_rank, validate=False)
     expected = {k: tuple(v) for k, v in want.items() if v != [0, 0]}
-    traced = _non_exit_bytes(tracer)
+    traced = _traced(tracer)
     if traced != expected:
         failures.append(f"{where}: traced {traced} != formula {expected}")
     return failures
