@@ -33,7 +33,7 @@ from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.mesh import SPMesh
 from dspzoo.core.parallel.methods.registry import get_method, methods_for
 from dspzoo.core.parallel.methods.scan import halo_hops
-from dspzoo.core.parallel.plan import Stage, plan_stages
+from dspzoo.core.parallel.plan import Stage, plan_fixed, plan_stages
 from dspzoo.core.parallel.runtime import SeqParallel
 from dspzoo.core.parallel.trace import trace_comm
 from dspzoo.core.testing import run_distributed
@@ -230,6 +230,15 @@ def test_scan_op_kind_and_its_methods_are_registered() -> None:
     assert plan_stages(("l",), (64,), (forced,), 2).method_for("scan") == "head_a2a"
     with pytest.raises(ValueError, match="does not run"):
         Stage("attn", ("l",), method="state_passing")
+    # a hybrid LM: attention by an attention method, the scan by a scan method, in one plan
+    hybrid = (Stage("attn", ("l",)), Stage("scan", ("l",), op="scan"), Stage("mlp"))
+    dsp = plan_stages(("l",), (64,), hybrid, 4)
+    assert dsp.method_for("attn") in ("ulysses", "ring") and dsp.method_for("scan") in SCAN_METHODS
+    lss = plan_fixed(("l",), (64,), hybrid, 4, "lss")
+    assert lss.method_for("attn") == "lss" and lss.method_for("scan") in SCAN_METHODS
+    # a raster scan is planned with its outermost dim sharded only
+    raster = plan_stages(("t", "s"), (5, 9), (Stage("r", ("t", "s"), op="scan"),), 2)
+    assert raster.sharded_for("r") == "t" and raster.method_for("r") in SCAN_METHODS
 
 
 def test_a_scan_over_a_dim_the_activation_lacks_is_refused() -> None:
