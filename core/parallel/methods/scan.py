@@ -30,6 +30,7 @@ scanned dims flattened, the sharded dim outermost; the other dims join the batch
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -195,7 +196,7 @@ def agree_segments(x: torch.Tensor, group: Any, seq_lengths: list[int], method: 
     """Every rank raises the same error unless each holds its segment of ``seq_lengths``
     (``x``: ``[B', L_r, C]``) with the same batch, channels and dtype."""
     sig = Signature("selective_scan")
-    sig.sizes("sequence lengths per rank", seq_lengths).arg(f"method {method}", len(method))
+    sig.sizes("sequence lengths per rank", seq_lengths).arg("method", zlib.crc32(method.encode()))
     sig.tensor("x", x, sharded=(1,)).local("tokens", x.shape[1])
     agreed = agree(sig, group, x.device)
     agreed.check_rows("tokens", seq_lengths, f"the {method} scan's segments {seq_lengths}")
