@@ -16,6 +16,7 @@ import torch
 
 import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.io import save_frame_strip_png, video_grid, write_video
@@ -24,7 +25,7 @@ from dspzoo.zoo import from_pretrained, load_config, load_extra
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
