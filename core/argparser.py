@@ -13,23 +13,19 @@ still prints the full usage. Subparsers made by ``add_subparsers`` are ``Command
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import NoReturn
 
+from .quiet import first_of_launch
+
 USAGE_STATUS = 2
-
-
-def prints_for_the_launch() -> bool:
-    """Whether this process speaks for the launch: rank 0, or a process launched alone."""
-    return os.environ.get("RANK", "0") in ("", "0")
 
 
 class CommandParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose :meth:`error` is one line (module docstring)."""
 
     def error(self, message: str) -> NoReturn:
-        if prints_for_the_launch():
+        if first_of_launch():
             line = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
             self._print_message(line, sys.stderr)
         self.exit(USAGE_STATUS)
