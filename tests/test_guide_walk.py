@@ -11,6 +11,7 @@ model), and ``dspzoo plan`` reaching the family through ``DSPZOO_FAMILIES`` only
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -88,3 +89,19 @@ def test_dspzoo_plan_reaches_the_family_through_the_environment_variable() -> No
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert "unknown model family 'spectro2d'" in missing.stderr
     assert "DSPZOO_FAMILIES" in missing.stderr
+
+
+def test_the_guide_quotes_spectro2d_as_it_is_and_has_the_contract_section() -> None:
+    from pathlib import Path
+
+    from dspzoo.core.parallel.tp_contract import CONTRACT_DOC
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "new_architecture.md").read_text()
+    source = (root / "examples" / "spectro2d.py").read_text()
+    blocks = re.findall(r"<!-- listing: examples/spectro2d.py -->\n```python\n(.*?)```", doc, re.S)
+    assert blocks and all(block in source for block in blocks)
+    section = CONTRACT_DOC.split("'")[1]  # the error messages point to this heading
+    assert f"\n### {section}\n" in doc
+    for heading in ("op kinds", "Layers that alternate", "A second walk"):
+        assert heading in doc
