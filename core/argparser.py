@@ -6,14 +6,20 @@
     <prog>: error: <message> (see <prog> --help)
 
 and exits with status 2, from the first rank of a launch only (``RANK`` unset or ``0``: every
-rank parses the same argv, so every rank fails alike and exits 2; one says why). ``--help``
-still prints the full usage. Subparsers made by ``add_subparsers`` are ``CommandParser`` s too.
+rank parses the same argv, so every rank fails alike and exits 2; one says why). The other
+ranks of a launch wait up to :data:`~dspzoo.core.entry.REPORT_GRACE_S` before exiting, so that
+the launcher, which stops every rank when one exits, does not stop the first rank before it
+has printed; stopped meanwhile (SIGTERM), they exit with 2 as well. ``--help`` still prints the
+full usage. Subparsers made by ``add_subparsers`` are ``CommandParser`` s too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import time
 from typing import NoReturn
 
 from .quiet import first_of_launch
@@ -28,4 +34,9 @@ class CommandParser(argparse.ArgumentParser):
         if first_of_launch():
             line = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
             self._print_message(line, sys.stderr)
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from .entry import REPORT_GRACE_S
+
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(USAGE_STATUS))
+            time.sleep(REPORT_GRACE_S)
         self.exit(USAGE_STATUS)
