@@ -7,9 +7,10 @@
 
 and exits with status 2, from the first rank of a launch only (``RANK`` unset or ``0``: every
 rank parses the same argv, so every rank fails alike and exits 2; one says why). The other
-ranks of a launch wait up to :data:`~dspzoo.core.entry.REPORT_GRACE_S` before exiting, so that
-the launcher, which stops every rank when one exits, does not stop the first rank before it
-has printed; stopped meanwhile (SIGTERM), they exit with 2 as well. ``--help`` still prints the
+ranks of a launch wait (up to :data:`PEER_WAIT_S`) before exiting, so that the launcher, which
+stops every rank when one exits, does not stop the first rank before it has printed (on a
+loaded machine its imports may finish seconds later); the launcher stops them as soon as the
+first rank exits, and stopped (SIGTERM) they exit with 2 as well. ``--help`` still prints the
 full usage. Subparsers made by ``add_subparsers`` are ``CommandParser`` s too.
 """
 
@@ -25,6 +26,8 @@ from typing import NoReturn
 from .quiet import first_of_launch
 
 USAGE_STATUS = 2
+PEER_WAIT_S = 60.0
+"""How long a rank other than the first waits for the first to report the error and exit."""
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -35,8 +38,6 @@ class CommandParser(argparse.ArgumentParser):
             line = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
             self._print_message(line, sys.stderr)
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from .entry import REPORT_GRACE_S
-
             signal.signal(signal.SIGTERM, lambda *_: os._exit(USAGE_STATUS))
-            time.sleep(REPORT_GRACE_S)
+            time.sleep(PEER_WAIT_S)
         self.exit(USAGE_STATUS)
