@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from dspzoo.core import switch, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.comm.exchange import agree_switch, switch_agreed
 from dspzoo.core.parallel.comm.settings import SETTINGS
 from dspzoo.core.parallel.trace import format_bytes
@@ -89,7 +90,7 @@ VARIANTS = ("bare", "agree+bare", "switch", "unchecked", "naive")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -15,11 +15,12 @@ import time
 import torch
 
 import dspzoo.domains.text  # noqa: F401  (registers the bytelm family)
+from dspzoo.core.argparser import CommandParser
 from dspzoo.zoo import from_pretrained, load_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.domains.protein.data import ProteinDataError, parse_fasta, parse_msa, sequence_to_ids
 from dspzoo.domains.protein.dataset import collate, crop_and_sample
@@ -29,7 +30,7 @@ from dspzoo.domains.protein.metrics import Bins, contact_probabilities, write_co
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
