@@ -42,6 +42,7 @@ from ..comm import group_rank, group_size
 from ..comm.replicate import gather_for_local_use_agreed
 from ..layout import shard_sizes
 from ..trace import comm_region
+from .ring import ring_positions
 from .ulysses import agree_attention_args, scaled
 
 DEFAULT_CHUNK = 2048
@@ -56,16 +57,24 @@ def _blockwise_kernel() -> Any | None:
     return getattr(module, "chunked_attention", None)
 
 
-def _gather_kv(kv: torch.Tensor, seq_lengths: list[int], group: Any) -> torch.Tensor:
-    """All-gather ``[B, seq_r, Hkv, 2D]`` along the sequence → ``[B, L, Hkv, 2D]``."""
+def _gather_kv(
+    kv: torch.Tensor, seq_lengths: list[int], group: Any, positions: list[torch.Tensor]
+) -> torch.Tensor:
+    """All-gather ``[B, seq_r, Hkv, 2D]`` along the sequence → ``[B, L, Hkv, 2D]`` in global
+    position order (rank ``j``'s rows sit at ``positions[j]``)."""
     n, total = len(seq_lengths), sum(seq_lengths)
-    if seq_lengths == shard_sizes(total, n):
+    contiguous = all(
+        p.numel() == 0 or int(p[0]) == sum(seq_lengths[:j]) for j, p in enumerate(positions)
+    )
+    if contiguous and seq_lengths == shard_sizes(total, n):
         return gather_for_local_use_agreed(kv, 1, group, total)
-    # any other split: pad every segment to the longest, gather, keep the real rows
+    # any other split or layout: pad every segment to the longest, gather, put rows in order
     rows = max(seq_lengths)
     padded = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, rows - kv.shape[1]))
     full = gather_for_local_use_agreed(padded, 1, group, rows * n)
-    index = torch.cat([torch.arange(q * rows, q * rows + s) for q, s in enumerate(seq_lengths)])
+    index = torch.empty(total, dtype=torch.long)
+    for j, pos in enumerate(positions):
+        index[pos] = torch.arange(j * rows, j * rows + seq_lengths[j])
     return full.index_select(1, index.to(kv.device))
 
 
@@ -129,8 +138,10 @@ def lss_attention(
     causal: bool = False,
     scale: float | None = None,
     chunk: int = DEFAULT_CHUNK,
+    layout: str = "contiguous",
+    kernel: str | None = None,
 ) -> torch.Tensor:
-    """LSS distributed self-attention over a sequence sharded contiguously on ``group``.
+    """LSS distributed self-attention over a sequence sharded on ``group``.
 
     Args:
         q: this rank's queries ``[B, seq_lengths[r], H, D]``.
@@ -140,7 +151,12 @@ def lss_attention(
             balanced ``shard_sizes`` split needs no padding rows).
         causal: query ``offset_r + i`` sees keys ``j <= offset_r + i``.
         scale: softmax scale (default ``1/sqrt(D)``).
-        chunk: rows per block of the memory-bounded kernel.
+        chunk: rows per block of the blockwise kernel (the fused kernel needs none).
+        layout: ``"contiguous"`` (rank ``r`` holds positions ``[o_r, o_r + seq_lengths[r])``) or
+            ``"zigzag"`` (chunks ``r`` and ``2N−1−r`` of ``2N``, as ring_zigzag; ``seq_lengths``
+            must be :func:`~dspzoo.core.parallel.methods.ring.zigzag_lengths`), which gives
+            every rank the same causal work.
+        kernel: ``"fused"`` or ``"blockwise"`` (``None``: ``$DSPZOO_ATTENTION_KERNEL``, fused).
 
     Returns:
         this rank's output ``[B, seq_lengths[r], H, D]``. Every rank must backpropagate
@@ -151,35 +167,53 @@ def lss_attention(
     reduce-scatter backward; see the module docstring for the bytes.
     """
     n, r = group_size(group), group_rank(group)
+    lengths = [int(s) for s in seq_lengths]
+    positions: list[torch.Tensor] = []
 
-    def check_chunk() -> None:
+    def check_local() -> None:
         if chunk < 1:
             raise ValueError(f"lss_attention: chunk must be >= 1, got {chunk}")
+        if len(lengths) == n:  # a wrong count is reported by the agreement itself
+            positions.extend(ring_positions(lengths, j, layout) for j in range(n))
 
-    agree_attention_args(q, k, v, seq_lengths, group, "lss_attention", causal, scale, check_chunk)
-    lengths = [int(s) for s in seq_lengths]
-    offset, d, heads, kv_heads = sum(lengths[:r]), q.shape[3], q.shape[2], k.shape[2]
+    agree_attention_args(q, k, v, seq_lengths, group, "lss_attention", causal, scale, check_local)
+    d, heads, kv_heads = q.shape[3], q.shape[2], k.shape[2]
+    q_pos = positions[r]
     kv = torch.cat([k, v], dim=-1)
     with comm_region("lss"):
-        kv_all = kv if n == 1 else _gather_kv(kv, lengths, group)
-    if causal:  # keys after this segment's last query are never attended to
-        kv_all = kv_all[:, : offset + lengths[r]]
+        kv_all = kv if n == 1 else _gather_kv(kv, lengths, group, positions)
+    if causal:  # keys after this rank's last query are never attended to
+        kv_all = kv_all[:, : int(q_pos.max()) + 1 if q_pos.numel() else 0]
     if q.shape[1] == 0 or kv_all.shape[1] == 0:
         # nothing to compute; keep the edge to the gathered K/V so the backward collective runs
         return q + 0 * kv_all.sum()
     k_all, v_all = kv_all[..., :d], kv_all[..., d:]
-    q_pos = torch.arange(offset, offset + lengths[r], device=q.device)
-    k_pos = torch.arange(k_all.shape[1], device=q.device)
-    kernel = _blockwise_kernel()
-    if kernel is not None:  # blockwise log-sum-exp kernel; handles GQA itself
-        return kernel(
-            q, k_all, v_all, causal=causal, q_pos=q_pos, k_pos=k_pos, scale=scale, chunk=chunk
+    k_pos = torch.arange(k_all.shape[1])
+    kernel_fn = _blockwise_kernel()
+    if kernel_fn is not None:  # the shared log-sum-exp kernel; handles GQA itself
+        return kernel_fn(
+            q,
+            k_all,
+            v_all,
+            causal=causal,
+            q_pos=q_pos,
+            k_pos=k_pos,
+            scale=scale,
+            chunk=chunk,
+            kernel=kernel,
         )
     # fallback: fold each KV group's query heads into the query rows, then attend
     g = heads // kv_heads
     q_f = scaled(_fold_groups(q, kv_heads), scale)
     if causal:
-        out = _masked_chunks(q_f, k_all, v_all, q_pos.repeat_interleave(g), k_pos, chunk * g)
+        out = _masked_chunks(
+            q_f,
+            k_all,
+            v_all,
+            q_pos.to(q.device).repeat_interleave(g),
+            k_pos.to(q.device),
+            chunk * g,
+        )
     else:
         out = attend(q_f, k_all, v_all)
     return _unfold_groups(out, heads)
