@@ -1,32 +1,41 @@
 """Long-Short-Sequence (LSS) transformer attention: local queries, one fused K/V all-gather.
 
-Each rank keeps its contiguous segment of queries. Keys and values of every segment arrive in
-one collective: this rank's k and v are concatenated along the last axis into one buffer
+Each rank keeps its segment of queries (contiguous, or zigzag: see Layouts). Keys and values
+of every segment arrive in one collective: this rank's k and v are concatenated along the last axis into one buffer
 ``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence with
 :func:`dspzoo.core.parallel.comm.gather_for_local_use`. That is what "fused communication" means here:
 **one all-gather of [k|v] instead of two** (one launch, one synchronisation, the same bytes). Its
 backward is a reduce-scatter of the [dk|dv] buffer (each rank's queries produce gradients for
 every key; the sums go back to the keys' owners), so the gradients are exact.
 
-The local queries then attend to all keys with causal masking by global offsets (query ``i`` of
-rank ``r`` sits at ``offset_r + i`` and sees keys ``j <= offset_r + i``; keys past the segment's
-last query are not even read). GQA/MQA never expands K/V: the gathered buffer has ``Hkv`` heads.
+The local queries then attend to all keys with causal masking by global positions (query
+``i`` of rank ``r`` at position ``p_r[i]`` sees keys ``j <= p_r[i]``; keys past the rank's last
+query are not even read). GQA/MQA never expands the gathered K/V: the buffer has ``Hkv`` heads.
 
-Memory: the kernel is :func:`dspzoo.core.parallel.methods.blockwise.chunked_attention` (imported lazily;
-blocks of ``chunk`` queries × ``chunk`` keys with a running log-sum-exp, native GQA, only
-q, k, v, out and the log-sum-exp saved for backward). Without that module the fallback folds
-each KV group's ``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and
-calls :func:`~dspzoo.core.layers.attention.attend`: once without a mask when not causal, else
-per chunk of query rows with an explicit ``[rows, keys]`` boolean mask, each chunk
-checkpointed so that backward recomputes one chunk's scores at a time. Either way no
-``seq_r × L`` score matrix exists at once (64K tokens at SP 4: 16K × 64K float32 scores are
-4 GiB per head and batch element).
+Layouts: ``"contiguous"`` (rank ``r`` holds ``[o_r, o_r + seq_r)``) leaves the causal work
+unbalanced — the last rank attends to the whole sequence, the first to its own segment only.
+``"zigzag"`` (the ``lss_zigzag`` method; rank ``r`` holds chunks ``r`` and ``2N−1−r`` of
+``2N``, as :mod:`.ring`'s zigzag) gives every rank the same number of causal (query, key)
+pairs, for the same bytes: the gathered rows are put back in position order.
+
+Memory: the kernel is the shared one of :mod:`.kernels`
+(:func:`dspzoo.core.parallel.methods.blockwise.chunked_attention`, imported lazily): by default
+PyTorch's fused CPU attention with its log-sum-exp, cut into exactly causal pieces, or the
+einsum ``blockwise`` kernel on ``chunk`` × ``chunk`` blocks; either way only q, k, v, out and
+the log-sum-exp are saved for backward. Without that module the fallback folds each KV group's
+``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and calls
+:func:`~dspzoo.core.layers.attention.attend`: once without a mask when not causal, else per
+chunk of query rows with an explicit ``[rows, keys]`` boolean mask, each chunk checkpointed so
+that backward recomputes one chunk's scores at a time. Either way no ``seq_r × L`` score matrix
+exists at once (64K tokens at SP 4: 16K × 64K float32 scores are 4 GiB per head and batch
+element).
 
 Bytes sent per rank (``N`` ranks, ``m = max(seq_lengths)``, ``B·Hkv·2·D`` elements per token):
 forward all-gather ``(N−1)·m·B·Hkv·2D·itemsize`` — when ``N`` divides ``L`` that is
 ``(N−1)/N`` of the global K and V bytes, i.e. each rank receives the ``(N−1)/N`` of K and V it
-does not hold — and the backward reduce-scatter sends the same. Uneven splits move the padded
-chunk (``m`` rows), as every all-gather in :mod:`dspzoo.core.parallel.comm` does.
+does not hold — and the backward reduce-scatter sends the same. Uneven splits (and the zigzag
+layout, ``m = max(zigzag_lengths)``) move the padded chunk (``m`` rows), as every all-gather in
+:mod:`dspzoo.core.parallel.comm` does.
 """
 
 from __future__ import annotations
