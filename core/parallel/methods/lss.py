@@ -1,8 +1,8 @@
 """Long-Short-Sequence (LSS) transformer attention: local queries, one fused K/V all-gather.
 
 Each rank keeps its segment of queries (contiguous, or zigzag: see Layouts). Keys and values
-of every segment arrive in one collective: this rank's k and v are concatenated along the last axis into one buffer
-``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence with
+of every segment arrive in one collective: this rank's k and v are concatenated along the last
+axis into one buffer ``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence with
 :func:`dspzoo.core.parallel.comm.gather_for_local_use`. That is what "fused communication" means here:
 **one all-gather of [k|v] instead of two** (one launch, one synchronisation, the same bytes). Its
 backward is a reduce-scatter of the [dk|dv] buffer (each rank's queries produce gradients for
