@@ -68,7 +68,7 @@ _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # -- positions: runs and pieces -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Run:
-    """Rows ``[local, local + length)`` of a block hold global positions ``[start, start + length)``."""
+    """Rows ``[local, local + length)`` of a block hold positions ``[start, start + length)``."""
 
     local: int
     start: int
