@@ -11,7 +11,9 @@ with ``kernel="blockwise"`` (the einsum kernel: one score block per call) and ``
 (PyTorch's fused CPU attention with its log-sum-exp). Repetitions are interleaved (the
 configurations run in a rotated order each repetition) so that load from other jobs on the
 machine spreads over all of them; the step time is the worst rank's, the median over
-repetitions. Peak memory is the largest increase of the process's resident set during the
+repetitions. The busiest rank's CPU time (its thread's, waits excluded) is the step time each
+rank would see on a core of its own — on an oversubscribed machine, ranks that finish early
+lend their core to the others, which hides load imbalance from the step time. Peak memory is the largest increase of the process's resident set during the
 call, sampled every 2 ms, worst rank (glibc's mmap threshold is pinned at 64 KiB so that freed
 blocks go back to the system and the samples see each call's own peak).
 
@@ -108,7 +110,7 @@ def _run_one(method: str, kernel: str, shape: Shape, group, tensors, positions, 
     return out.detach()
 
 
-def _worker(rank: int, world: int, shape: Shape, reps: int) -> dict:
+def _worker(rank: int, world: int, shape: Shape, reps: int, configs: tuple) -> dict:
     import torch.distributed as dist
 
     from dspzoo.core.parallel.layout import shard_sizes
@@ -126,37 +128,41 @@ def _worker(rank: int, world: int, shape: Shape, reps: int) -> dict:
         torch.randn(s.batch, s.seq_len, s.heads, s.head_dim, generator=gen),
     ]
     layouts = {}
-    for method, _ in CONFIGS:
+    for method, _ in configs:
         zigzag = method.endswith("zigzag")
         lengths = zigzag_lengths(s.seq_len, world) if zigzag else shard_sizes(s.seq_len, world)
         pos = ring_positions(lengths, rank, "zigzag" if zigzag else "contiguous")
         layouts[method] = (pos, lengths)
-    times: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
-    peaks: dict[tuple[str, str], int] = dict.fromkeys(CONFIGS, 0)
+    times: dict[tuple[str, str], list[float]] = {c: [] for c in configs}
+    cpus: dict[tuple[str, str], list[float]] = {c: [] for c in configs}
+    peaks: dict[tuple[str, str], int] = dict.fromkeys(configs, 0)
     outs: dict[tuple[str, str], torch.Tensor] = {}
     for rep in range(reps):
-        order = CONFIGS[rep % len(CONFIGS) :] + CONFIGS[: rep % len(CONFIGS)]
+        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
         for method, kernel in order:
             pos, lengths = layouts[method]
             dist.barrier(group)
             with PeakRss() as meter:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 out = _run_one(method, kernel, shape, group, tensors, pos, lengths)
-                elapsed = time.perf_counter() - start
-            worst = torch.tensor([elapsed, float(meter.increase)], dtype=torch.float64)
+                elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            worst = torch.tensor([elapsed, float(meter.increase), cpu], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
             times[(method, kernel)].append(float(worst[0]))
+            cpus[(method, kernel)].append(float(worst[2]))
             peaks[(method, kernel)] = max(peaks[(method, kernel)], int(worst[1]))
             if rep == 0:
                 outs[(method, kernel)] = out
     # the two kernels agree (worst rank)
     diffs = {}
-    for method in {m for m, _ in CONFIGS}:
+    for method in sorted({m for m, _ in configs}):
+        if (method, "fused") not in outs or (method, "blockwise") not in outs:
+            continue
         d = (outs[(method, "fused")] - outs[(method, "blockwise")]).abs().max()
         d = d.reshape(1).double()
         dist.all_reduce(d, op=dist.ReduceOp.MAX, group=group)
         diffs[method] = float(d)
-    return {"times": times, "peaks": peaks, "diffs": diffs}
+    return {"times": times, "cpus": cpus, "peaks": peaks, "diffs": diffs}
 
 
 def main() -> None:
@@ -167,9 +173,20 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=[f"{m}:{k}" for m, k in CONFIGS],
+        help="method:kernel pairs to run (default: all six)",
+    )
     args = parser.parse_args()
 
     from dspzoo.core.testing import run_distributed
+
+    configs = tuple(tuple(c.split(":")) for c in args.configs)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown --configs {unknown}; choose from {[':'.join(c) for c in CONFIGS]}")
 
     shape = Shape(args.seq_len, heads=args.heads, kv_heads=args.heads, head_dim=args.head_dim)
     print(
@@ -178,16 +195,19 @@ def main() -> None:
         f"interleaved repetitions, worst rank"
     )
     for n in args.sp:
-        result = run_distributed(_worker, n, shape, args.reps, timeout=args.timeout)[0]
+        result = run_distributed(_worker, n, shape, args.reps, configs, timeout=args.timeout)[0]
         times = {c: statistics.median(t) for c, t in result["times"].items()}
         print(f"\nSP {n}")
-        print("| method | kernel | step s | runs s | peak MiB/rank |")
-        print("|---|---|---|---|---|")
-        for c in CONFIGS:
+        print("| method | kernel | step s | runs s | busiest rank's CPU s | peak MiB/rank |")
+        print("|---|---|---|---|---|---|")
+        for c in configs:
             runs = ", ".join(f"{t:.2f}" for t in result["times"][c])
+            cpu = statistics.median(result["cpus"][c])
             peak = result["peaks"][c] / 2**20
-            print(f"| {c[0]} | {c[1]} | {times[c]:.2f} | {runs} | {peak:.0f} |")
+            print(f"| {c[0]} | {c[1]} | {times[c]:.2f} | {runs} | {cpu:.2f} | {peak:.0f} |")
         for method in ("ring_zigzag", "lss", "lss_zigzag"):
+            if method not in result["diffs"]:
+                continue
             ratio = times[(method, "blockwise")] / times[(method, "fused")]
             mem = result["peaks"][(method, "blockwise")] / max(
                 result["peaks"][(method, "fused")], 1
@@ -196,10 +216,16 @@ def main() -> None:
                 f"{method}: blockwise / fused step time {ratio:.2f}x, peak memory {mem:.1f}x "
                 f"(max |out difference| {result['diffs'][method]:.1e})"
             )
-        before, after = times[("lss", "blockwise")], times[("lss_zigzag", "fused")]
-        print(f"lss today (contiguous, blockwise) / lss_zigzag fused: {before / after:.2f}x")
-        zig = times[("lss", "fused")] / times[("lss_zigzag", "fused")]
-        print(f"lss contiguous / zigzag, both fused: {zig:.2f}x")
+        pairs = {
+            "lss today (contiguous, blockwise) / lss_zigzag fused": (
+                ("lss", "blockwise"),
+                ("lss_zigzag", "fused"),
+            ),
+            "lss contiguous / zigzag, both fused": (("lss", "fused"), ("lss_zigzag", "fused")),
+        }
+        for label, (before, after) in pairs.items():
+            if before in times and after in times:
+                print(f"{label}: {times[before] / times[after]:.2f}x")
 
 
 if __name__ == "__main__":
