@@ -57,9 +57,18 @@ def test_axial3d_equals_one_process_under_every_strategy_at_sp_2_3_4() -> None:
     wl = workload("axial3d-tiny", CONFIG, frames=FRAMES, spatial=(HEIGHT, WIDTH), batch=2)
     report = check_model(make_model, make_inputs, workload=wl, sp_sizes=(2, 3, 4), timeout=180)
     checked = {(c.sp, c.strategy) for c in report.checks}
-    strategies = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "usp", "megatron_sp")
+    strategies = (
+        "dsp",
+        "ulysses",
+        "ring",
+        "ring_zigzag",
+        "lss",
+        "lss_zigzag",
+        "usp",
+        "megatron_sp",
+    )
     assert checked == {(n, s) for n in (2, 3, 4) for s in strategies}
-    assert len(report.checks) == 7 * (2 + 3 + 4)  # every rank of every SP group
+    assert len(report.checks) == len(strategies) * (2 + 3 + 4)  # every rank of every SP group
     assert all(c.plan_bytes == c.traced_bytes > 0 for c in report.checks)
     assert max(c.output_error for c in report.checks) <= 1e-5
     assert max(c.grad_error for c in report.checks) <= 1e-5

@@ -15,6 +15,7 @@ from torch import nn
 
 from dspzoo.core import SeqParallel, Stage
 from dspzoo.core.harness import check_model
+from dspzoo.core.parallel.methods.registry import get_method
 from dspzoo.core.parallel.plan import plan_fixed, plan_stages
 from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.core.testing import run_distributed
@@ -47,10 +48,9 @@ def test_generic_stages_get_their_dims_whole_under_every_strategy() -> None:
         if name == "dsp":
             plan = plan_stages(("t", "s"), (T, S), mixing_ops.CONV_STAGES, 2)
         else:
-            method = "ring" if name == "ring_zigzag" else name
-            layout = "zigzag" if name == "ring_zigzag" else "contiguous"
+            layout = get_method(name).layout  # ring_zigzag, lss_zigzag: "zigzag"
             plan = plan_fixed(
-                ("t", "s"), (T, S), mixing_ops.CONV_STAGES, 2, method, "t", layout=layout
+                ("t", "s"), (T, S), mixing_ops.CONV_STAGES, 2, name, "t", layout=layout
             )
         conv = plan.step_for("conv")
         assert conv.sharded != "t" or conv.method == "gather", (name, str(plan))

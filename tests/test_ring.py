@@ -163,7 +163,7 @@ def _full(length, dtype, seed, h=H, hkv=HKV):
     return q, k, v, w
 
 
-def _check_ring_case(group, lengths, layout, causal, dtype, seed):
+def _check_ring_case(group, lengths, layout, causal, dtype, seed, kernel=None):
     """Ring attention on this rank's shard equals its rows of single-process attention."""
     import torch.distributed as dist
 
@@ -181,7 +181,7 @@ def _check_ring_case(group, lengths, layout, causal, dtype, seed):
     with trace_comm() as tracer:
         with SavedTensorMeter() as meter:
             out = ring_attention(
-                *loc, group=group, seq_lengths=lengths, causal=causal, layout=layout
+                *loc, group=group, seq_lengths=lengths, causal=causal, layout=layout, kernel=kernel
             )
         (out * w[:, pos]).sum().backward()
     # memory O(L/N): only the local q, k, v, out and the fp32/fp64 lse are saved
@@ -193,7 +193,7 @@ def _check_ring_case(group, lengths, layout, causal, dtype, seed):
         torch.float32: dict(rtol=1e-5, atol=1e-5),
         torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
     }[dtype]
-    what = f"n={n} lengths={lengths} {layout} causal={causal} {dtype}"
+    what = f"n={n} lengths={lengths} {layout} causal={causal} {dtype} kernel={kernel}"
     for name, got, want in zip("out dq dk dv".split(), [out.detach()] + [t.grad for t in loc], ref):
         assert got.dtype == dtype, what
         torch.testing.assert_close(
@@ -325,6 +325,10 @@ def _distributed_all(rank, world):
     for dtype in (torch.float32, torch.bfloat16):
         checks += _check_ring_case(
             dist.group.WORLD, zigzag_lengths(13, 4), "zigzag", True, dtype, 5
+        )
+    for layout, lengths in (("zigzag", zigzag_lengths(11, 4)), ("contiguous", custom[4])):
+        checks += _check_ring_case(
+            dist.group.WORLD, lengths, layout, True, torch.float64, 6, kernel="blockwise"
         )
     checks += _check_usp(pairs[rank // 2], rings[rank % 2], rank)
     return checks

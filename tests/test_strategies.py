@@ -3,7 +3,7 @@
 STDiT-tiny with a full spatio-temporal attention layer (so DSP's plan is a hybrid) on a latent
 whose token grid (T' = 5, S = 9) no SP size divides, heads = 4 (not divisible by 3), and a 1-D
 causal attention model (L = 11, 3 heads, GQA with one key/value head), at SP 2, 3 and 4, under
-dsp, ulysses, ring, ring_zigzag, lss and usp (2 × 2 at SP 4) — all in one 4-process spawn.
+dsp, ulysses, ring, ring_zigzag, lss, lss_zigzag and usp (2 × 2 at SP 4) — all in one 4-process spawn.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dspzoo.core.parallel.mesh import SPMesh
 from dspzoo.core.testing import run_distributed
 from dspzoo.zoo import create_model
 
-STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "usp")
+STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "lss_zigzag", "usp")
 
 
 def _model() -> torch.nn.Module:

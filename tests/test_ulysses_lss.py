@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.methods import lss, lss_attention, ulysses_attention
+from dspzoo.core.parallel.methods.ring import ring_positions, zigzag_lengths
 from dspzoo.core.parallel.methods.ulysses import kv_heads_aligned
 from dspzoo.core.parallel.trace import trace_comm
 from dspzoo.core.testing import run_distributed
@@ -76,10 +77,11 @@ def _ulysses_bytes(lengths, heads, kv_heads, n, r, itemsize):
 
 def _run_case(method, group, n, r, lengths, shape, causal, dtype, scale, seed, **kw):
     (q, k, v, w), out_ref, grads_ref = _reference(shape, causal, dtype, scale, seed)
-    off, size = sum(lengths[:r]), lengths[r]
+    size = lengths[r]
+    pos = ring_positions(lengths, r, getattr(method, "layout", "contiguous"))
 
     def mine(t):
-        return t[:, off : off + size].clone()
+        return t[:, pos].clone()
 
     leaves = [mine(t).requires_grad_(True) for t in (q, k, v)]
     with trace_comm() as tracer:
@@ -140,15 +142,36 @@ def _lss_fallback(q, k, v, chunk=2, **kw):
 
 
 def _lss_small_chunks(q, k, v, **kw):
-    return lss_attention(q, k, v, chunk=3, **kw)
+    """The blockwise kernel on chunks of 3 (the fused kernel does not chunk)."""
+    return lss_attention(q, k, v, chunk=3, kernel="blockwise", **kw)
 
+
+def _lss_zigzag(q, k, v, **kw):
+    """LSS on the zigzag layout (``seq_lengths`` are the balanced lengths it replaces)."""
+    return lss_attention(q, k, v, **{**kw, "layout": "zigzag"})
+
+
+def _lss_zigzag_blockwise(q, k, v, **kw):
+    return lss_attention(q, k, v, **{**kw, "layout": "zigzag", "kernel": "blockwise", "chunk": 2})
+
+
+def _lss_zigzag_fallback(q, k, v, **kw):
+    return _lss_fallback(q, k, v, **{**kw, "layout": "zigzag"})
+
+
+for _fn in (_lss_zigzag, _lss_zigzag_blockwise, _lss_zigzag_fallback):
+    _fn.layout = "zigzag"
 
 METHODS = {
     "ulysses": ulysses_attention,
     "lss": lss_attention,
     "lss_chunk3": _lss_small_chunks,
     "lss_fallback": _lss_fallback,
+    "lss_zigzag": _lss_zigzag,
+    "lss_zigzag_blockwise": _lss_zigzag_blockwise,
+    "lss_zigzag_fallback": _lss_zigzag_fallback,
 }
+ZIGZAG = ("lss_zigzag", "lss_zigzag_blockwise", "lss_zigzag_fallback")
 
 
 def _check_group(group, n, r, seed):
@@ -160,12 +183,19 @@ def _check_group(group, n, r, seed):
     for lengths, shape, dtype, scale in runs:
         for causal in (False, True):
             for name, method in METHODS.items():
-                if name in ("lss_chunk3", "lss_fallback") and not causal:
+                if name in ("lss_chunk3", "lss_fallback", *ZIGZAG[1:]) and not causal:
                     continue  # their non-causal paths are the single-call ones already covered
+                run_lengths = lengths
+                if name in ZIGZAG:
+                    if lengths != shard_sizes(sum(lengths), n):
+                        continue  # the zigzag layout has its own lengths
+                    run_lengths = zigzag_lengths(sum(lengths), n)
                 seed += 1
-                tracer = _run_case(method, group, n, r, lengths, shape, causal, dtype, scale, seed)
+                tracer = _run_case(
+                    method, group, n, r, run_lengths, shape, causal, dtype, scale, seed
+                )
                 kind = "ulysses" if name == "ulysses" else "lss"
-                _check_bytes(tracer, kind, n, r, lengths, shape, dtype.itemsize)
+                _check_bytes(tracer, kind, n, r, run_lengths, shape, dtype.itemsize)
                 checks += 1
     return checks
 

@@ -24,10 +24,8 @@ all key blocks) and ``dout``, each key block's contribution is recomputed indepe
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 __all__ = [
     "block_attention",
@@ -219,17 +217,6 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return (dout.to(dt) * out.to(dt)).sum(dim=-1).transpose(1, 2)
 
 
-def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(chunk, length - s)) for s in range(0, length, chunk)]
-
-
-def _skip(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """True when no query of the block sees any key (empty or entirely in the causal future)."""
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return True
-    return causal and bool(k_pos.min() > q_pos.max())
-
-
 def chunked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -240,95 +227,24 @@ def chunked_attention(
     k_pos: torch.Tensor | None = None,
     scale: float | None = None,
     chunk: int = 1024,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Memory-lean exact attention: ``[Bf, Lq, H, D]`` × ``[Bf, Lk, Hkv, D]`` → ``[Bf, Lq, H, D]``.
 
-    Query and key chunks of ``chunk`` tokens are combined with the online-softmax :func:`merge`;
-    only ``q, k, v, out, lse`` are saved for backward, which recomputes each block, so memory is
-    ``O(chunk²)`` scores per head instead of ``O(Lq·Lk)``. Blocks entirely in the causal future
-    are skipped. Positions as in :func:`block_attention` (default ``arange``).
-    Once differentiable.
+    Runs the shared attention kernel (:mod:`.kernels`; ``kernel`` ``"fused"`` or
+    ``"blockwise"``, default ``$DSPZOO_ATTENTION_KERNEL`` or fused). Only ``q, k, v, out, lse``
+    are saved for backward, which recomputes, so no ``Lq × Lk`` score matrix is kept: the fused
+    kernel tiles internally; the blockwise one works on query and key chunks of ``chunk``
+    tokens, combined with the online-softmax :func:`merge` (``O(chunk²)`` scores per head).
+    Blocks entirely in the causal future are skipped. Positions as in :func:`block_attention`
+    (default ``arange``). Once differentiable.
     """
+    from .kernels import kernel_attention  # the kernels build on this module
+
     _check(q, k, v)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    qp = torch.arange(q.shape[1], device=q.device) if q_pos is None else q_pos.to(q.device)
-    kp = torch.arange(k.shape[1], device=q.device) if k_pos is None else k_pos.to(q.device)
+    qp = torch.arange(q.shape[1]) if q_pos is None else q_pos
+    kp = torch.arange(k.shape[1]) if k_pos is None else k_pos
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _ChunkedAttention.apply(q, k, v, qp, kp, bool(causal), scale, int(chunk))
-
-
-class _ChunkedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_pos: torch.Tensor,
-        k_pos: torch.Tensor,
-        causal: bool,
-        scale: float,
-        chunk: int,
-    ) -> torch.Tensor:
-        bf, lq, h, d = q.shape
-        dt = stats_dtype(q.dtype)
-        dv = v.shape[-1]
-        out = q.new_empty((bf, lq, h, dv))
-        lse = torch.full((bf, h, lq), -math.inf, dtype=dt, device=q.device)
-        for qs, ql in _chunks(lq, chunk):
-            qc, qpc = q[:, qs : qs + ql], q_pos[qs : qs + ql]
-            acc = torch.zeros((bf, ql, h, dv), dtype=dt, device=q.device)
-            acc_lse = torch.full((bf, h, ql), -math.inf, dtype=dt, device=q.device)
-            for ks, kl in _chunks(k.shape[1], chunk):
-                kpc = k_pos[ks : ks + kl]
-                if _skip(causal, qpc, kpc):
-                    continue
-                o, s = block_attention(
-                    qc,
-                    k[:, ks : ks + kl],
-                    v[:, ks : ks + kl],
-                    scale=scale,
-                    causal=causal,
-                    q_pos=qpc,
-                    k_pos=kpc,
-                )
-                acc, acc_lse = merge(acc, acc_lse, o, s)
-            out[:, qs : qs + ql] = acc.to(q.dtype)
-            lse[:, :, qs : qs + ql] = acc_lse
-        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse)
-        ctx.causal, ctx.scale, ctx.chunk = causal, scale, chunk
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
-        dt = stats_dtype(q.dtype)
-        delta = attention_delta(out, dout)
-        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=dt, device=q.device)
-        dv = torch.zeros(v.shape, dtype=dt, device=q.device)
-        for qs, ql in _chunks(q.shape[1], ctx.chunk):
-            qpc = q_pos[qs : qs + ql]
-            for ks, kl in _chunks(k.shape[1], ctx.chunk):
-                kpc = k_pos[ks : ks + kl]
-                if _skip(ctx.causal, qpc, kpc):
-                    continue
-                a, b, c = block_attention_backward(
-                    q[:, qs : qs + ql],
-                    k[:, ks : ks + kl],
-                    v[:, ks : ks + kl],
-                    out[:, qs : qs + ql],
-                    lse[:, :, qs : qs + ql],
-                    dout[:, qs : qs + ql],
-                    scale=ctx.scale,
-                    causal=ctx.causal,
-                    q_pos=qpc,
-                    k_pos=kpc,
-                    delta=delta[:, :, qs : qs + ql],
-                )
-                dq[:, qs : qs + ql] += a
-                dk[:, ks : ks + kl] += b
-                dv[:, ks : ks + kl] += c
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 5
+    return kernel_attention(q, k, v, qp, kp, bool(causal), scale, kernel=kernel, chunk=int(chunk))

@@ -1,32 +1,41 @@
 """Long-Short-Sequence (LSS) transformer attention: local queries, one fused K/V all-gather.
 
-Each rank keeps its contiguous segment of queries. Keys and values of every segment arrive in
-one collective: this rank's k and v are concatenated along the last axis into one buffer
-``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence with
+Each rank keeps its segment of queries (contiguous, or zigzag: see Layouts). Keys and values
+of every segment arrive in one collective: this rank's k and v are concatenated along the last
+axis into one buffer ``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence with
 :func:`dspzoo.core.parallel.comm.gather_for_local_use`. That is what "fused communication" means here:
 **one all-gather of [k|v] instead of two** (one launch, one synchronisation, the same bytes). Its
 backward is a reduce-scatter of the [dk|dv] buffer (each rank's queries produce gradients for
 every key; the sums go back to the keys' owners), so the gradients are exact.
 
-The local queries then attend to all keys with causal masking by global offsets (query ``i`` of
-rank ``r`` sits at ``offset_r + i`` and sees keys ``j <= offset_r + i``; keys past the segment's
-last query are not even read). GQA/MQA never expands K/V: the gathered buffer has ``Hkv`` heads.
+The local queries then attend to all keys with causal masking by global positions (query
+``i`` of rank ``r`` at position ``p_r[i]`` sees keys ``j <= p_r[i]``; keys past the rank's last
+query are not even read). GQA/MQA never expands the gathered K/V: the buffer has ``Hkv`` heads.
 
-Memory: the kernel is :func:`dspzoo.core.parallel.methods.blockwise.chunked_attention` (imported lazily;
-blocks of ``chunk`` queries × ``chunk`` keys with a running log-sum-exp, native GQA, only
-q, k, v, out and the log-sum-exp saved for backward). Without that module the fallback folds
-each KV group's ``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and
-calls :func:`~dspzoo.core.layers.attention.attend`: once without a mask when not causal, else
-per chunk of query rows with an explicit ``[rows, keys]`` boolean mask, each chunk
-checkpointed so that backward recomputes one chunk's scores at a time. Either way no
-``seq_r × L`` score matrix exists at once (64K tokens at SP 4: 16K × 64K float32 scores are
-4 GiB per head and batch element).
+Layouts: ``"contiguous"`` (rank ``r`` holds ``[o_r, o_r + seq_r)``) leaves the causal work
+unbalanced — the last rank attends to the whole sequence, the first to its own segment only.
+``"zigzag"`` (the ``lss_zigzag`` method; rank ``r`` holds chunks ``r`` and ``2N−1−r`` of
+``2N``, as :mod:`.ring`'s zigzag) gives every rank the same number of causal (query, key)
+pairs, for the same bytes: the gathered rows are put back in position order.
+
+Memory: the kernel is the shared one of :mod:`.kernels`
+(:func:`dspzoo.core.parallel.methods.blockwise.chunked_attention`, imported lazily): by default
+PyTorch's fused CPU attention with its log-sum-exp, cut into exactly causal pieces, or the
+einsum ``blockwise`` kernel on ``chunk`` × ``chunk`` blocks; either way only q, k, v, out and
+the log-sum-exp are saved for backward. Without that module the fallback folds each KV group's
+``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and calls
+:func:`~dspzoo.core.layers.attention.attend`: once without a mask when not causal, else per
+chunk of query rows with an explicit ``[rows, keys]`` boolean mask, each chunk checkpointed so
+that backward recomputes one chunk's scores at a time. Either way no ``seq_r × L`` score matrix
+exists at once (64K tokens at SP 4: 16K × 64K float32 scores are 4 GiB per head and batch
+element).
 
 Bytes sent per rank (``N`` ranks, ``m = max(seq_lengths)``, ``B·Hkv·2·D`` elements per token):
 forward all-gather ``(N−1)·m·B·Hkv·2D·itemsize`` — when ``N`` divides ``L`` that is
 ``(N−1)/N`` of the global K and V bytes, i.e. each rank receives the ``(N−1)/N`` of K and V it
-does not hold — and the backward reduce-scatter sends the same. Uneven splits move the padded
-chunk (``m`` rows), as every all-gather in :mod:`dspzoo.core.parallel.comm` does.
+does not hold — and the backward reduce-scatter sends the same. Uneven splits (and the zigzag
+layout, ``m = max(zigzag_lengths)``) move the padded chunk (``m`` rows), as every all-gather in
+:mod:`dspzoo.core.parallel.comm` does.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from ..comm import group_rank, group_size
 from ..comm.replicate import gather_for_local_use_agreed
 from ..layout import shard_sizes
 from ..trace import comm_region
+from .ring import ring_positions
 from .ulysses import agree_attention_args, scaled
 
 DEFAULT_CHUNK = 2048
@@ -56,16 +66,24 @@ def _blockwise_kernel() -> Any | None:
     return getattr(module, "chunked_attention", None)
 
 
-def _gather_kv(kv: torch.Tensor, seq_lengths: list[int], group: Any) -> torch.Tensor:
-    """All-gather ``[B, seq_r, Hkv, 2D]`` along the sequence → ``[B, L, Hkv, 2D]``."""
+def _gather_kv(
+    kv: torch.Tensor, seq_lengths: list[int], group: Any, positions: list[torch.Tensor]
+) -> torch.Tensor:
+    """All-gather ``[B, seq_r, Hkv, 2D]`` along the sequence → ``[B, L, Hkv, 2D]`` in global
+    position order (rank ``j``'s rows sit at ``positions[j]``)."""
     n, total = len(seq_lengths), sum(seq_lengths)
-    if seq_lengths == shard_sizes(total, n):
+    contiguous = all(
+        p.numel() == 0 or int(p[0]) == sum(seq_lengths[:j]) for j, p in enumerate(positions)
+    )
+    if contiguous and seq_lengths == shard_sizes(total, n):
         return gather_for_local_use_agreed(kv, 1, group, total)
-    # any other split: pad every segment to the longest, gather, keep the real rows
+    # any other split or layout: pad every segment to the longest, gather, put rows in order
     rows = max(seq_lengths)
     padded = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, rows - kv.shape[1]))
     full = gather_for_local_use_agreed(padded, 1, group, rows * n)
-    index = torch.cat([torch.arange(q * rows, q * rows + s) for q, s in enumerate(seq_lengths)])
+    index = torch.empty(total, dtype=torch.long)
+    for j, pos in enumerate(positions):
+        index[pos] = torch.arange(j * rows, j * rows + seq_lengths[j])
     return full.index_select(1, index.to(kv.device))
 
 
@@ -129,8 +147,10 @@ def lss_attention(
     causal: bool = False,
     scale: float | None = None,
     chunk: int = DEFAULT_CHUNK,
+    layout: str = "contiguous",
+    kernel: str | None = None,
 ) -> torch.Tensor:
-    """LSS distributed self-attention over a sequence sharded contiguously on ``group``.
+    """LSS distributed self-attention over a sequence sharded on ``group``.
 
     Args:
         q: this rank's queries ``[B, seq_lengths[r], H, D]``.
@@ -140,7 +160,12 @@ def lss_attention(
             balanced ``shard_sizes`` split needs no padding rows).
         causal: query ``offset_r + i`` sees keys ``j <= offset_r + i``.
         scale: softmax scale (default ``1/sqrt(D)``).
-        chunk: rows per block of the memory-bounded kernel.
+        chunk: rows per block of the blockwise kernel (the fused kernel needs none).
+        layout: ``"contiguous"`` (rank ``r`` holds positions ``[o_r, o_r + seq_lengths[r])``) or
+            ``"zigzag"`` (chunks ``r`` and ``2N−1−r`` of ``2N``, as ring_zigzag; ``seq_lengths``
+            must be :func:`~dspzoo.core.parallel.methods.ring.zigzag_lengths`), which gives
+            every rank the same causal work.
+        kernel: ``"fused"`` or ``"blockwise"`` (``None``: ``$DSPZOO_ATTENTION_KERNEL``, fused).
 
     Returns:
         this rank's output ``[B, seq_lengths[r], H, D]``. Every rank must backpropagate
@@ -151,35 +176,53 @@ def lss_attention(
     reduce-scatter backward; see the module docstring for the bytes.
     """
     n, r = group_size(group), group_rank(group)
+    lengths = [int(s) for s in seq_lengths]
+    positions: list[torch.Tensor] = []
 
-    def check_chunk() -> None:
+    def check_local() -> None:
         if chunk < 1:
             raise ValueError(f"lss_attention: chunk must be >= 1, got {chunk}")
+        if len(lengths) == n:  # a wrong count is reported by the agreement itself
+            positions.extend(ring_positions(lengths, j, layout) for j in range(n))
 
-    agree_attention_args(q, k, v, seq_lengths, group, "lss_attention", causal, scale, check_chunk)
-    lengths = [int(s) for s in seq_lengths]
-    offset, d, heads, kv_heads = sum(lengths[:r]), q.shape[3], q.shape[2], k.shape[2]
+    agree_attention_args(q, k, v, seq_lengths, group, "lss_attention", causal, scale, check_local)
+    d, heads, kv_heads = q.shape[3], q.shape[2], k.shape[2]
+    q_pos = positions[r]
     kv = torch.cat([k, v], dim=-1)
     with comm_region("lss"):
-        kv_all = kv if n == 1 else _gather_kv(kv, lengths, group)
-    if causal:  # keys after this segment's last query are never attended to
-        kv_all = kv_all[:, : offset + lengths[r]]
+        kv_all = kv if n == 1 else _gather_kv(kv, lengths, group, positions)
+    if causal:  # keys after this rank's last query are never attended to
+        kv_all = kv_all[:, : int(q_pos.max()) + 1 if q_pos.numel() else 0]
     if q.shape[1] == 0 or kv_all.shape[1] == 0:
         # nothing to compute; keep the edge to the gathered K/V so the backward collective runs
         return q + 0 * kv_all.sum()
     k_all, v_all = kv_all[..., :d], kv_all[..., d:]
-    q_pos = torch.arange(offset, offset + lengths[r], device=q.device)
-    k_pos = torch.arange(k_all.shape[1], device=q.device)
-    kernel = _blockwise_kernel()
-    if kernel is not None:  # blockwise log-sum-exp kernel; handles GQA itself
-        return kernel(
-            q, k_all, v_all, causal=causal, q_pos=q_pos, k_pos=k_pos, scale=scale, chunk=chunk
+    k_pos = torch.arange(k_all.shape[1])
+    kernel_fn = _blockwise_kernel()
+    if kernel_fn is not None:  # the shared log-sum-exp kernel; handles GQA itself
+        return kernel_fn(
+            q,
+            k_all,
+            v_all,
+            causal=causal,
+            q_pos=q_pos,
+            k_pos=k_pos,
+            scale=scale,
+            chunk=chunk,
+            kernel=kernel,
         )
     # fallback: fold each KV group's query heads into the query rows, then attend
     g = heads // kv_heads
     q_f = scaled(_fold_groups(q, kv_heads), scale)
     if causal:
-        out = _masked_chunks(q_f, k_all, v_all, q_pos.repeat_interleave(g), k_pos, chunk * g)
+        out = _masked_chunks(
+            q_f,
+            k_all,
+            v_all,
+            q_pos.to(q.device).repeat_interleave(g),
+            k_pos.to(q.device),
+            chunk * g,
+        )
     else:
         out = attend(q_f, k_all, v_all)
     return _unfold_groups(out, heads)

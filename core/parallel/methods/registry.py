@@ -407,7 +407,14 @@ class LSS(Method):
 
     def attention(self, sp, q, k, v, seq_lengths, causal, scale, layout="contiguous"):
         return lss_attention(
-            q, k, v, group=sp.group, seq_lengths=seq_lengths, causal=causal, scale=scale
+            q,
+            k,
+            v,
+            group=sp.group,
+            seq_lengths=seq_lengths,
+            causal=causal,
+            scale=scale,
+            layout=layout,
         )
 
 
@@ -472,6 +479,16 @@ class HeadAllToAll(Method):
 
     def scan(self, sp, op, x, seq_lengths):
         return head_a2a_scan(sp, op, x, seq_lengths)
+
+
+@register_method
+class LSSZigzag(LSS):
+    """LSS on the zigzag layout (rank ``r`` holds chunks ``r`` and ``2N−1−r`` of ``2N``, as
+    ring_zigzag): every rank attends about the same number of causal (query, key) pairs. The
+    same bytes as LSS: the formula's ``max(seq)`` is the longest zigzag shard."""
+
+    name = "lss_zigzag"
+    layout = "zigzag"
 
 
 def usp_split(seq_lengths: list[int], ulysses: int, sp_rank: int) -> tuple[list[int], list[int]]:

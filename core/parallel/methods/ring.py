@@ -17,6 +17,10 @@ Layouts (which global positions a rank's tokens have; they drive the causal mask
   ``seq_lengths`` must be :func:`zigzag_lengths`; :func:`zigzag_split` and
   :func:`zigzag_gather` move activations into and out of this layout.
 
+Each block runs through the shared kernel of :mod:`.kernels` (the fused CPU attention with its
+log-sum-exp by default, cut into exactly causal pieces; or the einsum ``blockwise`` kernel), so
+no score matrix of a whole block is materialised.
+
 Backward (a custom autograd function) saves only ``q, k, v, out, lse``. It runs the ring again:
 each block's share of the gradient is recomputed from the final ``out``/``lse``
 (FlashAttention-2 style); ``dQ`` accumulates locally while ``dK``/``dV`` accumulators travel with
@@ -42,13 +46,8 @@ from ..comm.p2p import RingTransfer
 from ..comm.replicate import agree_replicated, gather_agreed
 from ..layout import shard_sizes
 from ..trace import current_region
-from .blockwise import (
-    attention_delta,
-    block_attention,
-    block_attention_backward,
-    merge,
-    stats_dtype,
-)
+from .blockwise import stats_dtype
+from .kernels import BlockwiseKernel, FusedKernel, LseAccumulator, select_kernel
 
 __all__ = [
     "ring_attention",
@@ -196,13 +195,15 @@ def ring_attention(
     causal: bool,
     scale: float | None = None,
     layout: str = "contiguous",
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries on the whole sequence, sharded over ``group``.
 
     ``q [Bf, L_r, H, D]``, ``k``/``v [Bf, L_r, Hkv, D(v)]`` with ``L_r = seq_lengths[r]`` →
     ``out [Bf, L_r, H, Dv]`` in q's dtype. ``Hkv`` divides ``H`` (GQA). ``layout`` gives the
-    global positions of each rank's tokens (module doc); the causal mask uses them.
-    Once differentiable. The ranks agree on the arguments first (one tiny all-gather): a wrong
+    global positions of each rank's tokens (module doc); the causal mask uses them. ``kernel``
+    picks the block kernel (:func:`~dspzoo.core.parallel.methods.kernels.select_kernel`:
+    ``"fused"``, ``"blockwise"``, ``None`` for ``$DSPZOO_ATTENTION_KERNEL``). Once differentiable. The ranks agree on the arguments first (one tiny all-gather): a wrong
     shard, dtype, head count or ``seq_lengths`` on any rank raises the same error on every rank.
     """
     n, r = group_size(group), group_rank(group)
@@ -214,7 +215,7 @@ def ring_attention(
     except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agree(sig, group, q.device)
-    return ring_attention_agreed(q, k, v, group, positions, causal, scale)
+    return ring_attention_agreed(q, k, v, group, positions, causal, scale, kernel)
 
 
 def ring_attention_agreed(
@@ -225,10 +226,14 @@ def ring_attention_agreed(
     positions: list[torch.Tensor],
     causal: bool,
     scale: float | None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """:func:`ring_attention` after its checks: ``positions`` of every rank's tokens."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, positions, bool(causal), scale, current_region())
+    impl = select_kernel(q, kernel)
+    return _RingAttention.apply(
+        q, k, v, group, positions, bool(causal), scale, current_region(), impl
+    )
 
 
 def _visible_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
@@ -250,13 +255,11 @@ class _RingAttention(torch.autograd.Function):
         causal: bool,
         scale: float,
         region: str,
+        impl: BlockwiseKernel | FusedKernel,
     ) -> torch.Tensor:
         n, r = group_size(group), group_rank(group)
         bf, lq, h, _ = q.shape
-        dt = stats_dtype(q.dtype)
-        dev_pos = [p.to(q.device) for p in positions]
-        acc = torch.zeros((bf, lq, h, v.shape[-1]), dtype=dt, device=q.device)
-        acc_lse = torch.full((bf, h, lq), -math.inf, dtype=dt, device=q.device)
+        acc = LseAccumulator(bf, lq, h, v.shape[-1], q.dtype, q.device)
         kb, vb = k.detach(), v.detach()
         for s in range(n):
             src = (r - s) % n
@@ -271,20 +274,18 @@ class _RingAttention(torch.autograd.Function):
                     region=region,
                 )
             if _visible_any(causal, positions[r], positions[src]):
-                o, lse = block_attention(
-                    q, kb, vb, scale=scale, causal=causal, q_pos=dev_pos[r], k_pos=dev_pos[src]
-                )
-                acc, acc_lse = merge(acc, acc_lse, o, lse)
+                impl.forward(acc, q, kb, vb, positions[r], positions[src], causal, scale)
             if transfer is not None:
                 kb, vb = transfer.wait()
-        out = acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.group, ctx.positions, ctx.causal, ctx.scale, ctx.region = (
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.group, ctx.positions, ctx.causal, ctx.scale, ctx.region, ctx.impl = (
             group,
             positions,
             causal,
             scale,
             region,
+            impl,
         )
         return out
 
@@ -302,8 +303,6 @@ class _RingAttention(torch.autograd.Function):
         n, r = group_size(group), group_rank(group)
         bf = q.shape[0]
         dt = stats_dtype(q.dtype)
-        dev_pos = [p.to(q.device) for p in positions]
-        delta = attention_delta(out, dout)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         kb, vb = k, v
         grads: RingTransfer | None = None  # the dK/dV accumulators in flight
@@ -319,30 +318,33 @@ class _RingAttention(torch.autograd.Function):
                     phase="backward",
                     region=region,
                 )
-            part = None
+            part = None  # this block's dK/dV, computed while the accumulators travel
             if _visible_any(causal, positions[r], positions[src]):
-                part = block_attention_backward(
+                part = (
+                    torch.zeros(kb.shape, dtype=dt, device=q.device),
+                    torch.zeros(vb.shape, dtype=dt, device=q.device),
+                )
+                ctx.impl.backward(
+                    (dq, *part),
                     q,
                     kb,
                     vb,
                     out,
                     lse,
                     dout,
-                    scale=scale,
-                    causal=causal,
-                    q_pos=dev_pos[r],
-                    k_pos=dev_pos[src],
-                    delta=delta,
+                    positions[r],
+                    positions[src],
+                    causal,
+                    scale,
                 )
-                dq += part[0]
             if grads is None:
                 dk = torch.zeros(kb.shape, dtype=dt, device=q.device)
                 dv = torch.zeros(vb.shape, dtype=dt, device=q.device)
             else:
                 dk, dv = grads.wait()
             if part is not None:
-                dk += part[1]
-                dv += part[2]
+                dk += part[0]
+                dv += part[1]
             # hand the accumulators on with their block; after N hops they reach the owner
             grads = RingTransfer(
                 [dk, dv],
@@ -356,4 +358,4 @@ class _RingAttention(torch.autograd.Function):
                 kb, vb = kv.wait()
         assert grads is not None
         dk, dv = grads.wait()
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 5
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6

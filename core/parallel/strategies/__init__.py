@@ -10,6 +10,7 @@ A strategy is a planning policy; the runtime executes any plan the same way.
 ``ring_zigzag``  ring with the dim cut in 2N chunks, rank r holding r and 2N−1−r (causal
                load balancing)
 ``lss``        one dim sharded; attention over it: one fused all-gather of K and V
+``lss_zigzag``  LSS with the dim cut in 2N chunks as ring_zigzag (causal load balancing)
 ``usp``        one dim sharded; Ulysses inside ring groups (``build_mesh(ulysses_size=…)``)
 ``megatron_sp`` Megatron-LM tensor parallelism + sequence parallelism over the SP group:
                needs ``parallelize_megatron(model, group)`` (:mod:`dspzoo.core.parallel.methods.megatron`)
@@ -31,6 +32,7 @@ STRATEGIES: dict[str, str] = {
     "ring": "Ring attention (K/V blocks around the ring, online softmax)",
     "ring_zigzag": "Ring attention on a zigzag layout (balanced causal work)",
     "lss": "Long-Short-Sequence distributed attention (one fused K/V all-gather)",
+    "lss_zigzag": "LSS on a zigzag layout (balanced causal work)",
     "usp": "Unified SP: Ulysses inside, ring across (2-D SP sub-mesh)",
     "megatron_sp": "Megatron-LM tensor parallelism with sequence parallelism (heads/hidden sharded)",
 }

@@ -15,9 +15,10 @@ class Embedded(Strategy):
 
     Args:
         method: a registered method with an attention entry (``"ulysses"``, ``"ring"``,
-            ``"ring_zigzag"``, ``"lss"``, ``"usp"``, ``"megatron_sp"``).
+            ``"ring_zigzag"``, ``"lss"``, ``"lss_zigzag"``, ``"usp"``, ``"megatron_sp"``).
         dim: the sharded sequence dim (default: the longest).
-        layout: ``"contiguous"``, or ``"zigzag"`` for ring (the ``ring_zigzag`` method).
+        layout: ``"contiguous"``, or ``"zigzag"`` for ring (the ``ring_zigzag`` method); a
+            method registered with the zigzag layout (``ring_zigzag``, ``lss_zigzag``) uses it.
     """
 
     def __init__(self, method: str, dim: str | None = None, layout: str = "contiguous") -> None:
@@ -25,7 +26,7 @@ class Embedded(Strategy):
             method = "ring_zigzag"
         registered = get_method(method)
         self.name = method
-        self.method = "ring" if registered.layout == "zigzag" else method
+        self.method = method
         self.dim = dim
         self.layout = registered.layout
 

@@ -1,0 +1,452 @@
+"""The attention kernel every blockwise method shares: ring, ring_zigzag, USP's ring part, LSS.
+
+A method sees attention as *blocks*: this rank's queries against one block of keys (a ring
+step, or LSS's gathered keys), each with the global positions of its tokens. A kernel
+accumulates such blocks into a running ``(out, lse)`` (:class:`LseAccumulator`) and, in
+backward, adds each block's share of ``dq, dk, dv`` given the *final* ``out``/``lse`` of the
+query rows (FlashAttention-2's recomputation; see :mod:`.blockwise`). Two kernels implement
+that interface:
+
+* ``"fused"`` (default): PyTorch's fused CPU attention,
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, which return and
+  take the log-sum-exp and never materialise a score matrix (internal tiles only). A block is
+  cut into *pieces* by position runs (:func:`position_runs`), and each piece is exact under
+  the causal mask: keys wholly before the queries are one fully visible call; the keys from
+  the first common position on form a diagonal piece whose queries and keys start at the same
+  position, which is exactly SDPA's top-left ``is_causal``; keys wholly after every query are
+  skipped. Grouped-query K/V are expanded to the query heads per piece (and their gradients
+  summed back); a value head size different from the query's is zero-padded.
+* ``"blockwise"``: the einsum kernel of :mod:`.blockwise` (one ``Lq × Lk`` score block per
+  call, float32/float64 statistics); kept for comparison and for tensors the fused kernel does
+  not take (devices other than the CPU, integer-free dtypes it lacks).
+
+The kernel is chosen by the ``kernel`` argument of the methods or, when that is ``None``, by
+the environment variable ``DSPZOO_ATTENTION_KERNEL`` (``fused`` or ``blockwise``). Both are
+exact; the choice changes speed and memory, never results beyond rounding, and never bytes.
+
+Memory: the fused kernel keeps O(``Lq + Lk``) per block (inputs, output, gradients, and the
+statistics), so a ring rank holds O(L/N) and LSS O(L) (its gathered keys) at any length.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .blockwise import (
+    attention_delta,
+    block_attention,
+    block_attention_backward,
+    merge,
+    stats_dtype,
+)
+
+__all__ = [
+    "KERNELS",
+    "KERNEL_ENV",
+    "BlockwiseKernel",
+    "FusedKernel",
+    "LseAccumulator",
+    "Piece",
+    "Run",
+    "attention_pieces",
+    "kernel_attention",
+    "position_runs",
+    "select_kernel",
+]
+
+KERNELS = ("fused", "blockwise")
+KERNEL_ENV = "DSPZOO_ATTENTION_KERNEL"
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+# -- positions: runs and pieces -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Run:
+    """Rows ``[local, local + length)`` of a block hold positions ``[start, start + length)``."""
+
+    local: int
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def position_runs(pos: torch.Tensor) -> list[Run]:
+    """Cut int64 positions ``[L]`` into maximal runs of consecutive positions, in row order.
+
+    A contiguous shard is one run, a zigzag shard two (one if its chunks touch).
+    """
+    pos = pos.detach().cpu()
+    if pos.numel() == 0:
+        return []
+    breaks = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, pos.numel()]
+    return [Run(a, int(pos[a]), b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One kernel call: query rows ``[q0, q1)`` on key rows ``[k0, k1)`` of a block; ``causal``:
+    the two start at the same global position and the mask is SDPA's top-left one."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+def attention_pieces(q_runs: list[Run], k_runs: list[Run], causal: bool) -> list[Piece]:
+    """The exact pieces of one block (module doc): fully visible, diagonal, or skipped.
+
+    Non-causal: one piece per pair of runs. Causal, for query run ``[qs, qe)`` and key run
+    ``[ks, ke)``: keys ``[ks, min(ke, qs))`` are seen by every query (a full piece); keys
+    ``[c, min(ke, qe))`` with ``c = max(ks, qs)`` are seen by queries ``[c, qe)`` with the
+    top-left mask (a diagonal piece); later keys are seen by none.
+    """
+    pieces = []
+    for qr in q_runs:
+        for kr in k_runs:
+            if not causal:
+                pieces.append(
+                    Piece(qr.local, qr.local + qr.length, kr.local, kr.local + kr.length, False)
+                )
+                continue
+            full_end = min(kr.end, qr.start)
+            if full_end > kr.start:
+                pieces.append(
+                    Piece(
+                        qr.local,
+                        qr.local + qr.length,
+                        kr.local,
+                        kr.local + full_end - kr.start,
+                        False,
+                    )
+                )
+            c, k_end = max(kr.start, qr.start), min(kr.end, qr.end)
+            if k_end > c:
+                pieces.append(
+                    Piece(
+                        qr.local + c - qr.start,
+                        qr.local + qr.length,
+                        kr.local + c - kr.start,
+                        kr.local + k_end - kr.start,
+                        True,
+                    )
+                )
+    return pieces
+
+
+# -- the running result -------------------------------------------------------------------------
+class LseAccumulator:
+    """A running ``out [Bf, Lq, H, Dv]`` and ``lse [Bf, H, Lq]`` in the statistics dtype, merged
+    row range by row range (rows no block reached keep ``out = 0``, ``lse = -inf``)."""
+
+    def __init__(
+        self, bf: int, lq: int, heads: int, dv: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.dtype = stats_dtype(dtype)
+        self.out = torch.zeros((bf, lq, heads, dv), dtype=self.dtype, device=device)
+        self.lse = torch.full((bf, heads, lq), -math.inf, dtype=self.dtype, device=device)
+        self.touched = torch.zeros(lq, dtype=torch.bool)  # rows that hold a result (CPU)
+
+    def add(self, q0: int, q1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merge a partial result over a disjoint key set into rows ``[q0, q1)``."""
+        if q1 <= q0:
+            return
+        if not bool(self.touched[q0:q1].any()):  # first result for these rows: take it
+            self.out[:, q0:q1] = out
+            self.lse[:, :, q0:q1] = lse
+        else:
+            o, s = merge(self.out[:, q0:q1], self.lse[:, :, q0:q1], out, lse)
+            self.out[:, q0:q1] = o
+            self.lse[:, :, q0:q1] = s
+        self.touched[q0:q1] = True
+
+
+# -- kernels ------------------------------------------------------------------------------------
+class BlockwiseKernel:
+    """The einsum kernel of :mod:`.blockwise`: one score block per call."""
+
+    name = "blockwise"
+
+    def forward(
+        self,
+        acc: LseAccumulator,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        """Merge ``q [Bf, Lq, H, D]`` on the key block ``k, v [Bf, Lk, Hkv, D]`` into ``acc``."""
+        o, lse = block_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            q_pos=q_pos.to(q.device),
+            k_pos=k_pos.to(q.device),
+        )
+        acc.add(0, q.shape[1], o, lse)
+
+    def backward(
+        self,
+        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        """Add the key block's share of ``dq`` and its ``dk, dv`` into ``grads`` (statistics
+        dtype accumulators shaped like q, k, v), from the final ``out``/``lse``."""
+        dq, dk, dv = block_attention_backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            scale=scale,
+            causal=causal,
+            q_pos=q_pos.to(q.device),
+            k_pos=k_pos.to(q.device),
+            delta=attention_delta(out, dout),
+        )
+        grads[0].add_(dq)
+        grads[1].add_(dk)
+        grads[2].add_(dv)
+
+
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[Bf, L, Hkv, D]`` → ``[Bf, L, H, D]``: KV head ``h // g`` serves query head ``h``."""
+    g = heads // t.shape[2]
+    if g == 1:
+        return t
+    bf, length, hkv, d = t.shape
+    return t[:, :, :, None].expand(bf, length, hkv, g, d).reshape(bf, length, heads, d)
+
+
+def _sum_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Inverse of :func:`_expand_heads` for gradients: sum each KV head's ``g`` query heads."""
+    bf, length, heads, d = t.shape
+    if heads == kv_heads:
+        return t
+    return t.view(bf, length, kv_heads, heads // kv_heads, d).sum(dim=3)
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def _bhld(t: torch.Tensor) -> torch.Tensor:
+    """``[Bf, L, H, D]`` → the ``[Bf, H, L, D]`` view the aten kernel takes (no copy)."""
+    return t.transpose(1, 2)
+
+
+class FusedKernel:
+    """PyTorch's fused CPU attention with log-sum-exp, one call per exact piece (module doc)."""
+
+    name = "fused"
+
+    @staticmethod
+    def supports(q: torch.Tensor) -> bool:
+        """Whether the fused kernel takes tensors like ``q`` (CPU, a float dtype it has)."""
+        return q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
+
+    def forward(
+        self,
+        acc: LseAccumulator,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        """As :meth:`BlockwiseKernel.forward`, piece by piece."""
+        heads, dv = q.shape[2], v.shape[-1]
+        width = max(q.shape[-1], dv)
+        for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
+            qp = _pad_last(q[:, p.q0 : p.q1], width)
+            kp = _pad_last(_expand_heads(k[:, p.k0 : p.k1], heads), width)
+            vp = _pad_last(_expand_heads(v[:, p.k0 : p.k1], heads), width)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _bhld(qp), _bhld(kp), _bhld(vp), 0.0, p.causal, scale=scale
+            )
+            acc.add(p.q0, p.q1, _bhld(o)[..., :dv], lse)
+
+    def backward(
+        self,
+        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        """As :meth:`BlockwiseKernel.backward`, piece by piece (the kernel's own backward,
+        given the final ``out`` and ``lse``, yields exactly the piece's share)."""
+        heads, kv_heads, d, dv = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
+        width = max(d, dv)
+        lse = lse.to(stats_dtype(q.dtype))
+        for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
+            rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+            dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _bhld(_pad_last(dout[:, rows].to(q.dtype), width)),
+                _bhld(_pad_last(q[:, rows], width)),
+                _bhld(_pad_last(_expand_heads(k[:, keys], heads), width)),
+                _bhld(_pad_last(_expand_heads(v[:, keys], heads), width)),
+                _bhld(_pad_last(out[:, rows].to(q.dtype), width)),
+                lse[:, :, rows],
+                0.0,
+                p.causal,
+                scale=scale,
+            )
+            grads[0][:, rows] += _bhld(dq)[..., :d]
+            grads[1][:, keys] += _sum_heads(_bhld(dk)[..., :d].to(grads[1].dtype), kv_heads)
+            grads[2][:, keys] += _sum_heads(_bhld(dvv)[..., :dv].to(grads[2].dtype), kv_heads)
+
+
+def select_kernel(q: torch.Tensor, name: str | None = None) -> BlockwiseKernel | FusedKernel:
+    """The kernel called ``name`` (``None``: ``$DSPZOO_ATTENTION_KERNEL``, default ``fused``);
+    ``fused`` falls back to ``blockwise`` for tensors it does not take (see the module doc)."""
+    chosen = os.environ.get(KERNEL_ENV, "fused") if name is None else name
+    if chosen not in KERNELS:
+        source = f"${KERNEL_ENV}" if name is None else "kernel"
+        raise ValueError(f"{source} must be one of {KERNELS}, got {chosen!r}")
+    if chosen == "fused" and FusedKernel.supports(q):
+        return FusedKernel()
+    return BlockwiseKernel()
+
+
+# -- one process: the whole attention as one autograd function -----------------------------------
+def kernel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+    scale: float,
+    kernel: str | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Exact attention ``[Bf, Lq, H, D]`` × ``[Bf, Lk, Hkv, D(v)]`` → ``[Bf, Lq, H, Dv]`` in q's
+    dtype, causal by the int64 positions ``q_pos [Lq]``, ``k_pos [Lk]`` (CPU or any device).
+
+    Saves only ``q, k, v, out, lse`` for backward, which recomputes. ``chunk`` cuts queries and
+    keys into blocks of that many tokens (the blockwise kernel's memory bound; the fused kernel
+    needs none, and blocks with no visible key are skipped). Once differentiable.
+    """
+    impl = select_kernel(q, kernel)
+    if chunk is None or impl.name == "fused":
+        chunk = max(q.shape[1], k.shape[1], 1)
+    return _KernelAttention.apply(
+        q, k, v, q_pos.detach().cpu(), k_pos.detach().cpu(), causal, scale, impl, chunk
+    )
+
+
+def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def _sees_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    if q_pos.numel() == 0 or k_pos.numel() == 0:
+        return False
+    return not causal or bool(k_pos.min() <= q_pos.max())
+
+
+class _KernelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        causal: bool,
+        scale: float,
+        impl: BlockwiseKernel | FusedKernel,
+        chunk: int,
+    ) -> torch.Tensor:
+        bf, lq, h, _ = q.shape
+        acc = LseAccumulator(bf, lq, h, v.shape[-1], q.dtype, q.device)
+        for q0, q1 in _chunks(lq, chunk):
+            part = LseAccumulator(bf, q1 - q0, h, v.shape[-1], q.dtype, q.device)
+            for k0, k1 in _chunks(k.shape[1], chunk):
+                if _sees_any(causal, q_pos[q0:q1], k_pos[k0:k1]):
+                    impl.forward(
+                        part,
+                        q[:, q0:q1],
+                        k[:, k0:k1],
+                        v[:, k0:k1],
+                        q_pos[q0:q1],
+                        k_pos[k0:k1],
+                        causal,
+                        scale,
+                    )
+            acc.out[:, q0:q1] = part.out
+            acc.lse[:, :, q0:q1] = part.lse
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.pos, ctx.causal, ctx.scale, ctx.impl, ctx.chunk = (
+            (q_pos, k_pos),
+            causal,
+            scale,
+            impl,
+            chunk,
+        )
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        q_pos, k_pos = ctx.pos
+        dt = stats_dtype(q.dtype)
+        grads = tuple(torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
+        for q0, q1 in _chunks(q.shape[1], ctx.chunk):
+            for k0, k1 in _chunks(k.shape[1], ctx.chunk):
+                if not _sees_any(ctx.causal, q_pos[q0:q1], k_pos[k0:k1]):
+                    continue
+                part = tuple(g[:, a:b] for g, (a, b) in zip(grads, ((q0, q1), (k0, k1), (k0, k1))))
+                ctx.impl.backward(
+                    part,
+                    q[:, q0:q1],
+                    k[:, k0:k1],
+                    v[:, k0:k1],
+                    out[:, q0:q1],
+                    lse[:, :, q0:q1],
+                    dout[:, q0:q1],
+                    q_pos[q0:q1],
+                    k_pos[k0:k1],
+                    ctx.causal,
+                    ctx.scale,
+                )
+        dq, dk, dv = grads
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6

@@ -1,0 +1,226 @@
+"""The shared attention kernel (fused CPU attention with LSE, and the blockwise one) vs naive.
+
+Single process: position runs and causal pieces (they cover exactly the visible pairs), one
+block's forward and backward against plain softmax attention for contiguous, offset, zigzag and
+uneven position sets, GQA, a value head size different from the query's, fp64/fp32/bf16; the
+FlashAttention-2 split (blocks merged by LSE, backward per block from the final out/lse) equals
+the whole; and the kernel choice (argument, environment variable, clear errors).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspzoo.core.parallel.methods.kernels import (
+    KERNEL_ENV,
+    BlockwiseKernel,
+    FusedKernel,
+    LseAccumulator,
+    attention_pieces,
+    kernel_attention,
+    position_runs,
+    select_kernel,
+)
+from dspzoo.core.parallel.methods.ring import zigzag_positions
+
+
+def naive(q, k, v, q_pos, k_pos, causal, scale):
+    """softmax(Q Kᵀ · scale) V on [B, L, H, D] in fp64, GQA, rows that see nothing give 0."""
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale
+    if causal:
+        s = s.masked_fill(k_pos[None, :] > q_pos[:, None], -math.inf)
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1).nan_to_num(0.0), v.double())
+
+
+def _tensors(lq, lk, h, hkv, d, dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, lq, h, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(2, lk, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(2, lk, hkv, dv, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(2, lq, h, dv, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, w
+
+
+def _cat(*ranges):
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
+
+
+# (q positions, k positions): contiguous, offset both ways, zigzag against zigzag, uneven and
+# broken runs, keys wholly in the future, a one-token block
+POSITIONS = {
+    "same": (torch.arange(7), torch.arange(7)),
+    "q_after_k": (torch.arange(5, 11), torch.arange(0, 9)),
+    "k_after_q": (torch.arange(0, 6), torch.arange(3, 12)),
+    "future": (torch.arange(0, 4), torch.arange(4, 9)),
+    "zigzag": (zigzag_positions(13, 3, 0), zigzag_positions(13, 3, 1)),
+    "zigzag_self": (zigzag_positions(13, 3, 2), zigzag_positions(13, 3, 2)),
+    "broken": (_cat((2, 5), (9, 10), (12, 16)), _cat((0, 3), (4, 13))),
+    "one": (torch.tensor([6]), torch.arange(3, 10)),
+}
+
+
+def _visible(q_pos, k_pos, causal):
+    if not causal:
+        return torch.ones(len(q_pos), len(k_pos), dtype=torch.int64)
+    return (k_pos[None, :] <= q_pos[:, None]).long()
+
+
+@pytest.mark.parametrize("name", sorted(POSITIONS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_pieces_cover_exactly_the_visible_pairs(name, causal):
+    q_pos, k_pos = POSITIONS[name]
+    runs = position_runs(q_pos)
+    assert torch.equal(torch.cat([torch.arange(r.start, r.end) for r in runs]), q_pos)
+    count = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int64)
+    for p in attention_pieces(runs, position_runs(k_pos), causal):
+        qp, kp = q_pos[p.q0 : p.q1], k_pos[p.k0 : p.k1]
+        if p.causal:  # the top-left mask of SDPA is the causal mask only for a common start
+            assert qp[0] == kp[0]
+            count[p.q0 : p.q1, p.k0 : p.k1] += torch.ones(len(qp), len(kp)).tril().long()
+        else:
+            assert (kp[None, :] <= qp[:, None]).all() or not causal
+            count[p.q0 : p.q1, p.k0 : p.k1] += 1
+    assert torch.equal(count, _visible(q_pos, k_pos, causal)), name
+
+
+def test_position_runs():
+    assert position_runs(torch.arange(0)) == []
+    runs = position_runs(_cat((4, 7), (1, 3), (3, 4), (9, 10)))  # 1, 2 then 3: one run
+    assert [(r.local, r.start, r.length) for r in runs] == [(0, 4, 3), (3, 1, 3), (6, 9, 1)]
+
+
+TOL = {
+    torch.float64: dict(rtol=1e-10, atol=1e-12),
+    torch.float32: dict(rtol=2e-5, atol=2e-5),
+    torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+}
+
+
+def _block(kernel, q, k, v, w, q_pos, k_pos, causal, scale):
+    """One block through ``kernel``: (out, lse, dq, dk, dv) from its own final out/lse."""
+    acc = LseAccumulator(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], q.dtype, q.device)
+    kernel.forward(acc, q, k, v, q_pos, k_pos, causal, scale)
+    out = acc.out.to(q.dtype)
+    grads = tuple(torch.zeros(t.shape, dtype=acc.dtype) for t in (q, k, v))
+    kernel.backward(grads, q, k, v, out, acc.lse, w, q_pos, k_pos, causal, scale)
+    return (out, acc.lse, *grads)
+
+
+@pytest.mark.parametrize("name", sorted(POSITIONS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4, 8, 8), (4, 2, 8, 6), (3, 1, 4, 5)])
+def test_one_block_matches_naive_both_kernels(name, causal, heads):
+    h, hkv, d, dv = heads
+    q_pos, k_pos = POSITIONS[name]
+    q, k, v, w = _tensors(len(q_pos), len(k_pos), h, hkv, d, dv, torch.float64)
+    scale = 0.37
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = naive(*leaves, q_pos, k_pos, causal, scale)
+    (ref * w).sum().backward()
+    sees = _visible(q_pos, k_pos, causal).any(dim=1)
+    for kernel in (FusedKernel(), BlockwiseKernel()):
+        out, lse, dq, dk, dv_ = _block(kernel, q, k, v, w, q_pos, k_pos, causal, scale)
+        what = f"{kernel.name} {name} causal={causal} heads={heads}"
+        assert not any(t.isnan().any() for t in (out, dq, dk, dv_)), what
+        torch.testing.assert_close(out, ref.detach(), **TOL[torch.float64], msg=what)
+        assert torch.isneginf(lse[:, :, ~sees]).all(), what  # rows that see no key
+        for got, leaf in zip((dq, dk, dv_), leaves):
+            torch.testing.assert_close(got, leaf.grad, **TOL[torch.float64], msg=what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_low_precision(dtype):
+    q_pos, k_pos = POSITIONS["zigzag"]
+    q, k, v, w = _tensors(len(q_pos), len(k_pos), 4, 2, 8, 8, dtype)
+    ref = _block(
+        BlockwiseKernel(), q.double(), k.double(), v.double(), w.double(), q_pos, k_pos, True, 0.5
+    )
+    got = _block(FusedKernel(), q, k, v, w, q_pos, k_pos, True, 0.5)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    for g, r in zip(got, ref):
+        finite = ~torch.isinf(r)
+        torch.testing.assert_close(g.double()[finite], r[finite], **TOL[dtype])
+
+
+def test_blocks_merged_by_lse_equal_one_call_and_backward_splits():
+    """Keys cut into uneven blocks (the ring's view): merged forward and per-block backward
+    from the final out/lse equal one whole call, for both kernels."""
+    lq, lk = 9, 14
+    q_pos, k_pos = torch.arange(5, 5 + lq), torch.arange(lk)
+    q, k, v, w = _tensors(lq, lk, 4, 2, 8, 8, torch.float64, seed=3)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = naive(*leaves, q_pos, k_pos, True, 0.4)
+    (ref * w).sum().backward()
+    cuts = [(0, 3), (3, 4), (4, 10), (10, 14)]
+    for kernel in (FusedKernel(), BlockwiseKernel()):
+        acc = LseAccumulator(2, lq, 4, 8, q.dtype, q.device)
+        for a, b in cuts:
+            kernel.forward(acc, q, k[:, a:b], v[:, a:b], q_pos, k_pos[a:b], True, 0.4)
+        torch.testing.assert_close(acc.out, ref.detach(), **TOL[torch.float64])
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+        for a, b in cuts:
+            kernel.backward(
+                (dq, dk[:, a:b], dv[:, a:b]),
+                q,
+                k[:, a:b],
+                v[:, a:b],
+                acc.out,
+                acc.lse,
+                w,
+                q_pos,
+                k_pos[a:b],
+                True,
+                0.4,
+            )
+        for got, leaf in zip((dq, dk, dv), leaves):
+            torch.testing.assert_close(got, leaf.grad, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("kernel", ["fused", "blockwise"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_attention_autograd(kernel, causal):
+    q_pos, k_pos = zigzag_positions(17, 2, 1), torch.arange(17)
+    q, k, v, w = _tensors(len(q_pos), 17, 6, 3, 4, 4, torch.float64, seed=5)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = naive(*leaves, q_pos, k_pos, causal, 0.5)
+    (ref * w).sum().backward()
+    mine = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = kernel_attention(*mine, q_pos, k_pos, causal, 0.5, kernel=kernel, chunk=4)
+    (out * w).sum().backward()
+    torch.testing.assert_close(out, ref, **TOL[torch.float64])
+    for got, leaf in zip(mine, leaves):
+        torch.testing.assert_close(got.grad, leaf.grad, **TOL[torch.float64])
+
+
+def test_fused_kernel_keeps_no_score_matrix():
+    """What autograd saves is q, k, v, out and lse: O(L·D), not the L × L scores."""
+    from dspzoo.core.parallel.trace import SavedTensorMeter
+
+    length = 512
+    q, k, v = (torch.randn(1, length, 2, 8, requires_grad=True) for _ in range(3))
+    with SavedTensorMeter() as meter:
+        out = kernel_attention(
+            q, k, v, torch.arange(length), torch.arange(length), True, 0.3, kernel="fused"
+        )
+    assert meter.bytes == 4 * (4 * q.numel() + 2 * length)
+    out.sum().backward()
+
+
+def test_kernel_choice(monkeypatch):
+    q = torch.zeros(1, 2, 1, 4)
+    assert select_kernel(q).name == "fused"
+    assert select_kernel(q, "blockwise").name == "blockwise"
+    assert select_kernel(q.to(torch.int64), "fused").name == "blockwise"  # a dtype it lacks
+    monkeypatch.setenv(KERNEL_ENV, "blockwise")
+    assert select_kernel(q).name == "blockwise"
+    assert select_kernel(q, "fused").name == "fused"  # the argument wins
+    monkeypatch.setenv(KERNEL_ENV, "flash")
+    with pytest.raises(ValueError, match=r"\$DSPZOO_ATTENTION_KERNEL must be one of"):
+        select_kernel(q)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        select_kernel(q, "triton")
