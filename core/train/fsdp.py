@@ -20,10 +20,11 @@ sharded parameters kept in fp32.
 and recomputes its forward during backward (the SP collectives inside it run again, in the
 same order on every rank; keyed dropout draws the same masks).
 
-**Checkpoints hold full tensors**, as under every other strategy: Accelerate's ``save_state``
-gets the full weights (a pre hook), the optimizer's and the EMA's states their full moments and
-averages (gathered on every rank, in parameter order); loading keeps this rank's shard of each
-full tensor (no communication). So a checkpoint resumes at any dp × sp layout, with or without
+**Checkpoints hold full tensors**, as under every other strategy: the sharded model's
+``state_dict()`` gives full tensors (a post hook; collective, so every rank calls it, as
+Accelerate's ``save_state`` and its loading of ``model.safetensors`` do), the optimizer's and
+the EMA's states their full moments and averages (gathered on every rank, in parameter order);
+loading keeps this rank's shard of each full tensor (no communication). So a checkpoint resumes at any dp × sp layout, with or without
 ``--fsdp``, and the final model is a plain ``save_pretrained`` folder (the model's class rebuilt from its
 config); ``--init-from`` loads full weights before sharding.
 """
@@ -136,6 +137,7 @@ class FullyShardedTraining:
                 checkpoint(unit)
             fully_shard(unit, mesh=self.device_mesh, mp_policy=policy)
         fully_shard(model, mesh=self.device_mesh, mp_policy=policy)
+        model.register_state_dict_post_hook(_full_state_dict)
         model.register_load_state_dict_pre_hook(self._shards_on_load)
         self.model = model
         return model
@@ -149,7 +151,6 @@ class FullyShardedTraining:
         inner = getattr(optimizer, "optimizer", optimizer)
         inner.register_state_dict_post_hook(self._full_optimizer_state)
         inner.register_load_state_dict_pre_hook(self._local_optimizer_state)
-        self.accelerator.register_save_state_pre_hook(self._full_weights)
         return model, optimizer
 
     def checkpointable(self, ema: Any) -> Any:
@@ -182,7 +183,7 @@ class FullyShardedTraining:
     # -- full tensors -----------------------------------------------------------------------------
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's state dict with full tensors (collective, every rank)."""
-        return {name: _full(t) for name, t in model.state_dict().items()}
+        return dict(model.state_dict())  # full tensors: _full_state_dict
 
     def full_model(self, model: nn.Module) -> nn.Module:
         """A plain copy of ``model`` with full weights (collective): its class before
@@ -193,16 +194,10 @@ class FullyShardedTraining:
         return plain
 
     # -- checkpoint hooks -------------------------------------------------------------------------
-    def _full_weights(self, models: list, weights: list[dict], output_dir: str) -> None:
-        """Accelerate ``save_state`` pre hook (every rank): full tensors in the saved weights."""
-        for model, state in zip(models, weights, strict=True):
-            if model is self.model:
-                for name in list(state):
-                    state[name] = _full(state[name])
-
     def _shards_on_load(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
         """``load_state_dict`` pre hook of the root: full tensors → this rank's shards."""
-        own = module.state_dict()
+        own = dict(module.named_parameters())
+        own.update(module.named_buffers())
         for name, like in own.items():
             key = prefix + name
             if key in state_dict:
@@ -228,6 +223,18 @@ class FullyShardedTraining:
                 for key, v in entries.items()
             }
         return {**state_dict, "state": state}
+
+
+def _full_state_dict(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """``state_dict`` post hook of the sharded root: full tensors in place of the shards.
+
+    Collective (an all-gather per tensor, in the state dict's order on every rank), so every
+    rank calls ``state_dict()``: Accelerate's ``save_state`` and the loading of
+    ``model.safetensors`` (which compares the model's state dict with the file's) both do.
+    """
+    for key in list(state_dict):
+        if key.startswith(prefix):
+            state_dict[key] = _full(state_dict[key])
 
 
 class _FullStateEMA:
