@@ -8,7 +8,8 @@ does, so ``--fsdp`` trains the same run as DDP at every layout.
 
 **Units.** :func:`shard_units` picks the modules held in the model's outermost
 ``nn.ModuleList`` s (its blocks); each is one ``fully_shard`` unit, and the root holds the
-rest (embeddings, heads). FSDP's all-gathers and reduce-scatters run on the mesh's gradient
+rest (embeddings, heads). A Task may pick others (:meth:`~dspzoo.core.train.task.Task.fsdp_units`;
+protein takes :func:`sublayer_units`, as its blocks begin on overlapped switches). FSDP's all-gathers and reduce-scatters run on the mesh's gradient
 communicator (``mesh.grad_group``), never on the SP group's: the model's own SP collectives
 run on that one in the middle of every block.
 
@@ -31,6 +32,7 @@ config); ``--init-from`` loads full weights before sharding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +41,6 @@ import torch.distributed as dist
 from torch import nn
 
 PRECISIONS = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ShardingSettings:
-    """What ``--fsdp`` runs with: the autocast precision name and activation checkpointing."""
-
-    mixed_precision: str = "no"
-    activation_checkpointing: bool = False
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -62,6 +56,28 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
     visit(model)
     return units
+
+
+def sublayer_units(model: nn.Module) -> list[nn.Module]:
+    """The children with parameters of every block (:func:`shard_units`): for a model whose
+    block takes an activation the plan may still be switching when the block begins (an
+    overlapped switch); FSDP re-wraps a unit's tensor inputs, which the block must not see."""
+    return [
+        child
+        for block in shard_units(model)
+        for child in block.children()
+        if any(True for _ in child.parameters())
+    ]
+
+
+@dataclass(frozen=True)
+class ShardingSettings:
+    """What ``--fsdp`` runs with: the autocast precision name, activation checkpointing, and
+    which modules are the ``fully_shard`` units (default: the blocks)."""
+
+    mixed_precision: str = "no"
+    activation_checkpointing: bool = False
+    units: Callable[[nn.Module], list[nn.Module]] = shard_units
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -132,7 +148,7 @@ class FullyShardedTraining:
         policy = MixedPrecisionPolicy(
             param_dtype=low, reduce_dtype=torch.float32 if low is not None else None
         )
-        for unit in shard_units(model):
+        for unit in self.settings.units(model):
             if self.settings.activation_checkpointing:
                 checkpoint(unit)
             fully_shard(unit, mesh=self.device_mesh, mp_policy=policy)

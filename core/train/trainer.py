@@ -56,7 +56,7 @@ class Trainer:
         task.attach(accelerator, mesh, sp, output_dir)
         dataset = task.build_data()
         sharding = (
-            ShardingSettings(cfg.mixed_precision, cfg.activation_checkpointing)
+            ShardingSettings(cfg.mixed_precision, cfg.activation_checkpointing, task.fsdp_units)
             if getattr(cfg, "fsdp", False)
             else None
         )
