@@ -2,6 +2,7 @@ r"""Launch a short multi-process dspzoo run many times and count the launches th
 
     python scripts/stress_exit.py --runs 30                  # 30 launches of 3 processes
     python scripts/stress_exit.py --runs 30 --launcher direct
+    python scripts/stress_exit.py --runs 30 --before-fix      # the exit dspzoo had before
 
 Each launch starts ``--nproc`` processes (``torch.distributed.run`` by default, as ``accelerate
 launch`` does; ``--launcher direct`` starts the ranks itself, rank 0 then hosting the store);
@@ -24,6 +25,8 @@ import tempfile
 import time
 
 CHILD_FLAG = "--child"
+BEFORE_FLAG = "--before-fix"
+CHILD_ARGS = [CHILD_FLAG]
 
 
 def child() -> None:
@@ -71,7 +74,7 @@ def _launch_torchrun(nproc: int, timeout: float) -> tuple[list[int], str]:
         "--master_port",
         str(_free_port()),
         __file__,
-        CHILD_FLAG,
+        *CHILD_ARGS,
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
@@ -94,7 +97,7 @@ def _launch_direct(nproc: int, timeout: float) -> tuple[list[int], str]:
                 LOCAL_WORLD_SIZE=str(nproc),
                 OMP_NUM_THREADS="1",
             )
-            command = [sys.executable, __file__, CHILD_FLAG]
+            command = [sys.executable, __file__, *CHILD_ARGS]
             procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
         deadline = time.monotonic() + timeout
         codes = []
@@ -108,10 +111,28 @@ def _launch_direct(nproc: int, timeout: float) -> tuple[list[int], str]:
         return codes, log.read()
 
 
+def child_as_before_the_fix() -> None:
+    """One rank ending the way dspzoo processes ended before ``release_communicators``: the
+    process group destroyed while the mesh and the DDP model still hold theirs, then the
+    interpreter's own exit (the release registered at exit taken back)."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from dspzoo.core import entry
+
+    child()
+    atexit.unregister(entry._release_unless_failed)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     if CHILD_FLAG in sys.argv:
         from dspzoo.core.entry import run_entry_point
 
+        if BEFORE_FLAG in sys.argv:
+            child_as_before_the_fix()
+            return
         run_entry_point(child, "stress_exit")
         return
     parser = argparse.ArgumentParser(
@@ -128,7 +149,14 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=120, help="seconds per launch (default: 120)"
     )
+    parser.add_argument(
+        BEFORE_FLAG,
+        action="store_true",
+        help="end every rank as dspzoo did before the fix (no release of the communicators)",
+    )
     args = parser.parse_args()
+    if args.before_fix:
+        CHILD_ARGS.append(BEFORE_FLAG)
     launch = _launch_torchrun if args.launcher == "torchrun" else _launch_direct
     failed = 0
     for run in range(1, args.runs + 1):
