@@ -48,6 +48,10 @@ def _driver(out: str) -> None:
         "cut": train(_config(root / "cut", **fsdp, stop_after=3)),
         "resumed_dp4": train(_config(root / "cut", sp=1, fsdp=True, resume="latest")),
     }
+    # video: an EMA (its averages checkpointed and restored) and unevenly sharded tensors
+    video_train, video = _video(root)
+    losses["video_cut"] = video_train(video(root / "video", sp=2, fsdp=True, stop_after=2))
+    losses["video_resumed"] = video_train(video(root / "video", sp=1, fsdp=True, resume="latest"))
     # Accelerate's state is per process: made anew for another precision
     from accelerate.state import AcceleratorState
 
@@ -56,6 +60,17 @@ def _driver(out: str) -> None:
     if dist.get_rank() == 0:
         record = {name: result["losses"] for name, result in losses.items()}
         (root / "losses.json").write_text(json.dumps(record))
+
+
+def _video(root: Path):
+    """The video domain's tiny run of tests/test_trainer_layouts.py (3 steps, EMA 0.999), with
+    a global batch of 4 (dp 4 × sp 1 takes one sample per rank)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_trainer_layouts import domains
+
+    (root / "data").mkdir(exist_ok=True)
+    train, config = domains(root / "data")["video"]
+    return train, (lambda out, **kw: config(output_dir=str(out), global_batch=4, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +87,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     got["reference"] = train(_config(root / "one"))["losses"]
     step_3 = root / "cut" / "checkpoints" / "step_3"
     got["resumed_one"] = train(_config(root / "one-resumed", resume=str(step_3)))["losses"]
+    video_train, video = _video(root)
+    got["video_reference"] = video_train(video(root / "video-one", sp=1))["losses"]
     got["root"] = str(root)
     return got
 
@@ -99,6 +116,20 @@ def test_fsdp_checkpoints_resume_at_another_layout_and_without_fsdp(launched) ->
     tail = launched["reference"][3:]
     assert launched["resumed_dp4"] == pytest.approx(tail, rel=1e-5)
     assert launched["resumed_one"] == pytest.approx(tail, rel=1e-5)
+
+
+def test_video_ema_and_uneven_shards_checkpoint_and_resume_under_fsdp(launched) -> None:
+    """Stopped after step 2 at dp 2 × sp 2, resumed at dp 4 × sp 1: the EMA's averages and
+    the optimizer's moments come back, the final model equals one process's."""
+    from dspzoo.zoo import from_pretrained
+
+    resumed = launched["video_cut"] + launched["video_resumed"]
+    assert resumed == pytest.approx(launched["video_reference"], rel=1e-5)
+    root = Path(launched["root"])
+    sharded = from_pretrained(root / "video" / "final").state_dict()
+    one = from_pretrained(root / "video-one" / "final").state_dict()
+    for name, want in one.items():  # the EMA weights
+        torch.testing.assert_close(sharded[name], want, rtol=1e-4, atol=5e-5, msg=name)
 
 
 def test_bf16_policy_trains_close_to_fp32(launched) -> None:

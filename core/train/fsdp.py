@@ -87,8 +87,17 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _full(t: Any) -> Any:
-    """The full tensor of a DTensor (collective over its mesh); anything else as it is."""
-    return t.full_tensor() if _is_dtensor(t) else t
+    """The full tensor of a DTensor (collective over its mesh); anything else as it is.
+
+    An unevenly sharded tensor comes back as a view into the padded all-gather buffer, which
+    safetensors refuses to save (a storage larger than the tensor): such a view is copied.
+    """
+    if not _is_dtensor(t):
+        return t
+    full = t.full_tensor()
+    if full.untyped_storage().nbytes() != full.numel() * full.element_size():
+        full = full.clone()
+    return full
 
 
 def _shard_like(full: torch.Tensor, like: Any) -> Any:
