@@ -17,8 +17,10 @@ single-process gradients, so no extra scaling is needed. ``accelerator.prepare``
 ``mesh.grad_group`` (all ranks, a communicator of its own; see :mod:`dspzoo.core.parallel.mesh`), so its
 bucket all-reduces never share a communicator with the SP group's collectives. On a machine without CUDA the
 Accelerator is built with ``cpu=True`` and gloo (``--multi_gpu`` still starts N processes),
-and glibc malloc's thresholds are raised process-wide (logged at INFO; opt out with
-``keep_freed_memory=False`` or ``DSPZOO_KEEP_FREED_MEMORY=0``, see :func:`setup_accelerate`).
+and glibc malloc's thresholds are raised process-wide (logged at INFO by the first rank of the
+launch; opt out with ``keep_freed_memory=False`` or ``DSPZOO_KEEP_FREED_MEMORY=0``, see
+:func:`setup_accelerate`). Accelerate's checkpoint note on a weight the model ties itself is
+recognised and not printed (:mod:`dspzoo.core.quiet`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from accelerate.utils import DistributedDataParallelKwargs
 from . import perf
 from .parallel.mesh import SPMesh, build_mesh, seed_everything
 from .parallel.runtime import SeqParallel
+from .quiet import FirstRankOnly, recognise_tied_weights
 
 logger = logging.getLogger(__name__)
+logger.addFilter(FirstRankOnly())  # its lines are the same on every rank: say them once
 
 KEEP_FREED_MEMORY_ENV = "DSPZOO_KEEP_FREED_MEMORY"
 _FALSE = ("0", "false", "no", "off")
@@ -95,6 +99,7 @@ def setup_accelerate(
     if cpu:
         _maybe_keep_freed_memory(keep_freed_memory)
     accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, **accelerator_kwargs)
+    recognise_tied_weights(accelerator)  # no "Removed shared tensor" note for a tied head
     if strategy == "usp" and ulysses_size is None:
         ulysses_size = default_ulysses_size(sp_size)
     mesh = build_mesh(sp_size, accelerator, ulysses_size=ulysses_size)

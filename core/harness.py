@@ -32,8 +32,17 @@ output / parameter / op, with the error found::
 
 Errors are relative: ``max|got − want| / max|want|`` over the tensor, compared with ``rtol``
 (``atol`` guards tensors that are all but zero). The loss is a fixed random weighting of the
-output, so every output element matters. ``megatron_sp`` is checked only when some module of
-the model declares ``TP_PLAN`` (it shards the declared linears).
+output, so every output element matters.
+
+Verdicts. ``ok``; ``FAIL`` for a wrong answer (or a run that raised: a bug of the model or of
+dspzoo, with its message); **not runnable: <reason>** for a strategy this model cannot run at
+an SP size, which is not run at all. The reasons are the method registry's
+(:meth:`~dspzoo.core.parallel.methods.registry.Method.unsupported`, the same the planner and
+the cost model read: e.g. Ulysses with fewer heads than ranks, the head count taken from the
+``workload`` or else the smallest ``heads`` attribute of the model's modules) and the
+tensor-parallel contract's (:mod:`dspzoo.core.parallel.tp_contract`): ``megatron_sp`` needs
+``TP_PLAN`` linears, and at least one head (or feature) per rank. A ``TP_PLAN`` that breaks the
+contract (e.g. a head count not called ``heads``) is a ``FAIL`` with the contract's message.
 """
 
 from __future__ import annotations
@@ -48,8 +57,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .parallel.mesh import SPMesh, build_mesh
+from .parallel.methods.registry import METHODS
 from .parallel.runtime import SeqParallel
 from .parallel.strategies import STRATEGIES
+from .parallel.tp_contract import (
+    TPContractError,
+    check_tp_contract,
+    declares_tensor_parallelism,
+    tp_units,
+)
 from .parallel.trace import CommTracer, trace_comm
 from .testing import run_distributed
 
@@ -70,9 +86,61 @@ def call_with_sp(model: nn.Module, inputs: Any, sp: SeqParallel) -> torch.Tensor
     return model(inputs, sp=sp)
 
 
-def declares_tensor_parallelism(model: nn.Module) -> bool:
-    """True when some module of ``model`` declares ``TP_PLAN`` (``megatron_sp`` applies)."""
-    return any(getattr(type(m), "TP_PLAN", None) for m in model.modules())
+__all__ = [
+    "Check",
+    "HarnessReport",
+    "call_with_sp",
+    "check_model",
+    "declares_tensor_parallelism",
+    "full_gradients",
+    "model_heads",
+    "not_runnable",
+    "relative_error",
+]
+
+
+def model_heads(model: nn.Module) -> int | None:
+    """The smallest integer ``heads`` attribute of the model's modules (``None``: none has one)."""
+    counts = [
+        h
+        for m in model.modules()
+        if isinstance(h := getattr(m, "heads", None), int) and not isinstance(h, bool)
+    ]
+    return min(counts) if counts else None
+
+
+def not_runnable(
+    strategy: str, model: nn.Module, sp_size: int, heads: int | None = None
+) -> str | None:
+    """Why ``model`` cannot run ``strategy`` at ``sp_size`` ranks (``None``: it can).
+
+    ``heads``: the attention heads of its stages (default :func:`model_heads`). Reasons come
+    from the method registry's ``unsupported`` and, for a tensor-parallel method, from the
+    model's ``TP_PLAN`` (none declared, or fewer shard units than ranks). A ``TP_PLAN`` that
+    breaks the contract is *not* a reason here: running it reports the contract error.
+    """
+    method = METHODS.get(strategy)
+    if method is None:  # a policy over methods (dsp, auto): it plans around what cannot run
+        return None
+    if not method.tensor_parallel:
+        return method.unsupported(sp_size, model_heads(model) if heads is None else heads)
+    if not declares_tensor_parallelism(model):
+        return (
+            f"{type(model).__name__} declares no TP_PLAN linears (tensor parallelism has "
+            f"nothing to shard)"
+        )
+    try:
+        smallest = tp_units(model)
+    except TPContractError:
+        return None
+    if smallest is None or smallest.units >= sp_size:
+        return None
+    if smallest.unit == "heads":
+        return f"{method.unsupported(sp_size, smallest.units)} ({smallest.where})"
+    return (
+        f"{strategy} shards features: {smallest.where} has {smallest.units} per group "
+        f"< {sp_size} ranks"
+    )
 
 
 @dataclass(frozen=True)
@@ -105,6 +173,8 @@ class HarnessReport:
     """Every :class:`Check` of a :func:`check_model` run (all ranks, all SP sizes)."""
 
     checks: list[Check] = field(default_factory=list)
+    not_runnable: dict[tuple[int, str], str] = field(default_factory=dict)
+    """``{(sp, strategy): reason}`` of the strategies the model cannot run (not run)."""
 
     @property
     def failures(self) -> list[str]:
@@ -129,8 +199,9 @@ class HarnessReport:
         return "\n".join(lines)
 
     def table(self) -> str:
-        """One row per SP size and strategy: worst errors over the ranks, rank 0's bytes."""
-        rows: dict[tuple[int, str], list[Check]] = {}
+        """One row per SP size and strategy: worst errors over the ranks, rank 0's bytes, and
+        the verdict (``ok``, ``FAIL``, ``not runnable: <reason>``)."""
+        rows: dict[tuple[int, str], list[Check]] = {k: [] for k in self.not_runnable}
         for c in self.checks:
             rows.setdefault((c.sp, c.strategy), []).append(c)
         lines = [
@@ -138,6 +209,13 @@ class HarnessReport:
             f"{'bytes/rank0':>12} {'plan':>12}  result"
         ]
         for (n, strategy), checks in sorted(rows.items()):
+            if not checks:
+                dash = "-"
+                lines.append(
+                    f"{n:>3} {strategy:<12} {dash:>10} {dash:>9} {dash:>12} {dash:>12}  "
+                    f"not runnable: {self.not_runnable[(n, strategy)]}"
+                )
+                continue
             first = min(checks, key=lambda c: c.rank)
             plan = "-" if first.plan_bytes is None else str(first.plan_bytes)
             ok = "ok" if not any(c.failures for c in checks) else "FAIL"
@@ -184,6 +262,7 @@ def _run(case: _Case, sp: SeqParallel, megatron: bool) -> tuple[torch.Tensor, nn
     if megatron:
         from .parallel.methods.megatron import parallelize_megatron
 
+        check_tp_contract(model)  # a clear message instead of an error deep in the forward
         parallelize_megatron(model, sp.group)
     torch.manual_seed(case.seed)
     out = case.forward(model, case.make_inputs(), sp)
@@ -258,7 +337,9 @@ def _sub_meshes(sizes: Sequence[int]) -> dict[int, SPMesh | None]:
     return meshes
 
 
-def _worker(rank: int, world: int, case: _Case, sizes: tuple[int, ...]) -> list[Check]:
+def _worker(
+    rank: int, world: int, case: _Case, sizes: tuple[int, ...]
+) -> tuple[list[Check], dict[tuple[int, str], str]]:
     torch.manual_seed(case.seed)
     ref_out, ref_model = _run(case, SeqParallel(), megatron=False)
     ref_grads = {
@@ -270,19 +351,23 @@ def _worker(rank: int, world: int, case: _Case, sizes: tuple[int, ...]) -> list[
     # (whose timeout is the short one of the process group)
     waiting = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=case.timeout))
     usp_mesh = build_mesh(world, ulysses_size=2) if world % 2 == 0 and world >= 4 else None
-    tensor_parallel = declares_tensor_parallelism(ref_model)
+    heads = getattr(case.workload, "heads", None)
     strategies = case.strategies or tuple(STRATEGIES)
-    checks = []
+    checks, skipped = [], {}
     for n in sizes:
         mesh = meshes[n]
         for strategy in strategies:
-            megatron = strategy == "megatron_sp"
-            if mesh is None or (megatron and not tensor_parallel):
+            why = not_runnable(strategy, ref_model, n, heads)
+            if why is not None:  # the same on every rank: nobody enters its collectives
+                skipped[(n, strategy)] = why
                 continue
+            if mesh is None:
+                continue
+            megatron = METHODS[strategy].tensor_parallel if strategy in METHODS else False
             use = usp_mesh if strategy == "usp" and n == world and usp_mesh else mesh
             checks.append(_check_one(case, use, strategy, megatron, ref_out, ref_grads))
         dist.barrier(group=waiting)
-    return checks
+    return checks, skipped
 
 
 def _check_one(
@@ -365,8 +450,10 @@ def check_model(
         make_inputs: zero-argument callable returning the example inputs (same on every call).
         forward: ``forward(model, inputs, sp) -> Tensor``, the replicated output (default
             :func:`call_with_sp`).
-        strategies: names from :data:`~dspzoo.core.parallel.strategies.STRATEGIES` (default: all;
-            ``megatron_sp`` only for models that declare ``TP_PLAN``).
+        strategies: names from :data:`~dspzoo.core.parallel.strategies.STRATEGIES` (default:
+            all); those the model cannot run at an SP size are reported in
+            ``report.not_runnable`` with the reason (``megatron_sp`` without ``TP_PLAN``, Ulysses
+            with fewer heads than ranks, ...), not run and not failed.
         sp_sizes: SP sizes to check; one spawn of ``max(sp_sizes)`` gloo processes, the
             smaller sizes on SP groups of its first ranks (USP at the largest even size ≥ 4
             runs Ulysses 2 × Ring).
@@ -399,7 +486,10 @@ def check_model(
         timeout,
     )
     results = run_distributed(_worker, sizes[-1], case, sizes, timeout=timeout)
-    report = HarnessReport([c for checks in results for c in checks])
+    report = HarnessReport(
+        [c for checks, _ in results for c in checks],
+        {k: why for _, skipped in results for k, why in skipped.items()},
+    )
     if raise_on_failure and report.failures:
         raise AssertionError(
             f"{len(report.failures)} failure(s) against one process:\n"

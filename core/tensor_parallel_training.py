@@ -69,6 +69,7 @@ from .parallel.methods.megatron import (
     parallelize_megatron,
     sharded_parameters,
 )
+from .parallel.tp_contract import check_tp_contract
 
 # strategies whose models hold shards of the weights (parallelize_megatron)
 WEIGHT_SHARDING = (METHOD,)
@@ -126,6 +127,7 @@ class TensorParallelTraining:
         """
         if not self.active:
             return model
+        check_tp_contract(model)  # one clear line, not an error deep in the first forward
         parallelize_megatron(model, self.sp.group)
         for module in model.modules():
             if isinstance(module, _Parallel):

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from dspzoo.core import switch, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.comm.exchange import agree_switch, switch_agreed
 from dspzoo.core.parallel.trace import format_bytes
 
@@ -77,7 +78,7 @@ VARIANTS = ("bare", "agree+bare", "switch", "unchecked", "naive")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

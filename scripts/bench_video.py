@@ -21,12 +21,13 @@ import torch.distributed as dist
 import dspzoo.domains.video  # noqa: F401
 from dspzoo.core import SavedTensorMeter, SeqParallel, build_mesh, sp_mse, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.trace import format_bytes
 from dspzoo.zoo import create_model
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="stdit-mini")

@@ -19,13 +19,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dspzoo.core import SavedTensorMeter, single_process_mesh, sp_mse, sp_report, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.runtime import SeqParallel
 from dspzoo.core.parallel.trace import format_bytes
 from dspzoo.domains.toy.model import STAGES, Toy2DConfig, Toy2DTransformer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sp", type=int, default=None, help="SP size (default: all processes)")

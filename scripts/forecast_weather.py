@@ -25,11 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from dspzoo.core.argparser import CommandParser
+
 logger = logging.getLogger("dspzoo.weather.forecast")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

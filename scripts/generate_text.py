@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dspzoo.core.argparser import CommandParser
 from dspzoo.zoo import inference
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

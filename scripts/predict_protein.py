@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.domains.protein.data import ProteinDataError, parse_fasta
 from dspzoo.domains.protein.metrics import write_contact_png
@@ -29,7 +30,7 @@ from dspzoo.domains.protein.predict import predict, prediction_sample  # noqa: F
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.testing import run_distributed
 
 
@@ -195,7 +196,7 @@ def plan_bytes(residues: int, depth: int, world: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CommandParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sp-sizes", default="1,2,4", help="comma-separated SP sizes")
     p.add_argument("--msa-depth", type=int, default=8, help="MSA rows S")
     p.add_argument("--start", type=int, default=256, help="first residue count of the doubling")

@@ -4,8 +4,9 @@
         --model-dir outputs/stdit-tiny/final --out outputs/stdit-tiny/samples.gif
 
 The latents stay sharded over the SP group for every denoising step and are gathered once at
-the end; rank 0 writes a GIF (or MP4) grid with one clip per class label. The command line of
-:func:`dspzoo.zoo.inference.sample_video` (the Python API).
+the end; rank 0 writes a GIF (or MP4) grid with one row per class label (in label order) of
+--per-class clips each, and a PNG beside it: the frames of the first clip of every class, one
+row per class. The command line of :func:`dspzoo.zoo.inference.sample_video` (the Python API).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from pathlib import Path
 import torch
 
 from dspzoo.core.accelerate import setup_accelerate
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.domains.video.io import save_frame_strip_png, video_grid, write_video
 from dspzoo.zoo import inference
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
@@ -42,16 +44,23 @@ def main(argv: list[str] | None = None) -> None:
         choices=sorted(STRATEGIES),
         help="sequence-parallel strategy (default: dsp)",
     )
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--guidance", type=float, default=2.0)
-    parser.add_argument("--per-class", type=int, default=2, help="clips per class label")
+    parser.add_argument("--steps", type=int, default=30, help="Euler steps (default: 30)")
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=3.0,
+        help="classifier-free guidance scale (default: 3.0, as docs/video.md's samples; 1: none)",
+    )
+    parser.add_argument(
+        "--per-class", type=int, default=2, help="clips per class label (default: 2)"
+    )
     parser.add_argument(
         "--frames", type=int, default=None, help="frames (default: those saved with the model)"
     )
     parser.add_argument(
         "--size", type=int, default=None, help="pixel size (default: saved with the model)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
     parser.add_argument(
         "--upscale", type=int, default=4, help="nearest-neighbour upscaling of the output"
     )
@@ -81,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     if dist.is_initialized():
         dist.all_reduce(latency, op=dist.ReduceOp.MAX)
     if mesh.is_main:
-        video, classes = result.video, max(1, model.model.config.num_classes)
-        grid = video_grid(video, nrow=args.per_class * min(classes, 4))
+        video = result.video
+        grid = video_grid(video, nrow=args.per_class)  # one row per class label
         # a shipped model (given by name) has no output folder of its own
         model_dir = Path(args.model_dir)
         default = model_dir.parent if model_dir.is_dir() else Path("outputs") / model_dir.name

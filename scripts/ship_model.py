@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dspzoo.core.argparser import CommandParser
 from dspzoo.zoo import from_pretrained, load_extra, ship_pretrained
 from dspzoo.zoo.cli import load_domains
 from dspzoo.zoo.pretrained import _read_meta
@@ -58,7 +59,7 @@ CARDS = {"video": video_card, "text": text_card}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("domain", choices=sorted(CARDS))

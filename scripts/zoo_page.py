@@ -9,10 +9,10 @@ pictures named ``docs/images/<shipped-name>-*.png`` appear under their model.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from dspzoo.core.argparser import CommandParser
 from dspzoo.zoo import count_parameters, create_model, format_count, list_models
 from dspzoo.zoo.cli import load_domains
 from dspzoo.zoo.shipped import describe_card, list_pretrained, pretrained_table
@@ -72,7 +72,7 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="fail if docs/zoo.md is stale")
     args = parser.parse_args()
     page, target = render(), DOCS / "zoo.md"

@@ -52,6 +52,7 @@ def _torchrun(*command: str, tmp_path) -> tuple[int, str]:
 
 def _check(output: str, message: str) -> None:
     assert output.count(message) == 1, output
+    assert "usage:" not in output and output.count(": error: ") == 1, output  # no usage block
     assert re.findall(r"exitcode\s+:\s*(-?\d+) \(pid", output) == ["2", "2"], output
     assert output.count("Traceback") == 1, output  # the launcher's report, below
     launcher_report = output[output.index("Traceback") :]
@@ -67,8 +68,13 @@ def _check(output: str, message: str) -> None:
             "dspzoo train: error: sp_size=3 does not divide the world size 2",
         ),
         (["one_rank_fails.py"], "prog: error: --data /no/such/folder: no such folder"),
+        (
+            ["-m", "dspzoo", "train", "video", "--steps", "x"],
+            "dspzoo train video: error: argument --steps: invalid int value: 'x' "
+            "(see dspzoo train video --help)",
+        ),
     ],
-    ids=["every-rank-sees-it", "one-rank-sees-it"],
+    ids=["every-rank-sees-it", "one-rank-sees-it", "a-bad-flag-before-the-group"],
 )
 def test_bad_input_under_torchrun_is_one_line_and_status_2(command, message, tmp_path) -> None:
     (tmp_path / "one_rank_fails.py").write_text(ONE_RANK_FAILS)

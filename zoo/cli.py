@@ -8,17 +8,18 @@ dspzoo train <domain> ...    # video, text, protein, weather (see zoo/run_cli.py
 dspzoo sample|generate|predict|forecast <shipped-name-or-folder> ...
 dspzoo convert --from diffusers <folder> <out>
 
-An unknown name prints the registry's message (with did-you-mean hints) after the usage line
-and exits with status 2, as argparse does for any other bad argument.
+An unknown name prints the registry's message (with did-you-mean hints) as one line, and exits
+with status 2 like any other bad argument (no usage block: ``--help`` prints it); so does a
+family module (a ``dspzoo.families`` entry point or ``DSPZOO_FAMILIES``) that fails to import.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
-from .families import load_builtin_families
+from ..core.argparser import CommandParser
+from .families import FamilyImportError, load_builtin_families
 from .registry import (
     _match,
     count_parameters,
@@ -40,14 +41,22 @@ def _meta_count(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (bad usage or names exit with 2 via argparse)."""
+    """Run the CLI; returns the exit status (bad usage or names: one line, status 2)."""
+    try:
+        return _main(argv)
+    except FamilyImportError as exc:  # a broken plugin: say which, not a traceback
+        print(f"dspzoo: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     from .run_cli import COMMANDS, add_convert, run_convert, run_passthrough
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         load_domains()
         return run_passthrough(argv[0], argv[1:])
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="dspzoo",
         description="dspzoo: multi-dimensional transformers under sequence parallelism",
     )

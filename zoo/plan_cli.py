@@ -35,12 +35,12 @@ from typing import Any
 from dspzoo.core.costmodel import (
     CLUSTERS,
     DEFAULT_STRATEGIES,
-    Workload,
     format_table,
     predict_table,
     recommend,
 )
 
+from ..core.argparser import CommandParser
 from .registry import count_parameters, create_model, format_count, get_config, resolve_name
 from .workloads import workload_for
 
@@ -55,7 +55,7 @@ SIZE_FLAGS = (
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``plan`` arguments (on ``parser``, e.g. a ``dspzoo`` subparser)."""
-    p = parser or argparse.ArgumentParser(prog="dspzoo plan", description=__doc__.split("\n")[0])
+    p = parser or CommandParser(prog="dspzoo plan", description=__doc__.split("\n")[0])
     p.add_argument("model", help="zoo model, e.g. stdit-720M, evoformer-af2, weathertx-small")
     video = p.add_argument_group(
         "video (stdit, latte, latte1)",
@@ -233,50 +233,22 @@ def parse_dims(text: str | None) -> dict[str, int]:
     return dims
 
 
-def with_dims(wl: Workload, dims: dict[str, int]) -> Workload:
-    """``wl`` with the token lengths of the named dims replaced."""
-    unknown = sorted(set(dims) - set(wl.dims))
-    if unknown:
-        raise ValueError(f"{wl.name} has token dims {list(wl.dims)}; --dims names {unknown}")
-    return wl.with_(lengths=tuple(dims.get(d, n) for d, n in zip(wl.dims, wl.lengths)))
-
-
-def _smallest_workload(name: str, **common: Any) -> Workload:
-    """The workload at the smallest sizes a builder accepts (one frame and one pixel, or one
-    token), whose lengths ``--dims`` then replaces: how a family is sized by dim names alone."""
-    errors = []
-    for sizes in ({"frames": 1, "spatial": 1}, {"seq_len": 1}):
-        try:
-            return workload_for(name, **sizes, **common)
-        except ValueError as exc:
-            errors.append(str(exc))
-    raise ValueError("; ".join(errors))
-
-
 def workload_from_args(name: str, config: Any, sizing: Sizing, args: argparse.Namespace):
     """The :class:`Workload` the flags describe, and the notes on sizes that were defaults."""
     dims = parse_dims(args.dims)
     kwargs, notes = sizing.sizes(config, args)
-    common = {"batch": args.batch, "itemsize": args.dtype_bytes}
     given = any(getattr(args, f) is not None for f in sizing.flags)
+    if dims and sizing is BUILDER and not given:  # sized by dim names alone
+        kwargs = {}
     try:
-        wl = workload_for(name, **kwargs, **common)
+        wl = workload_for(
+            name, **kwargs, batch=args.batch, itemsize=args.dtype_bytes, dims=dims or None
+        )
     except ValueError as exc:
-        if sizing is not BUILDER or given or not dims:
-            raise
-        try:
-            wl = _smallest_workload(name, **common)
-        except ValueError:
-            raise exc from None
-        missing = [d for d in wl.dims if d not in dims]
-        if missing:
-            raise ValueError(
-                f"{name} has token dims {list(wl.dims)}: with --dims alone name all of them "
-                f"(missing {missing}), or give its sizes ({exc})"
-            ) from None
-    if dims:  # the lengths --dims sets replace what the defaults gave
-        return with_dims(wl, dims), []
-    return wl, notes
+        raise ValueError(
+            str(exc).replace("dims names", "--dims names").replace("with dims", "with --dims")
+        ) from None
+    return wl, [] if dims else notes
 
 
 # -- the command --------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ from torch import nn
 
 from dspzoo.core.durable import fsync_path
 
+from . import shipped
 from .registry import family_info, family_of, resolve_name
-from .shipped import CARD_FILE, WEIGHTS_DIR, _card_from_json, resolve_pretrained
+from .shipped import CARD_FILE, _card_from_json, resolve_pretrained
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -302,7 +303,7 @@ def ship_pretrained(
     _card_from_json(name, card)  # validates the keys
     return save_pretrained(
         model,
-        Path(root or WEIGHTS_DIR) / name,
+        Path(root or shipped.WEIGHTS_DIR) / name,  # looked up at call time (tests point it elsewhere)
         config_name=config_name,
         extra=extra,
         dtype=dtype,

@@ -27,24 +27,55 @@ def workload_for(
     context: int = 0,
     itemsize: int = 4,
     overrides: dict[str, Any] | None = None,
+    dims: dict[str, int] | None = None,
 ) -> Workload:
     """The workload of zoo model ``name`` (e.g. ``"stdit-720M"``, ``"bytelm-lss-12l"``).
 
     Video models take ``frames`` (latent frames) and ``spatial`` (latent size); text models
-    ``seq_len``. ``overrides`` replace config fields (as ``create_model`` does).
+    ``seq_len``. ``overrides`` replace config fields (as ``create_model`` does). ``dims`` sets
+    token lengths (after patching) by the model's own dim names, e.g. ``{"h": 64, "w": 64}``,
+    on top of the sizes above; a family's builder reads only those sizes, so with ``dims`` and
+    no sizes the builder is asked for its smallest workload and ``dims`` must name every dim.
     """
     name = resolve_name(name)
     config = override_config(get_config(name), **(overrides or {}))
     params = count_params(name, **(overrides or {}))
-    family = name.split("-", 1)[0]
-    return workload_builder(family)(
-        name,
-        config,
-        batch=batch,
-        frames=frames,
-        spatial=spatial,
-        seq_len=seq_len,
-        context=context,
-        itemsize=itemsize,
-        params=params,
-    )
+    builder = workload_builder(name.split("-", 1)[0])
+    common = {"batch": batch, "context": context, "itemsize": itemsize, "params": params}
+    sizes = {"frames": frames, "spatial": spatial, "seq_len": seq_len}
+    try:
+        wl = builder(name, config, **sizes, **common)
+    except ValueError as exc:
+        if not dims or any(v is not None for v in sizes.values()):
+            raise
+        wl = _smallest(builder, name, config, common, exc)
+        missing = [d for d in wl.dims if d not in dims]
+        if missing:
+            raise ValueError(
+                f"{name} has token dims {list(wl.dims)}: with dims alone name all of them "
+                f"(missing {missing}), or give its sizes ({exc})"
+            ) from None
+    return with_dims(wl, dims) if dims else wl
+
+
+def _smallest(builder: Any, name: str, config: Any, common: dict, error: ValueError) -> Workload:
+    """The builder's workload at the smallest sizes it accepts (one frame of one pixel, or one
+    token): the dim names and everything but the lengths, which ``dims`` then sets."""
+    for sizes in ({"frames": 1, "spatial": 1, "seq_len": None}, {"seq_len": 1}):
+        try:
+            return builder(name, config, **{"frames": None, "spatial": None, **sizes}, **common)
+        except ValueError:
+            continue
+    raise error
+
+
+def with_dims(wl: Workload, dims: dict[str, int]) -> Workload:
+    """``wl`` with the token lengths of the named dims replaced (a clear error for a dim the
+    model does not have, or a length below 1)."""
+    unknown = sorted(set(dims) - set(wl.dims))
+    if unknown:
+        raise ValueError(f"{wl.name} has token dims {list(wl.dims)}; dims names {unknown}")
+    bad = {d: n for d, n in dims.items() if not isinstance(n, int) or n < 1}
+    if bad:
+        raise ValueError(f"token lengths must be integers >= 1, got {bad}")
+    return wl.with_(lengths=tuple(dims.get(d, n) for d, n in zip(wl.dims, wl.lengths)))

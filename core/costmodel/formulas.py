@@ -36,7 +36,7 @@ shards). **Memory**: :func:`activation_bytes` (what autograd saves, see its docs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..parallel.layout import shard_sizes
 from ..parallel.methods.registry import (
@@ -45,6 +45,7 @@ from ..parallel.methods.registry import (
     gather_bytes,
     get_method,
     megatron_pair_bytes,
+    stats_itemsize,
     switch_bytes,
 )
 from ..parallel.methods.ring import zigzag_lengths
@@ -121,6 +122,8 @@ def comm_bytes(
                 attention_bytes(
                     out, workload, spec, step.method, cur, sizes(cur), rank, ulysses_size
                 )
+            elif spec.scan is not None and cur in spec.scan_over and method.name != "local":
+                scan_bytes(out, workload, spec, step.method, sizes(cur), rank)
     if exit_gather:
         z = sizes(cur)
         out.add(
@@ -155,6 +158,27 @@ def attention_bytes(
         ulysses_size,
     )
     get_method(method).attention_bytes(out, shape, rank)
+
+
+def scan_bytes(
+    out: CommCount,
+    workload: Workload,
+    spec: StageSpec,
+    method: str,
+    sharded_sizes: list[int],
+    rank: int,
+) -> None:
+    """Bytes of one scan mixer over ``spec.scan_over`` (the sharded dim outermost), in the
+    workload's itemsize (the summaries in fp32, fp64 for fp64)."""
+    lengths = dict(zip(workload.dims, workload.lengths))
+    per_row = math.prod(lengths[d] for d in spec.scan_over[1:])
+    lines = workload.batch * math.prod(v for k, v in lengths.items() if k not in spec.scan_over)
+    isz = workload.itemsize
+    seq = tuple(s * per_row for s in sharded_sizes)
+    shape = replace(
+        spec.scan, seq=seq, batch=lines, itemsize=isz, summary_itemsize=stats_itemsize(isz)
+    )
+    get_method(method).scan_bytes(out, shape, rank)
 
 
 def comm_bytes_all_ranks(

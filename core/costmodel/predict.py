@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel.methods.registry import METHODS
 from ..parallel.plan import Plan
 from ..parallel.strategies.auto import auto_plan  # noqa: F401  (re-exported: strategy="auto")
 from .cluster import Cluster, get_cluster
@@ -110,8 +111,10 @@ def predict(
             for r in ranks
         ]
         nbytes, collectives = _busiest(counts, phases)
-        if strategy == "megatron_sp" and workload.heads < n:
-            note = f"heads {workload.heads} < SP {n}: not runnable"
+        method = METHODS.get(strategy)  # the registry's reason, as the harness reports it
+        why = method.unsupported(n, workload.heads) if method is not None else None
+        if why:
+            note = f"not runnable: {why}"
     flops = flops_per_rank(workload, plan, recompute)
     if not training:
         flops = forward_flops(workload).forward / n

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..parallel.methods.scan import ScanShape
 from ..parallel.plan import Stage
 
 # family -> builder(name, config, *, batch, frames, spatial, seq_len, context, itemsize, params)
@@ -43,6 +44,9 @@ class StageSpec:
         cross: it holds a cross-attention to replicated conditioning tokens.
         mlp: it holds the token-wise MLP.
         adaln: the attention/MLP input is adaLN-modulated and the output gated (video DiTs).
+        scan_over: the dims its selective scan runs over, in order (``()``: no scan).
+        scan: the scan mixer's :class:`~dspzoo.core.parallel.methods.scan.ScanShape` for one
+            line (``seq`` and ``batch`` are filled in per plan: ``mixer.scan_shape(1, ())``).
     """
 
     stage: Stage
@@ -51,6 +55,8 @@ class StageSpec:
     cross: bool = False
     mlp: bool = False
     adaln: bool = True
+    scan_over: tuple[str, ...] = ()
+    scan: ScanShape | None = None
 
     @property
     def name(self) -> str:

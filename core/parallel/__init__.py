@@ -14,6 +14,7 @@
 ``rng``, ``sharded_rng``  keyed randomness, exact under any sharding
 ``trace``          bytes per collective, op and region; saved-tensor memory
 ``validate``       input checks that raise on every rank of the group
+``tp_contract``    what a module declares to run under megatron_sp (``TP_PLAN``, ``heads``)
 =================  ============================================================================
 
 Nothing here imports the cost model, the training harness, the zoo or a domain.

@@ -399,7 +399,10 @@ def _act_options(
                     f"{stage.op!r} has no method that runs it over a sharded dim"
                 )
         else:
-            options += [(d, method) for d in (mixed if free else shape.dims)]
+            over = mixed if free else shape.dims
+            if get_op_kind(stage.op).ordered:  # a scan's segments: its outermost dim only
+                over = mixed[:1]
+            options += [(d, method) for d in over]
     return options
 
 

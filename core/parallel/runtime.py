@@ -29,6 +29,7 @@ sets the method, ``attention`` runs locally or through the method.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ from .mesh import SPMesh
 from .methods.megatron import gather_sequence, row_parallel_output
 from .methods.registry import get_method
 from .methods.ring import zigzag_gather, zigzag_positions, zigzag_split
+from .methods.scan import ScanOp, fold_scan_dims, unfold_scan_dims
 from .plan import Plan, Stage
 from .sharded_rng import seq_dropout
 from .strategies import get_strategy
@@ -317,6 +319,45 @@ class SeqParallel:
         if spec.sharded in over_dims and spec.method != "local":
             self._used("sp.attention")
         return sharded_attention(self, q, k, v, spec, over, mask, causal, scale)
+
+    def scan(
+        self, op: ScanOp, x: torch.Tensor, spec: SeqSpec, over: str | tuple[str, ...]
+    ) -> torch.Tensor:
+        """A selective scan (Mamba mixer ``op``) along sequence dim(s) ``over``, in that order.
+
+        ``x``: ``[B, *seq_local, C]`` laid out as ``spec``. The ``over`` dims are flattened into
+        one scanned sequence, the first outermost (a raster order), the other dims join the
+        batch; ``op`` maps ``[B', L, C]`` to ``[B', L, C']``. Local when the sharded dim is not
+        scanned (DSP's axial case); otherwise the plan's scan method (``state_passing``,
+        ``head_a2a``) runs ``op`` on this rank's segment, which needs the sharded dim to be the
+        outermost of ``over``. Returns ``[B, *seq_local, C']``.
+        """
+        over_dims = (over,) if isinstance(over, str) else tuple(over)
+        if not over_dims or len(set(over_dims)) != len(over_dims):
+            raise ValueError(f"sp.scan: name the dims to scan, each once (got over={over!r})")
+        for name in over_dims:
+            spec.index(name)  # clear error for unknown dims
+        sharded = spec.sharded
+        folded, moved = fold_scan_dims(x, spec, over_dims)
+        if self.size == 1 or sharded is None or sharded not in over_dims:
+            return unfold_scan_dims(op(folded), moved, spec, over_dims)
+        if spec.method == "local":
+            raise RuntimeError(
+                f"{self.strategy.name}: a scan over {over_dims} while {sharded!r} is sharded and "
+                f"the stage's plan says 'local'; call sp.to_stage() for this stage first, or "
+                f"declare that the stage mixes {over_dims} with op='scan'"
+            )
+        if over_dims[0] != sharded:
+            raise ValueError(
+                f"a scan over {over_dims} (in that order) with {sharded!r} sharded: each rank "
+                f"would hold pieces of the sequence, not one segment. Scan with the sharded dim "
+                f"outermost, or plan the stage so that {sharded!r} is whole (a DSP switch)"
+            )
+        self._used("sp.scan")
+        rest = math.prod(spec.length(d) for d in over_dims[1:])
+        seq_lengths = [s * rest for s in spec.shard_lengths(sharded, self.size)]
+        out = get_method(spec.method).scan(self, op, folded, seq_lengths)
+        return unfold_scan_dims(out, moved, spec, over_dims)
 
     # -- lockstep helpers -------------------------------------------------------------------
     def shard_like(

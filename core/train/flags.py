@@ -14,6 +14,8 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
+from ..argparser import CommandParser
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -58,7 +60,7 @@ def build_parser(
 
     ``defaults_shown`` overrides how a default is described (e.g. ``outputs/<model>``).
     """
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     hints = typing.get_type_hints(config_cls)

@@ -79,10 +79,16 @@ class VariableTokenizer(nn.Module):
         nn.init.normal_(self.query, std=0.02)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """``[..., V, p·p]`` raw patches → ``[..., C]`` tokens."""
-        tokens = torch.einsum("...vk,vkc->...vc", patches, self.weight) + self.var_embed
-        lead = tokens.shape[:-2]
-        flat = tokens.reshape(-1, *tokens.shape[-2:])  # [N, V, C]
+        """``[..., V, p·p]`` raw patches → ``[..., C]`` tokens.
+
+        The per-variable map is one batched matmul over ``V`` (``[V, N, p·p] @ [V, p·p, C]``),
+        not ``einsum``: with one variable einsum's backward hands the weight a gradient with
+        strides ``(C, C, 1)`` for its ``[1, p·p, C]`` shape, and DDP warns ("Grad strides do not
+        match bucket view strides") and copies it every step; ``bmm`` gives a contiguous one.
+        """
+        lead = patches.shape[:-2]
+        per_variable = patches.reshape(-1, *patches.shape[-2:]).transpose(0, 1)  # [V, N, p·p]
+        flat = torch.bmm(per_variable, self.weight).transpose(0, 1) + self.var_embed  # [N, V, C]
         k, v = rearrange(self.kv(flat), "n v (two h d) -> two n v h d", two=2, h=self.heads)
         q = self.query.to(flat.dtype)[None, None].expand(flat.shape[0], 1, -1, -1)
         out = attend(q, k, v)  # [N, 1, H, D]

@@ -54,6 +54,7 @@ PRIMITIVES = (
     "lss_attention",
     "usp_attention",
     "check_consistent",
+    "selective_scan",
 )
 _CODES = {name: 7_000 + i for i, name in enumerate(PRIMITIVES)}
 

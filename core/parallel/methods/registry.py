@@ -31,6 +31,7 @@ import torch
 from ..layout import shard_sizes
 from .lss import lss_attention
 from .ring import ring_attention
+from .scan import ScanOp, ScanShape, halo_bytes, head_a2a_scan, state_passing_scan
 from .ulysses import kv_heads_aligned, ulysses_attention
 from .usp import usp_attention
 
@@ -44,11 +45,14 @@ PHASES = ("forward", "backward")
 @dataclass(frozen=True)
 class OpKind:
     """What a stage computes. ``entry`` names the runtime call that runs it over a sharded dim
-    (``sp.attention`` for attention); a generic op has none: it always gets its dims whole."""
+    (``sp.attention`` for attention); a generic op has none: it always gets its dims whole.
+    ``ordered``: the op mixes its dims in their declared order (a scan over a raster), so a
+    method can run it only with the first (outermost) of them sharded."""
 
     name: str
     entry: str | None
     doc: str = ""
+    ordered: bool = False
 
 
 OP_KINDS: dict[str, OpKind] = {}
@@ -67,6 +71,9 @@ ATTENTION = register_op_kind(
 )
 GENERIC = register_op_kind(
     OpKind("generic", None, "any op that needs its dims whole (conv, pooling, FFT, custom)")
+)
+SCAN = register_op_kind(
+    OpKind("scan", "sp.scan", "a selective scan (Mamba) along the stage's dims, in order", True)
 )
 
 
@@ -201,6 +208,16 @@ class Method:
     ) -> torch.Tensor:
         """Run attention on folded ``[Bf, L_local, H, D]`` tensors over ``sp``'s group."""
         raise RuntimeError(f"method {self.name!r} does not run attention over a sharded dim")
+
+    def scan_bytes(self, out: CommCount, shape: ScanShape, rank: int) -> None:
+        """Add the bytes rank ``rank`` sends for one scan mixer of ``shape`` (tracer conventions)."""
+        raise ValueError(f"method {self.name!r} has no scan byte formula")
+
+    def scan(
+        self, sp: SeqParallel, op: ScanOp, x: torch.Tensor, seq_lengths: list[int]
+    ) -> torch.Tensor:
+        """Run scan module ``op`` on this rank's segment ``[B', L_r, C]`` of the sequence."""
+        raise RuntimeError(f"method {self.name!r} does not run a scan over a sharded dim")
 
     def __repr__(self) -> str:
         return f"<method {self.name}>"
@@ -392,6 +409,69 @@ class LSS(Method):
         return lss_attention(
             q, k, v, group=sp.group, seq_lengths=seq_lengths, causal=causal, scale=scale
         )
+
+
+@register_method
+class StatePassing(Method):
+    """A scan over the sharded dim, each rank on its segment: the conv halo by p2p, segment
+    summaries ``(decay, contribution)`` in one all-gather, an exclusive scan over the ranks for
+    each incoming state, a correction of the outputs (:mod:`.scan`). Its bytes do not grow
+    with the sequence: the planner prices it at a nominal quarter of a switch (the exact bytes,
+    ``scan_bytes``, need the mixer's shape: ``2·(N−1)·B·(decay + state)`` per direction)."""
+
+    name = "state_passing"
+    ops = frozenset({"scan"})
+    hybrid = True
+    entry = "sp.scan"
+    formula = "all-gather (N−1)·B·(decay+state) fwd, reduce-scatter bwd; conv halo B·C·(K−1) p2p"
+
+    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+        return 0.25
+
+    def scan_bytes(self, out: CommCount, shape: ScanShape, rank: int) -> None:
+        n = len(shape.seq)
+        halo_bytes(out, shape)
+        chunk = (n - 1) * shape.batch * shape.summary * shape.summary_itemsize
+        for _ in range(shape.directions):
+            out.add("all_gather", "forward", chunk)
+            out.add("reduce_scatter", "backward", chunk)
+
+    def scan(self, sp, op, x, seq_lengths):
+        return state_passing_scan(sp, op, x, seq_lengths)
+
+
+@register_method
+class HeadAllToAll(Method):
+    """A scan over the sharded dim with whole sequences per head (Megatron-Core's Mamba
+    context parallelism): after the conv (its halo by p2p) one all-to-all from sequence to head
+    (channel) shards, ``B``/``C`` gathered for local use, one all-to-all back (:mod:`.scan`)."""
+
+    name = "head_a2a"
+    ops = frozenset({"scan"})
+    hybrid = True
+    entry = "sp.scan"
+    formula = "all-to-all of the scan inputs to heads and of the output back, B/C all-gather"
+
+    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+        return float("inf") if self.unsupported(sp_size, heads) else 8.0
+
+    def unsupported(self, sp_size: int, heads: int | None = None) -> str | None:
+        if heads is not None and heads < sp_size:
+            return f"head_a2a needs at least as many heads as ranks ({heads} < {sp_size})"
+        return None
+
+    def scan_bytes(self, out: CommCount, shape: ScanShape, rank: int) -> None:
+        seq, n = list(shape.seq), len(shape.seq)
+        heads = shard_sizes(shape.heads, n)
+        halo_bytes(out, shape)
+        line = shape.batch * shape.itemsize
+        for _ in range(shape.directions):
+            switch_bytes(out, seq, heads, rank, line * shape.head_in)
+            gather_bytes(out, seq, line * shape.gathered)
+        switch_bytes(out, heads, seq, rank, line * shape.head_out)
+
+    def scan(self, sp, op, x, seq_lengths):
+        return head_a2a_scan(sp, op, x, seq_lengths)
 
 
 def usp_split(seq_lengths: list[int], ulysses: int, sp_rank: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,43 @@
+"""Command-line parsing whose errors are one line, printed once per launch.
+
+``argparse`` answers a bad argument with its whole usage block and then the error; under
+``accelerate launch`` every rank prints both. A :class:`CommandParser` prints only
+
+    <prog>: error: <message> (see <prog> --help)
+
+and exits with status 2, from the first rank of a launch only (``RANK`` unset or ``0``: every
+rank parses the same argv, so every rank fails alike and exits 2; one says why). The other
+ranks of a launch wait (up to :data:`PEER_WAIT_S`) before exiting, so that the launcher, which
+stops every rank when one exits, does not stop the first rank before it has printed (on a
+loaded machine its imports may finish seconds later); the launcher stops them as soon as the
+first rank exits, and stopped (SIGTERM) they exit with 2 as well. ``--help`` still prints the
+full usage. Subparsers made by ``add_subparsers`` are ``CommandParser`` s too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from typing import NoReturn
+
+from .quiet import first_of_launch
+
+USAGE_STATUS = 2
+PEER_WAIT_S = 60.0
+"""How long a rank other than the first waits for the first to report the error and exit."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose :meth:`error` is one line (module docstring)."""
+
+    def error(self, message: str) -> NoReturn:
+        if first_of_launch():
+            line = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
+            self._print_message(line, sys.stderr)
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(USAGE_STATUS))
+            time.sleep(PEER_WAIT_S)
+        self.exit(USAGE_STATUS)

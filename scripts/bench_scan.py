@@ -1,0 +1,243 @@
+"""CPU benchmark of the selective-scan kernels against sequential and published torch paths.
+
+One process, interleaved repetitions (every variant once per round, rounds repeated), median
+wall time of forward and of forward + backward, and the activation memory each variant keeps
+for backward (bytes of distinct saved storages, :class:`dspzoo.core.parallel.trace.SavedTensorMeter`)::
+
+    python scripts/bench_scan.py                       # L = 4096 and 16384, 3 rounds
+    python scripts/bench_scan.py --lengths 4096 --rounds 5 --threads 1
+
+Mamba-1: batch 1, d_inner 256, state 16, input-dependent B/C, D, z, softplus(Δ + bias).
+Variants: ``ours`` (:func:`selective_scan`), ``sequential`` (one step at a time, as a plain
+loop), and when installed ``transformers`` (``modeling_mamba.mamba_selective_scan``'s slow path)
+and ``pscan`` (mambapy's parallel scan on the discretised tensors, as transformers'
+``use_mambapy`` path does).
+
+Mamba-2 (SSD) at mamba2-130m's head shape: 24 heads × head_dim 64, state 128, one group, chunk
+256. Variants: ``ours`` (:func:`ssd_scan`), ``sequential`` and, when installed,
+``transformers`` (``modeling_mamba2.mamba2_chunk_scan``'s torch path).
+
+Ratios are ``variant time / ours`` (> 1: ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dspzoo.core.layers.scan import selective_scan, ssd_scan
+from dspzoo.core.parallel.trace import SavedTensorMeter, format_bytes
+
+Inputs = dict[str, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- Mamba-1
+
+
+def mamba1_inputs(length: int, dim: int = 256, nstate: int = 16, seed: int = 0) -> Inputs:
+    """Mamba-shaped inputs: Δ around softplus⁻¹(0.01..0.1), A = -(1..N) as at init."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).requires_grad_()
+
+    return dict(
+        u=r(1, dim, length),
+        delta=r(1, dim, length, scale=0.5),
+        A=(-torch.arange(1, nstate + 1.0).repeat(dim, 1)).requires_grad_(),
+        B=r(1, nstate, length),
+        C=r(1, nstate, length),
+        D=r(dim),
+        z=r(1, dim, length),
+        delta_bias=(torch.full((dim,), -3.0) + torch.rand(dim, generator=g)).requires_grad_(),
+    )
+
+
+def mamba1_ours(t: Inputs) -> torch.Tensor:
+    return selective_scan(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"],
+                          t["delta_bias"], delta_softplus=True)  # fmt: skip
+
+
+def _discretise(t: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``exp(ΔA)`` and ``Δ B u`` as ``[B, L, D, N]``, and Δ (shared by the baselines)."""
+    dt = F.softplus(t["delta"] + t["delta_bias"][:, None])  # [B, D, L]
+    decay = torch.exp(dt.transpose(1, 2)[..., None] * t["A"])
+    drive = (dt * t["u"]).transpose(1, 2)[..., None] * t["B"].transpose(1, 2)[:, :, None]
+    return decay, drive, dt
+
+
+def _finish(states_y: torch.Tensor, t: Inputs) -> torch.Tensor:
+    return (states_y + t["u"] * t["D"][:, None]) * F.silu(t["z"])
+
+
+def mamba1_sequential(t: Inputs) -> torch.Tensor:
+    """The recurrence one step at a time (what the scan replaces)."""
+    decay, drive, _ = _discretise(t)
+    state = torch.zeros_like(drive[:, 0])
+    ys = []
+    for step in range(drive.shape[1]):
+        state = decay[:, step] * state + drive[:, step]
+        ys.append(state @ t["C"][:, :, step, None])
+    return _finish(torch.cat(ys, -1), t)
+
+
+def mamba1_pscan(t: Inputs) -> torch.Tensor:
+    from mambapy.pscan import pscan
+
+    decay, drive, _ = _discretise(t)
+    states = pscan(decay, drive)  # [B, L, D, N]
+    y = (states @ t["C"].transpose(1, 2)[..., None]).squeeze(-1).transpose(1, 2)
+    return _finish(y, t)
+
+
+def mamba1_transformers(t: Inputs) -> torch.Tensor:
+    from transformers.models.mamba import modeling_mamba
+
+    fn = modeling_mamba.mamba_selective_scan
+    fn = getattr(fn, "__wrapped__", fn)
+    return fn(t["u"], t["delta"], t["A"], t["B"], t["C"], D=t["D"], z=t["z"],
+              delta_bias=t["delta_bias"], delta_softplus=True, use_mambapy=False)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- Mamba-2 (SSD)
+
+SSD_SHAPE = dict(heads=24, headdim=64, nstate=128, groups=1, chunk=256)  # mamba2-130m
+
+
+def ssd_inputs(length: int, seed: int = 0) -> Inputs:
+    g = torch.Generator().manual_seed(seed)
+    h, p, n, gr = (SSD_SHAPE[k] for k in ("heads", "headdim", "nstate", "groups"))
+
+    def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).requires_grad_()
+
+    return dict(
+        x=r(1, length, h, p),
+        dt=r(1, length, h, scale=0.5),
+        A=(-torch.arange(1, h + 1.0)).requires_grad_(),
+        B=r(1, length, gr, n, scale=n**-0.5),
+        C=r(1, length, gr, n, scale=n**-0.5),
+        D=r(h),
+        dt_bias=(torch.full((h,), -3.0) + torch.rand(h, generator=g)).requires_grad_(),
+    )
+
+
+def ssd_ours(t: Inputs) -> torch.Tensor:
+    return ssd_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], SSD_SHAPE["chunk"], D=t["D"],
+                    dt_bias=t["dt_bias"], dt_softplus=True)  # fmt: skip
+
+
+def ssd_sequential(t: Inputs) -> torch.Tensor:
+    dt = F.softplus(t["dt"] + t["dt_bias"])  # [B, L, H]
+    per_group = SSD_SHAPE["heads"] // SSD_SHAPE["groups"]
+    Bh, Ch = (t[k].repeat_interleave(per_group, dim=2) for k in ("B", "C"))
+    x = t["x"]
+    state = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], Bh.shape[-1])
+    ys = []
+    for step in range(x.shape[1]):
+        decay = torch.exp(dt[:, step] * t["A"])[..., None, None]
+        state = (
+            decay * state + (dt[:, step, :, None] * x[:, step])[..., None] * Bh[:, step, :, None]
+        )
+        ys.append(state @ Ch[:, step, :, :, None])
+    return torch.cat(ys, -1).movedim(-1, 1) + x * t["D"][:, None]
+
+
+def ssd_transformers(t: Inputs) -> torch.Tensor:
+    from transformers.models.mamba2 import modeling_mamba2
+
+    fn = modeling_mamba2.mamba2_chunk_scan
+    fn = getattr(fn, "__wrapped__", fn)
+    return fn(t["x"], t["dt"], t["A"], t["B"], t["C"], SSD_SHAPE["chunk"], D=t["D"],
+              dt_bias=t["dt_bias"], dt_softplus=True)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- harness
+
+
+def run_once(
+    fn: Callable[[Inputs], torch.Tensor], t: Inputs
+) -> tuple[float, float, int, torch.Tensor]:
+    """Forward time, forward + backward time, saved-activation bytes, output."""
+    leaves = list(t.values())
+    start = time.perf_counter()
+    with SavedTensorMeter(exclude=leaves) as meter:
+        out = fn(t)
+    forward = time.perf_counter() - start
+    grads = torch.autograd.grad(out.float().pow(2).sum(), leaves, allow_unused=True)
+    total = time.perf_counter() - start
+    del grads
+    return forward, total, meter.bytes, out.detach()
+
+
+def bench(title: str, variants: dict[str, Callable], t: Inputs, rounds: int) -> None:
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    memory: dict[str, int] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for _ in range(rounds):  # interleaved: each round runs every variant once
+        for name, fn in variants.items():
+            forward, total, saved, out = run_once(fn, t)
+            times[name].append((forward, total))
+            memory[name], outputs[name] = saved, out
+    ref = outputs["ours"]
+    ours_f = statistics.median(f for f, _ in times["ours"])
+    ours_t = statistics.median(t_ for _, t_ in times["ours"])
+    print(f"\n{title}")
+    print(
+        "| variant | forward s | fwd+bwd s | fwd ratio | fwd+bwd ratio | saved for backward | max |Δ| vs ours |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in variants:
+        f = statistics.median(x for x, _ in times[name])
+        tt = statistics.median(y for _, y in times[name])
+        diff = (outputs[name] - ref).abs().max().item()
+        print(f"| {name} | {f:.3f} | {tt:.3f} | {f / ours_f:.2f}× | {tt / ours_t:.2f}× | "
+              f"{format_bytes(memory[name])} | {diff:.1e} |")  # fmt: skip
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--ssd-lengths", type=int, nargs="+", default=None,
+                        help="lengths for the SSD scan (default: --lengths)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--skip-sequential-above", type=int, default=1 << 30,
+                        help="drop the sequential loops for longer sequences")  # fmt: skip
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"threads {args.threads}, rounds {args.rounds}")  # fmt: skip
+    print("command: python " + " ".join(sys.argv))
+    has = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "mambapy")}
+    for length in args.lengths:
+        variants: dict[str, Callable] = {"ours": mamba1_ours}
+        if length <= args.skip_sequential_above:
+            variants["sequential"] = mamba1_sequential
+            if has["transformers"]:
+                variants["transformers"] = mamba1_transformers
+        if has["mambapy"]:
+            variants["pscan"] = mamba1_pscan
+        bench(f"Mamba-1 selective scan, L={length}, d_inner 256, state 16, batch 1",
+              variants, mamba1_inputs(length), args.rounds)  # fmt: skip
+    for length in args.ssd_lengths or args.lengths:
+        variants = {"ours": ssd_ours}
+        if length <= args.skip_sequential_above:
+            variants["sequential"] = ssd_sequential
+        if has["transformers"]:
+            variants["transformers"] = ssd_transformers
+        bench(f"Mamba-2 SSD scan, L={length}, mamba2-130m heads (24 × 64, state 128), batch 1",
+              variants, ssd_inputs(length), args.rounds)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""What a new user meets at the command line: ``workload_for`` sized by dim names (what
+``dspzoo plan --dims`` forwards), a broken family plugin as one line (not a traceback), and
+argument errors as one line from one rank (no usage block, not once per rank)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dspzoo.core.argparser import CommandParser
+from dspzoo.zoo.workloads import workload_for
+
+
+def test_workload_for_takes_token_lengths_by_dim_name() -> None:
+    by_sizes = workload_for("axial3d-mini", frames=8, spatial=(32, 16))  # patch 4
+    assert by_sizes.dims == ("t", "h", "w") and by_sizes.lengths == (8, 8, 4)
+    by_dims = workload_for("axial3d-mini", dims={"t": 8, "h": 8, "w": 4})
+    assert by_dims == by_sizes
+    on_top = workload_for("axial3d-mini", frames=8, spatial=32, dims={"w": 3})
+    assert on_top.lengths == (8, 8, 3)
+    text = workload_for("bytelm-tiny", dims={"l": 300})  # a builder with a default length
+    assert text.lengths == (300,)
+    with pytest.raises(ValueError, match=r"with dims alone name all of them \(missing \['h'"):
+        workload_for("axial3d-mini", dims={"t": 8})
+    with pytest.raises(ValueError, match=r"has token dims \['t', 'h', 'w'\]; dims names \['q'\]"):
+        workload_for("axial3d-mini", frames=8, spatial=32, dims={"q": 2})
+    with pytest.raises(ValueError, match="integers >= 1"):
+        workload_for("axial3d-mini", frames=8, spatial=32, dims={"t": 0})
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dspzoo.zoo.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+def test_a_family_module_that_fails_to_import_is_one_line_with_status_2() -> None:
+    proc = _cli(["list"], {"DSPZOO_FAMILIES": "dspzoo_no_such_family_module"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "dspzoo: error: cannot import module 'dspzoo_no_such_family_module', named by "
+        "DSPZOO_FAMILIES="
+    )
+
+
+def _parse(argv: list[str], rank: str | None, capsys) -> tuple[int, str]:
+    parser = CommandParser(prog="sample_video.py")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    old = os.environ.pop("RANK", None)
+    if rank is not None:
+        os.environ["RANK"] = rank
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(argv)
+    finally:
+        os.environ.pop("RANK", None)
+        if old is not None:
+            os.environ["RANK"] = old
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_argument_errors_are_one_line_from_the_first_rank_only(capsys) -> None:
+    code, err = _parse([], None, capsys)  # launched alone: no RANK
+    assert code == 2
+    assert err == (
+        "sample_video.py: error: the following arguments are required: --model-dir "
+        "(see sample_video.py --help)\n"
+    )
+    assert _parse(["--model-dir", "m", "--steps", "x"], "0", capsys) == (
+        2,
+        "sample_video.py: error: argument --steps: invalid int value: 'x' "
+        "(see sample_video.py --help)\n",
+    )
+    assert _parse(["--model-dir", "m", "--steps", "x"], "1", capsys) == (2, "")  # rank 1: quiet
+    parser = CommandParser(prog="dspzoo")
+    sub = parser.add_subparsers(dest="command", required=True)
+    assert isinstance(sub.add_parser("info"), CommandParser)
