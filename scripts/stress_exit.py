@@ -2,7 +2,8 @@ r"""Launch a short multi-process dspzoo run many times and count the launches th
 
     python scripts/stress_exit.py --runs 30                  # 30 launches of 3 processes
     python scripts/stress_exit.py --runs 30 --launcher direct
-    python scripts/stress_exit.py --runs 30 --before-fix      # the exit dspzoo had before
+    python scripts/stress_exit.py --runs 30 --bare            # the issue's reproduction
+    python scripts/stress_exit.py --runs 30 --bare --released # ... ended by the fix
 
 Each launch starts ``--nproc`` processes (``torch.distributed.run`` by default, as ``accelerate
 launch`` does; ``--launcher direct`` starts the ranks itself, rank 0 then hosting the store);
@@ -25,7 +26,8 @@ import tempfile
 import time
 
 CHILD_FLAG = "--child"
-BEFORE_FLAG = "--before-fix"
+BARE_FLAG = "--bare"
+RELEASED_FLAG = "--released"
 CHILD_ARGS = [CHILD_FLAG]
 
 
@@ -111,27 +113,33 @@ def _launch_direct(nproc: int, timeout: float) -> tuple[list[int], str]:
         return codes, log.read()
 
 
-def child_as_before_the_fix() -> None:
-    """One rank ending the way dspzoo processes ended before ``release_communicators``: the
-    process group destroyed while the mesh and the DDP model still hold theirs, then the
-    interpreter's own exit (the release registered at exit taken back)."""
-    import atexit
-
+def bare_reproduction(release: bool) -> None:
+    """The issue's 10-line reproduction of the abort at exit: gloo, ``torch.distributed.
+    device_mesh`` imported, one ``all_to_all_single`` on the default group, then
+    ``destroy_process_group()`` (torch 2.13 aborts in some launches) — or, with ``release``,
+    dspzoo's :func:`~dspzoo.core.entry.release_communicators` in its place (the fix)."""
+    import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: F401  (the trigger)
 
-    from dspzoo.core import entry
+    dist.init_process_group("gloo")
+    sent = torch.arange(dist.get_world_size(), dtype=torch.float32)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=dist.group.WORLD)
+    if release:
+        from dspzoo.core.entry import release_communicators
 
-    child()
-    atexit.unregister(entry._release_unless_failed)
-    dist.destroy_process_group()
+        release_communicators()
+    else:
+        dist.destroy_process_group()
 
 
 def main() -> None:
     if CHILD_FLAG in sys.argv:
         from dspzoo.core.entry import run_entry_point
 
-        if BEFORE_FLAG in sys.argv:
-            child_as_before_the_fix()
+        if BARE_FLAG in sys.argv:
+            bare_reproduction(release=RELEASED_FLAG in sys.argv)
             return
         run_entry_point(child, "stress_exit")
         return
@@ -150,13 +158,21 @@ def main() -> None:
         "--timeout", type=float, default=120, help="seconds per launch (default: 120)"
     )
     parser.add_argument(
-        BEFORE_FLAG,
+        BARE_FLAG,
         action="store_true",
-        help="end every rank as dspzoo did before the fix (no release of the communicators)",
+        help="launch the issue's 10-line reproduction instead of a dspzoo run (the count "
+        "before the fix)",
+    )
+    parser.add_argument(
+        RELEASED_FLAG,
+        action="store_true",
+        help=f"with {BARE_FLAG}: end it with dspzoo's release_communicators (the fix)",
     )
     args = parser.parse_args()
-    if args.before_fix:
-        CHILD_ARGS.append(BEFORE_FLAG)
+    if args.bare:
+        CHILD_ARGS.append(BARE_FLAG)
+        if args.released:
+            CHILD_ARGS.append(RELEASED_FLAG)
     launch = _launch_torchrun if args.launcher == "torchrun" else _launch_direct
     failed = 0
     for run in range(1, args.runs + 1):

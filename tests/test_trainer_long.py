@@ -5,7 +5,7 @@ example each train 50 steps on one process and, in one 2-process launch (gloo), 
 with DDP on the mesh's own gradient communicator, on shapes that do not divide by 2 (5 frames,
 33 bytes, 23 residues, 3 weather states); the loss sequences agree to rel 1e-5 at every step.
 The short three-step version of every layout runs in ``tests/test_trainer_layouts.py``; this
-one is ``slow`` (about five minutes on two cores).
+one is ``slow`` and runs with ``DSPZOO_LONG_TESTS=1`` (24 min on two shared cores at load 25).
 
 Run as a script under ``torch.distributed.run`` this file is the 2-process driver.
 """
@@ -54,13 +54,17 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            str(Path(__file__).resolve()), str(data), str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return reference, json.loads((out / "losses.json").read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.skipif(
+    not os.environ.get("DSPZOO_LONG_TESTS"),
+    reason="50 steps × 5 domains × 2 runs (5–25 min on 2 cores): set DSPZOO_LONG_TESTS=1",
+)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("domain", DOMAINS)
 def test_fifty_steps_at_sp2_with_ddp_equal_one_process(launched, domain: str) -> None:
     reference, got = launched
