@@ -13,6 +13,7 @@ runs the same rollout, the model sharding each step over the group. The main pro
 <out>/forecast.nc (CF-1.8: the forecast and the truth per variable), <out>/maps_<var>.png
 (forecast, truth, error at the first, middle and last step), <out>/rmse_vs_lead.png and
 <out>/rmse.json (latitude-weighted RMSE per lead for the model, persistence, climatology).
+The command line of :func:`dspzoo.zoo.inference.forecast_weather` (the Python API).
 """
 
 from __future__ import annotations
@@ -64,15 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import torch
-
-    import dspzoo.domains.weather  # noqa: F401  (registers weathertx)
     from dspzoo.core.accelerate import setup_accelerate
-    from dspzoo.domains.weather.data import WeatherDataError
-    from dspzoo.domains.weather.forecast import forecast_from, plot_maps, plot_rmse, write_netcdf
-    from dspzoo.domains.weather.training import data_from_extra
-    from dspzoo.zoo import from_pretrained, load_extra
-    from dspzoo.zoo.shipped import resolve_pretrained
+    from dspzoo.domains.weather.forecast import plot_maps, plot_rmse, write_netcdf
+    from dspzoo.zoo import inference
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
@@ -82,49 +77,35 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps < 1 or args.sp < 1:
         parser.error("--steps and --sp must be >= 1")
     try:
-        folder = resolve_pretrained(args.model_dir)
-        model = from_pretrained(folder, expected_family="weathertx").float().eval()
-        extra = load_extra(folder)
-        if "weather" not in extra:
-            raise WeatherDataError(f"{folder}: no 'weather' settings in its config.json extra")
-        if args.data:
-            extra["weather"] = {**extra["weather"], "data": args.data}
-        data = data_from_extra(extra)
-    except (FileNotFoundError, KeyError, ValueError) as exc:
-        parser.error(str(exc.args[0]) if exc.args else str(exc))
-    w = data.window
-    lead = args.lead or min(w.leads)
-    year = args.init_year if args.init_year is not None else w.holdout_from - 1
-    matches = np.flatnonzero(data.fields.years == year)
-    if matches.size == 0:
-        parser.error(
-            f"--init-year {year} is not in the data ({data.fields.years.min()}–"
-            f"{data.fields.years.max()})"
+        model = inference.load(args.model_dir, "weathertx")
+        _, mesh, sp = setup_accelerate(args.sp, strategy=args.sp_strategy)
+        fc = inference.forecast_weather(
+            model,
+            steps=args.steps,
+            init_year=args.init_year,
+            trajectory=args.trajectory,
+            lead=args.lead,
+            data=args.data,
+            sp=sp,
         )
-    t0 = int(matches[-1])
-    _, mesh, sp = setup_accelerate(args.sp, strategy=args.sp_strategy)
-    with torch.no_grad():
-        fc = forecast_from(model, data, args.trajectory, t0, args.steps, lead, sp)
-    result = {
-        "init": str(data.fields.times[t0]),
-        "trajectory": data.fields.names[args.trajectory],
-        "leads": fc.leads.tolist(),
-        "rmse": {k: np.where(np.isnan(v), None, v).tolist() for k, v in fc.rmse.items()},
-    }
+    except (FileNotFoundError, KeyError, ValueError) as exc:  # WeatherDataError: a ValueError
+        parser.error(str(exc.args[0]) if exc.args else str(exc))
+    result = fc.summary()
     if mesh.is_main:
+        data, forecast = fc.data, fc.forecast
         out = Path(args.out)
-        write_netcdf(data, fc, out / "forecast.nc")
+        write_netcdf(data, forecast, out / "forecast.nc")
         for c, name in enumerate(data.fields.channels):
-            plot_maps(data, fc, out / f"maps_{name.replace('@', '_')}.png", channel=c)
-        plot_rmse(data, fc, out / "rmse_vs_lead.png")
+            plot_maps(data, forecast, out / f"maps_{name.replace('@', '_')}.png", channel=c)
+        plot_rmse(data, forecast, out / "rmse_vs_lead.png")
         (out / "rmse.json").write_text(json.dumps(result, indent=2))
         logger.info(
             "forecast of %d steps from %s written to %s (model RMSE at lead %d: %s)",
             args.steps,
             result["init"],
             out,
-            lead,
-            np.round(fc.rmse["model"][0], 4).tolist(),
+            fc.lead,
+            np.round(forecast.rmse["model"][0], 4).tolist(),
         )
     return result
 

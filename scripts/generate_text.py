@@ -2,6 +2,7 @@ r"""Continue a prompt with a trained byte-level language model (one process, KV 
 
     python scripts/generate_text.py --model-dir outputs/bytelm-small/final --prompt "def " --max-new 200
 
+The command line of :func:`dspzoo.zoo.inference.generate_text` (the Python API).
 Prints the prompt and its continuation (bytes decoded as UTF-8, undecodable ones replaced).
 Sampling is reproducible: the draws come from a generator seeded with --seed.
 """
@@ -10,13 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-import torch
-
-import dspzoo.domains.text  # noqa: F401  (registers the bytelm family)
 from dspzoo.core.argparser import CommandParser
-from dspzoo.zoo import from_pretrained, load_extra
+from dspzoo.zoo import inference
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,32 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> str:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_new < 0 or args.temperature < 0 or args.top_k < 0 or not args.prompt:
-        parser.error("need a non-empty --prompt and --max-new, --temperature, --top-k >= 0")
     try:
-        model = from_pretrained(args.model_dir, expected_family="bytelm")
+        loaded = inference.load(args.model_dir, "bytelm", args.device)
+        result = inference.generate_text(
+            loaded, args.prompt, args.max_new, args.temperature, args.top_k, args.seed
+        )
     except (FileNotFoundError, ValueError) as exc:  # CheckpointMismatchError is a ValueError
         parser.error(str(exc))
-    model = model.to(args.device).eval()
-    prompt = args.prompt.encode("utf-8")
-    trained = load_extra(args.model_dir).get("training", {}).get("seq_len")
-    if trained and len(prompt) + args.max_new > trained:
+    if result.beyond_training:
         print(
-            f"note: generating {len(prompt) + args.max_new} bytes, beyond the {trained}-byte "
-            f"windows the model was trained on",
+            f"note: generated {len(result.prompt) + len(result.new)} bytes, beyond the "
+            f"{result.trained_length}-byte windows the model was trained on",
             file=sys.stderr,
         )
-    generator = torch.Generator().manual_seed(args.seed)
-    start = time.perf_counter()
-    new = model.generate(prompt, args.max_new, args.temperature, args.top_k or None, generator)
-    seconds = time.perf_counter() - start
-    text = (prompt + new).decode("utf-8", errors="replace")
-    print(text)
+    print(result.text)
     print(
-        f"[{len(new)} bytes in {seconds:.2f} s, {len(new) / max(seconds, 1e-9):.0f} bytes/s]",
+        f"[{len(result.new)} bytes in {result.seconds:.2f} s, "
+        f"{len(result.new) / max(result.seconds, 1e-9):.0f} bytes/s]",
         file=sys.stderr,
     )
-    return text
+    return result.text
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ shipped model's name (dspzoo list --pretrained). --fasta holds the query (its fi
 row. The first process writes <out>.npz (sequence, residue_index, distogram probabilities
 [R, R, bins] as float16, bin boundaries, contact probabilities [R, R]) and <out>.png (the
 contact map). Every process of an SP group computes the same gathered output; `python
-scripts/predict_protein.py ...` runs it on one process.
+scripts/predict_protein.py ...` runs it on one process. The command line of
+:func:`dspzoo.zoo.inference.predict_protein` (the Python API).
 """
 
 from __future__ import annotations
@@ -17,16 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.strategies import STRATEGIES
-from dspzoo.domains.protein.data import ProteinDataError, parse_fasta, parse_msa, sequence_to_ids
-from dspzoo.domains.protein.dataset import collate, crop_and_sample
-from dspzoo.domains.protein.metrics import Bins, contact_probabilities, write_contact_png
+from dspzoo.domains.protein.data import ProteinDataError, parse_fasta
+from dspzoo.domains.protein.metrics import write_contact_png
+from dspzoo.domains.protein.predict import predict, prediction_sample  # noqa: F401  (were here)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,58 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def prediction_sample(sequence: str, msa_paths: list[str]) -> dict[str, Any]:
-    """The uncropped sample of a query and its alignments (no structure: zero targets)."""
-    from dspzoo.domains.protein.data import merge_msas
-
-    aatype = sequence_to_ids(sequence, "query")
-    msa = merge_msas(sequence, [parse_msa(p) for p in msa_paths])
-    n = len(aatype)
-    return {
-        "name": "query",
-        "aatype": aatype,
-        "residue_index": np.arange(n, dtype=np.int64),
-        "pseudo_beta": np.zeros((n, 3), dtype=np.float32),
-        "pseudo_beta_mask": np.zeros(n, dtype=np.float32),
-        "msa": msa.rows,
-        "deletions": msa.deletions,
-    }
-
-
-@torch.no_grad()
-def predict(
-    model: torch.nn.Module,
-    sample: dict[str, Any],
-    sp: Any = None,
-    num_recycles: int | None = None,
-    max_msa_rows: int | None = None,
-) -> dict[str, np.ndarray]:
-    """Distogram probabilities ``[R, R, bins]`` and contact probabilities ``[R, R]`` of one
-    sample (the first ``max_msa_rows`` MSA rows). With ``sp`` the model runs sharded over the
-    SP group (every rank passes the same sample) and returns the gathered output."""
-    rows = max_msa_rows or len(sample["msa"])
-    batch = collate([crop_and_sample(sample, None, rows, key=None)])
-    device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in batch.items()}
-    model.eval()
-    logits = model(batch, sp=sp, num_recycles=num_recycles)["distogram_logits"].float().cpu()
-    return {
-        "distogram": torch.softmax(logits, -1)[0].numpy(),
-        "contact_probs": contact_probabilities(logits, model.config)[0].numpy(),
-        "boundaries": Bins.of(model.config).boundaries().numpy(),
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, np.ndarray]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    import dspzoo.domains.protein  # noqa: F401  (registers the evoformer family)
     from dspzoo.core.accelerate import setup_accelerate
-    from dspzoo.zoo import from_pretrained, load_extra
+    from dspzoo.zoo import inference
 
     try:
         description, sequence = parse_fasta(args.fasta)[args.record]
-        sample = prediction_sample(sequence, args.msa)
     except IndexError:
         parser.error(f"--record {args.record}: {args.fasta} has fewer records")
     except ProteinDataError as exc:
@@ -120,13 +76,17 @@ def main(argv: list[str] | None = None) -> dict[str, np.ndarray]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     accelerator, mesh, sp = setup_accelerate(sp_size=args.sp or world, strategy=args.sp_strategy)
     try:
-        model = from_pretrained(args.model_dir, expected_family="evoformer")
-        settings = load_extra(args.model_dir).get("protein", {})
-    except (FileNotFoundError, ValueError) as exc:
+        model = inference.load(args.model_dir, "evoformer", accelerator.device)
+        result = inference.predict_protein(
+            model,
+            sequence,
+            args.msa,
+            sp=sp,
+            num_recycles=args.num_recycles,
+            max_msa_rows=args.max_msa_rows,
+        )
+    except (FileNotFoundError, ValueError) as exc:  # ProteinDataError is a ValueError
         parser.error(str(exc))
-    model = model.to(accelerator.device)
-    recycles = args.num_recycles if args.num_recycles is not None else settings.get("num_recycles")
-    result = predict(model, sample, sp if mesh.sp_size > 1 else None, recycles, args.max_msa_rows)
     if mesh.is_main:
         name = description.split()[0] if description else "query"
         out = Path(args.out) if args.out else Path("outputs/predict") / name
@@ -134,19 +94,23 @@ def main(argv: list[str] | None = None) -> dict[str, np.ndarray]:
         np.savez_compressed(
             out.with_suffix(".npz"),
             sequence=np.array(sequence),
-            residue_index=sample["residue_index"],
-            distogram=result["distogram"].astype(np.float16),
-            boundaries=result["boundaries"],
-            contact_probs=result["contact_probs"],
+            residue_index=result.residue_index,
+            distogram=result.distogram.astype(np.float16),
+            boundaries=result.boundaries,
+            contact_probs=result.contact_probs,
         )
         write_contact_png(
             out.with_suffix(".png"),
-            torch.from_numpy(result["contact_probs"]),
+            torch.from_numpy(result.contact_probs),
             title=f"{name} ({len(sequence)} residues, SP {mesh.sp_size})",
         )
         print(f"wrote {out.with_suffix('.npz')} and {out.with_suffix('.png')}")
     accelerator.wait_for_everyone()
-    return result
+    return {
+        "distogram": result.distogram,
+        "contact_probs": result.contact_probs,
+        "boundaries": result.boundaries,
+    }
 
 
 if __name__ == "__main__":

@@ -4,29 +4,27 @@
         --model-dir outputs/stdit-tiny/final --out outputs/stdit-tiny/samples.gif
 
 The latents stay sharded over the SP group for every denoising step and are gathered once at
-the end; rank 0 decodes them and writes a GIF (or MP4) grid with one row per class label (in
-label order) of --per-class clips each, and a PNG beside it: the frames of the first clip of
-every class, one row per class.
+the end; rank 0 writes a GIF (or MP4) grid with one row per class label (in label order) of
+--per-class clips each, and a PNG beside it: the frames of the first clip of every class, one
+row per class. The command line of :func:`dspzoo.zoo.inference.sample_video` (the Python API).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
 
-import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.argparser import CommandParser
 from dspzoo.core.parallel.strategies import STRATEGIES
-from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.io import save_frame_strip_png, video_grid, write_video
-from dspzoo.domains.video.sampling import sample_video
-from dspzoo.zoo import from_pretrained, load_config, load_extra
+from dspzoo.zoo import inference
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -66,61 +64,36 @@ def main() -> None:
     parser.add_argument(
         "--upscale", type=int, default=4, help="nearest-neighbour upscaling of the output"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 1 or args.per_class < 1 or args.upscale < 1:
         parser.error("--steps, --per-class and --upscale must be >= 1")
 
     import torch.distributed as dist
 
-    world = (
-        dist.get_world_size()
-        if dist.is_initialized()
-        else int(__import__("os").environ.get("WORLD_SIZE", 1))
-    )
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     accelerator, mesh, sp = setup_accelerate(
         sp_size=args.sp or world, seed=args.seed, strategy=args.sp_strategy
     )
-    model_dir = Path(args.model_dir)
-    family, _ = load_config(model_dir)
-    if family not in ("stdit", "latte"):
-        raise SystemExit(f"{model_dir} holds a {family!r} model, not a video model (stdit, latte)")
-    settings = load_extra(model_dir).get("sampling", {})
-    if not settings and (args.frames is None or args.size is None):
-        raise SystemExit(
-            f"{model_dir} holds no sampling settings (frames, size, codec; train_video.py saves "
-            f"them with the final model): pass --frames and --size"
-        )
-    frames = args.frames or settings["frames"]
-    size = args.size or settings["size"]
-    codec = PixelUnshuffleCodec(settings.get("codec_factor", 2))
-    model = from_pretrained(model_dir).to(accelerator.device).eval()  # family checked above
-    classes = max(1, model.config.num_classes)
-    labels = torch.arange(classes).repeat_interleave(args.per_class)
-    shape = (
-        len(labels),
-        model.config.in_channels,
-        frames,
-        size // codec.factor,
-        size // codec.factor,
-    )
-
-    result = sample_video(
+    model = inference.load(args.model_dir, inference.VIDEO_FAMILIES, accelerator.device)
+    result = inference.sample_video(
         model,
-        sp,
-        shape,
+        per_class=args.per_class,
         steps=args.steps,
-        labels=labels if model.config.num_classes else None,
         guidance=args.guidance,
+        frames=args.frames,
+        size=args.size,
         seed=args.seed,
+        sp=sp,
         progress=mesh.is_main,
     )
     latency = torch.tensor([result.seconds])
     if dist.is_initialized():
         dist.all_reduce(latency, op=dist.ReduceOp.MAX)
     if mesh.is_main:
-        video = codec.decode(result.latents).clamp(-1, 1)
+        video = result.video
         grid = video_grid(video, nrow=args.per_class)  # one row per class label
         # a shipped model (given by name) has no output folder of its own
+        model_dir = Path(args.model_dir)
         default = model_dir.parent if model_dir.is_dir() else Path("outputs") / model_dir.name
         out = Path(args.out) if args.out else default / "samples.gif"
         write_video(grid, out, fps=6, upscale=args.upscale)
@@ -129,9 +102,11 @@ def main() -> None:
             out.with_suffix(".png"),
             upscale=args.upscale,
         )
+        _, _, frames, height, width = video.shape
         print(
-            f"sampled {len(labels)} clips of {frames}×{size}×{size} with {args.steps} steps on {mesh.sp_size} SP rank(s): "
-            f"{float(latency):.2f} s ({float(latency) / args.steps * 1000:.1f} ms/step) -> {out} and {strip}"
+            f"sampled {len(video)} clips of {frames}×{height}×{width} with {args.steps} steps on "
+            f"{mesh.sp_size} SP rank(s): {float(latency):.2f} s "
+            f"({float(latency) / args.steps * 1000:.1f} ms/step) -> {out} and {strip}"
         )
     accelerator.wait_for_everyone()
 

@@ -2,6 +2,8 @@ r"""Launch a short multi-process dspzoo run many times and count the launches th
 
     python scripts/stress_exit.py --runs 30                  # 30 launches of 3 processes
     python scripts/stress_exit.py --runs 30 --launcher direct
+    python scripts/stress_exit.py --runs 30 --bare            # the issue's reproduction
+    python scripts/stress_exit.py --runs 30 --bare --released # ... ended by the fix
 
 Each launch starts ``--nproc`` processes (``torch.distributed.run`` by default, as ``accelerate
 launch`` does; ``--launcher direct`` starts the ranks itself, rank 0 then hosting the store);
@@ -24,6 +26,9 @@ import tempfile
 import time
 
 CHILD_FLAG = "--child"
+BARE_FLAG = "--bare"
+RELEASED_FLAG = "--released"
+CHILD_ARGS = [CHILD_FLAG]
 
 
 def child() -> None:
@@ -71,7 +76,7 @@ def _launch_torchrun(nproc: int, timeout: float) -> tuple[list[int], str]:
         "--master_port",
         str(_free_port()),
         __file__,
-        CHILD_FLAG,
+        *CHILD_ARGS,
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
@@ -94,7 +99,7 @@ def _launch_direct(nproc: int, timeout: float) -> tuple[list[int], str]:
                 LOCAL_WORLD_SIZE=str(nproc),
                 OMP_NUM_THREADS="1",
             )
-            command = [sys.executable, __file__, CHILD_FLAG]
+            command = [sys.executable, __file__, *CHILD_ARGS]
             procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
         deadline = time.monotonic() + timeout
         codes = []
@@ -108,10 +113,34 @@ def _launch_direct(nproc: int, timeout: float) -> tuple[list[int], str]:
         return codes, log.read()
 
 
+def bare_reproduction(release: bool) -> None:
+    """The issue's 10-line reproduction of the abort at exit: gloo, ``torch.distributed.
+    device_mesh`` imported, one ``all_to_all_single`` on the default group, then
+    ``destroy_process_group()`` (torch 2.13 aborts in some launches) — or, with ``release``,
+    dspzoo's :func:`~dspzoo.core.entry.release_communicators` in its place (the fix)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: F401  (the trigger)
+
+    dist.init_process_group("gloo")
+    sent = torch.arange(dist.get_world_size(), dtype=torch.float32)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=dist.group.WORLD)
+    if release:
+        from dspzoo.core.entry import release_communicators
+
+        release_communicators()
+    else:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     if CHILD_FLAG in sys.argv:
         from dspzoo.core.entry import run_entry_point
 
+        if BARE_FLAG in sys.argv:
+            bare_reproduction(release=RELEASED_FLAG in sys.argv)
+            return
         run_entry_point(child, "stress_exit")
         return
     parser = argparse.ArgumentParser(
@@ -128,7 +157,22 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=120, help="seconds per launch (default: 120)"
     )
+    parser.add_argument(
+        BARE_FLAG,
+        action="store_true",
+        help="launch the issue's 10-line reproduction instead of a dspzoo run (the count "
+        "before the fix)",
+    )
+    parser.add_argument(
+        RELEASED_FLAG,
+        action="store_true",
+        help=f"with {BARE_FLAG}: end it with dspzoo's release_communicators (the fix)",
+    )
     args = parser.parse_args()
+    if args.bare:
+        CHILD_ARGS.append(BARE_FLAG)
+        if args.released:
+            CHILD_ARGS.append(RELEASED_FLAG)
     launch = _launch_torchrun if args.launcher == "torchrun" else _launch_direct
     failed = 0
     for run in range(1, args.runs + 1):

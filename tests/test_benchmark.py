@@ -104,6 +104,42 @@ def test_traced_bytes_equal_the_formula_and_agree_with_one_process_on_an_uneven_
     assert not (result["_out"] / "results.png").exists()
 
 
+@pytest.mark.timeout(170)
+def test_end_to_end_mode_takes_the_trainers_optimisation_steps(tmp_path: Path) -> None:
+    """End-to-end at SP 2 (a budget nothing fits): the timed steps are the Trainer's
+    optimisation steps (DDP over dp × sp; megatron_sp's tensor-parallel sync), so the loss of
+    each step equals one process training the same model with AdamW on the whole batch."""
+    import copy
+
+    import torch
+
+    from dspzoo.core.bench.case import build_case
+    from dspzoo.core.bench.runner import TRAIN_LR
+    from dspzoo.core.parallel.runtime import SeqParallel
+
+    flags = ["--model", "stdit-tiny", "--frames", "5", "--latent", "6", "--warmup", "1",
+             "--reps", "3", "--mode", "end-to-end", "--memory-budget-mib", "0.001",
+             "--strategies", "dsp,megatron_sp"]  # fmt: skip
+    result = _launch(tmp_path, *flags)
+    assert result["sp"] == 2 and "nothing fits 0.001 MiB" in result["layout"]
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == {"dsp", "megatron_sp"}
+    _assert_exact_and_agrees(rows)
+    case = build_case(build_parser().parse_args(flags), result["batch"])
+    model, sp = copy.deepcopy(case.model), SeqParallel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+    expected = []
+    for _ in range(3):
+        loss, _ = case.step(model, sp, case.inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert expected[-1] != pytest.approx(expected[0], rel=1e-5)  # the weights moved
+    for name, r in rows.items():
+        assert r["train_losses"] == pytest.approx(expected, rel=1e-5), name
+
+
 # -- strategies a model cannot run --------------------------------------------------------------
 def _case(heads: int, tp_plan: bool) -> Case:
     import torch

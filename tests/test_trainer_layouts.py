@@ -1,8 +1,9 @@
 """Every domain trained by the one Trainer gives the same losses at every dp × sp layout.
 
 For video, text, protein, weather (with dropout 0.1) and the axial3d example: three steps on
-one process, then — in one 2-process launch (gloo) — the same run at dp 1 × sp 2 and at
-dp 2 × sp 1; the loss sequences agree to rel 1e-5. Shapes are uneven at SP 2 (5 frames, 23
+one process, then — in one 2-process launch (gloo) — the same run at dp 1 × sp 2, at
+dp 2 × sp 1 and at dp 1 × sp 2 with ``--fsdp`` (weights sharded; video's EMA too); the loss
+sequences agree to rel 1e-5. Shapes are uneven at SP 2 (5 frames, 23
 residues, 33 bytes, 3 weather states). Randomness is keyed by (seed, step, global sample
 index), so nothing may depend on the layout: weather's dropout once was keyed by the DP rank.
 
@@ -130,6 +131,8 @@ def _driver(data: str, out: str) -> None:
         for sp in (2, 1):  # dp 1 × sp 2, then dp 2 × sp 1
             run = config(sp=sp, output_dir=str(Path(out) / f"{name}-sp{sp}"))
             losses[f"{name}/sp{sp}"] = train(run)["losses"]
+        run = config(sp=2, fsdp=True, output_dir=str(Path(out) / f"{name}-fsdp"))
+        losses[f"{name}/fsdp"] = train(run)["losses"]  # sharded weights, dp 1 × sp 2
     for name in RESUMED:
         train, config = domains(Path(data))[name]
         resumed = train(config(sp=2, output_dir=str(Path(out) / f"{name}-cut"), resume="latest"))
@@ -162,10 +165,10 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("domain", ["video", "text", "protein", "weather", "axial3d"])
-def test_dp2_sp1_and_dp1_sp2_repeat_one_process(launched, domain: str) -> None:
+def test_dp2_sp1_dp1_sp2_and_fsdp_repeat_one_process(launched, domain: str) -> None:
     reference, got = launched
     assert len(reference[domain]) == STEPS
-    for layout in ("sp2", "sp1"):
+    for layout in ("sp2", "sp1", "fsdp"):
         losses = got[f"{domain}/{layout}"]
         assert losses == pytest.approx(reference[domain], rel=1e-5), (domain, layout)
 

@@ -103,7 +103,8 @@ class Case:
             out = model(tokens[:, :-1], sp, gather_output=False)
             return lm_loss(out, tokens[:, 1:], sp), out
         out = model(inputs["x"], inputs["t"], inputs["y"], sp=sp, gather_output=False)
-        target = sp.shard_like(model.patchify_target(inputs["target"]), out)
+        raw = getattr(model, "module", model)  # under DDP in end-to-end mode
+        target = sp.shard_like(raw.patchify_target(inputs["target"]), out)
         return sp_mse(out.tensor, target, sp.group), out
 
 

@@ -14,6 +14,7 @@ ratios to DSP are taken per repetition (paired) and reported with their IQR.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import resource
@@ -36,15 +37,27 @@ from .stats import paired_ratios, spread
 MODES = ("sp", "weak", "strong", "end-to-end")
 # ops the cost model's comm_bytes counts (the loss's all-reduce is outside it)
 MODEL_OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
+TRAIN_LR = 1e-4  # end-to-end mode: AdamW's learning rate
 __all__ = ["MODES", "PEER", "STRATEGIES", "Case", "Runner", "build_parser", "main", "run"]
 
 
 # -- one strategy's runner ------------------------------------------------------------------------
 class Runner:
     """A strategy with its own model copy and ``SeqParallel`` on the run's shared mesh of its
-    layout; one traced step (bytes, memory, agreement) and timed steps."""
+    layout; one traced step (bytes, memory, agreement) and timed steps.
 
-    def __init__(self, name: str, case: Case, sp_size: int, meshes: MeshCache) -> None:
+    ``train_step`` (end-to-end mode): the timed steps are whole optimisation steps as training
+    takes them — the Trainer's :class:`~dspzoo.core.train.OptimisationStep` with the strategy's
+    gradient synchronisation (:class:`~dspzoo.core.train.GradientSync`: DDP over dp × sp on its
+    own communicator, which also reduces over the SP group, or megatron_sp's tensor-parallel
+    path, which divides the sharded gradients) and AdamW — instead of a forward and backward
+    with a DP gradient average. The traced step then runs without the synchronisation, so the
+    agreement check sees this rank's own gradients.
+    """
+
+    def __init__(
+        self, name: str, case: Case, sp_size: int, meshes: MeshCache, train_step: bool = False
+    ) -> None:
         from ..parallel.runtime import SeqParallel
 
         self.name = name
@@ -59,17 +72,33 @@ class Runner:
         else:
             self.sp = SeqParallel(self.mesh, name)
         self.tensor_parallel = name in METHODS and METHODS[name].tensor_parallel
-        if self.tensor_parallel and sp_size > 1:
+        self.optimisation_step: Any = None
+        if train_step and name != PEER:
+            from ..train import GradientSync, OptimisationStep
+
+            sync = GradientSync(meshes.accelerator, self.mesh, self.sp)
+            model = sync.shard(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+            model, optimizer = sync.prepare(model, optimizer)
+            self.optimisation_step = OptimisationStep(meshes.accelerator, model, optimizer, sync)
+        elif self.tensor_parallel and sp_size > 1:
             from ..parallel.methods.megatron import parallelize_megatron
 
             model = parallelize_megatron(model, self.sp.group)
-        self.model = model
+        self.model = model  # under DDP in end-to-end mode
+        self.raw_model = getattr(model, "module", model)
+        self.train_losses: list[float] = []
         self.inputs = case.shard_batch(self.mesh.dp_rank, self.mesh.dp_size)
         self.times: list[float] = []
 
+    def _unsynchronised(self) -> Any:
+        """DDP's ``no_sync`` (end-to-end mode's traced step), else nothing."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
     def _sync_dp(self) -> None:
         """Data-parallel gradient averaging (one flat all-reduce over the DP group)."""
-        if self.mesh.dp_size == 1:
+        if self.mesh.dp_size == 1 or self.optimisation_step is not None:
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])
@@ -97,11 +126,12 @@ class Runner:
                 peer_ctx = count_deepspeed_bytes()
                 peer = peer_ctx.__enter__()
             try:
-                with SavedTensorMeter(self.model.parameters()) as meter:
-                    loss, out = self.case.step(self.model, self.sp, self.inputs)
-                if peer is not None:
-                    peer.phase = "backward"
-                loss.backward()
+                with self._unsynchronised():
+                    with SavedTensorMeter(self.model.parameters()) as meter:
+                        loss, out = self.case.step(self.model, self.sp, self.inputs)
+                    if peer is not None:
+                        peer.phase = "backward"
+                    loss.backward()
             finally:
                 if peer is not None:
                     peer_ctx.__exit__(None, None, None)
@@ -130,7 +160,7 @@ class Runner:
         if reference is not None:
             with torch.no_grad():
                 full = self.sp.exit(out.with_tensor(out.tensor.detach()))
-            grads = full_gradients(self.model, self.sp, self.mesh, self.tensor_parallel)
+            grads = full_gradients(self.raw_model, self.sp, self.mesh, self.tensor_parallel)
             agreement = compare(reference, full, grads)
             result["agreement"] = agreement.__dict__
         self._sync_dp()
@@ -140,10 +170,17 @@ class Runner:
         self.model.zero_grad(set_to_none=True)
         _barrier()
         start = time.perf_counter()
-        loss, _ = self.case.step(self.model, self.sp, self.inputs)
-        loss.backward()
-        self._sync_dp()
+        if self.optimisation_step is not None:
+            loss = self.optimisation_step(
+                lambda: self.case.step(self.model, self.sp, self.inputs)[0]
+            )
+        else:
+            loss, _ = self.case.step(self.model, self.sp, self.inputs)
+            loss.backward()
+            self._sync_dp()
         self.times.append(time.perf_counter() - start)
+        if self.optimisation_step is not None:  # this rank's loss (its world mean: the batch's)
+            self.train_losses.append(float(loss.detach()))
 
     def formula(self, rank_in_sp: int) -> dict[str, Any]:
         """The cost model for this rank, walking the plan the runtime makes: bytes by op and
@@ -187,8 +224,9 @@ def choose_layout(args: argparse.Namespace, world: int) -> tuple[int, int, str]:
     ``--batch`` × N (the work per rank stays fixed as N grows). ``strong``: SP = every process,
     batch ``--batch`` (fixed work), plus a one-process baseline for the speed-up.
     ``end-to-end``: global batch ``--batch`` × N over ``sp × dp = N``, with the smallest SP
-    whose predicted memory per rank (activations + parameters, gradients, Adam) fits
-    ``--memory-budget-mib`` (the DSP paper's rule).
+    whose predicted memory per rank (activations + parameters, gradients, Adam: whole on every
+    rank, as under DDP) fits ``--memory-budget-mib`` (the DSP paper's rule); its timed steps
+    are the Trainer's optimisation steps (:class:`Runner`).
     """
     if args.mode in ("sp", "strong"):
         return world, args.batch, f"SP {world}, batch {args.batch}"
@@ -205,8 +243,9 @@ def choose_layout(args: argparse.Namespace, world: int) -> tuple[int, int, str]:
         if batch % dp:
             continue
         wl = probe.workload(batch // dp)
+        # DDP, as training: every rank holds whole weights, gradients and Adam moments
         need = activation_bytes(wl, "dsp", sp) + model_state_bytes(
-            wl.params, param_itemsize=4, grad_itemsize=4, shard=world, zero=1
+            wl.params, param_itemsize=4, grad_itemsize=4, zero=0
         )
         tried.append(f"SP {sp}: {need / 2**20:.0f} MiB")
         if need <= budget:
@@ -277,7 +316,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     else:
         skipped[PEER] = why_not
     meshes = MeshCache(accelerator, built=(world_mesh,))
-    runners = [Runner(n, case, sp_size, meshes) for n in names]
+    train_step = args.mode == "end-to-end"
+    runners = [Runner(n, case, sp_size, meshes, train_step) for n in names]
     main = rank == 0
     reference = None
     if not args.no_check:  # one process on this rank's DP group's samples
@@ -308,6 +348,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         bar.close()
     for r in runners:
         mine[r.name]["times"] = r.times
+        mine[r.name]["train_losses"] = r.train_losses
         mine[r.name]["formula"] = r.formula(r.mesh.sp_rank)
     base_times = None
     if args.mode == "strong" and args.reps:
@@ -362,6 +403,10 @@ def summarise(args, case, gathered, names, skipped, sp, world, layout) -> dict[s
             "peak_rss_bytes": max(p["peak_rss_bytes"] for p in per),
             "loss": statistics.mean(p["loss"] for p in per),
         }
+        if per[0]["train_losses"]:  # end-to-end: the global batch's loss of every timed step
+            row["train_losses"] = [
+                statistics.mean(s) for s in zip(*(p["train_losses"] for p in per))
+            ]
         if "agreement" in per[0]:
             agree = [p["agreement"] for p in per]
             row["output_error"] = max(a["output_error"] for a in agree)

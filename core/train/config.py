@@ -47,7 +47,19 @@ class RunConfig:
     weight_decay: float = flag(0.0, "AdamW weight decay")
     warmup: int = flag(20, "linear warm-up steps, then cosine decay to 10%% of the peak")
     grad_clip: float = flag(1.0, "clip the global gradient norm to this value (0: off)")
-    mixed_precision: str = flag("no", "autocast precision", ("no", "fp16", "bf16"))
+    mixed_precision: str = flag(
+        "no", "autocast precision (under --fsdp: the sharding's compute precision)",
+        ("no", "fp16", "bf16"),
+    )  # fmt: skip
+    fsdp: bool = flag(
+        False,
+        "shard weights, gradients and optimizer state over the dp × sp world (FSDP2 "
+        "fully_shard, one unit per block); checkpoints hold full tensors and resume at any "
+        "layout, with or without it",
+    )
+    activation_checkpointing: bool = flag(
+        False, "with --fsdp: recompute each block's forward in backward instead of keeping it"
+    )
     seed: int = flag(0, "seed of the weights, the data order and every random draw")
     num_workers: int = flag(0, "dataloader worker processes per rank")
     output_dir: str | None = flag(None, "where checkpoints, logs and the final model go")
@@ -84,6 +96,13 @@ class RunConfig:
         )
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
+        if self.activation_checkpointing and not self.fsdp:
+            raise ValueError("--activation-checkpointing applies to --fsdp runs; add --fsdp")
+        if self.fsdp and self.sp_strategy == "megatron_sp":
+            raise ValueError(
+                "--fsdp shards the weights over dp × sp, and --sp-strategy megatron_sp shards "
+                "them over the SP group already: drop --fsdp or pick another strategy"
+            )
         if self.sp_strategy in NOT_WIRED:
             raise ValueError(
                 f"--sp-strategy {self.sp_strategy}: the training scripts do not drive it yet; "

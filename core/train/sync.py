@@ -4,6 +4,9 @@
   (:class:`~dspzoo.core.tensor_parallel_training.TensorParallelTraining`): no DDP, replicated
   gradients averaged and sharded ones reduced after the backward pass, full-tensor
   checkpoints.
+* ``--fsdp`` (any strategy but ``megatron_sp``): FSDP2 ``fully_shard`` over the dp × sp world
+  (:mod:`dspzoo.core.train.fsdp`): weights, gradients and optimizer state sharded, gradients
+  averaged over the world as DDP would, on the same gradient communicator.
 * Every other strategy: DDP over the whole dp × sp world. Under the gradient contract
   (:mod:`dspzoo.core.loss`) the world mean of the per-rank gradients is the data-parallel mean
   of single-process gradients, whatever the domain's loss (sharded or replicated).
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..tensor_parallel_training import TensorParallelTraining
+from .fsdp import FullyShardedTraining, ShardingSettings
 
 
 def gradient_group(mesh: Any) -> Any:
@@ -45,24 +50,40 @@ class GradientSync:
     final = sync.full_model(raw_model)           # collective
     """
 
-    def __init__(self, accelerator: Any, mesh: Any, sp: Any) -> None:
+    def __init__(
+        self, accelerator: Any, mesh: Any, sp: Any, sharding: ShardingSettings | None = None
+    ) -> None:
+        """``sharding``: train under FSDP (``--fsdp``) with these settings; ``None``: DDP or
+        the tensor-parallel path, as the strategy says."""
         self.accelerator, self.mesh = accelerator, mesh
         self.tp = TensorParallelTraining(accelerator, mesh, sp)
+        if sharding is not None and self.tp.active:
+            raise ValueError(
+                f"--fsdp shards the weights over dp × sp, and --sp-strategy {sp.strategy.name} "
+                f"shards them over the SP group already: drop --fsdp or pick another strategy"
+            )
+        self.fsdp = FullyShardedTraining(accelerator, mesh, sharding) if sharding else None
+        # the path that shards weights, if any (both share the calls below)
+        self.sharded: Any = self.tp if self.tp.active else None
+        if self.fsdp is not None and self.fsdp.active:
+            self.sharded = self.fsdp
 
     @property
     def method(self) -> str:
-        """``"tensor-parallel"`` or ``"ddp"`` (for the logs)."""
-        return "tensor-parallel" if self.tp.active else "ddp"
+        """``"tensor-parallel"``, ``"fsdp"`` or ``"ddp"`` (for the logs)."""
+        if self.sharded is None:
+            return "ddp"
+        return "tensor-parallel" if self.sharded is self.tp else "fsdp"
 
     def shard(self, model: nn.Module) -> nn.Module:
         """The strategy's weight shards of ``model`` (itself when nothing is sharded)."""
-        return self.tp.shard(model)
+        return self.sharded.shard(model) if self.sharded is not None else model
 
     def prepare(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         """Device placement and mixed precision (Accelerate), then DDP on
-        :func:`gradient_group` — or the tensor-parallel preparation."""
-        if self.tp.active:
-            return self.tp.prepare(model, optimizer)
+        :func:`gradient_group` — or the sharded path's preparation."""
+        if self.sharded is not None:
+            return self.sharded.prepare(model, optimizer)
         model = self.accelerator.prepare_model(model, evaluation_mode=True)  # no wrapper yet
         if self.mesh.world_size > 1 and any(p.requires_grad for p in model.parameters()):
             cuda = self.accelerator.device.type == "cuda"
@@ -76,12 +97,17 @@ class GradientSync:
     def sync_and_clip(self, model: nn.Module, max_norm: float) -> None:
         """After ``backward``: the synchronisation DDP does not do (tensor-parallel path),
         then the global gradient norm clipped to ``max_norm`` (0: off)."""
-        self.tp.sync_and_clip(model, max_norm)
+        (self.sharded or self.tp).sync_and_clip(model, max_norm)
+
+    def local_parameters(self, model: nn.Module) -> list[torch.Tensor]:
+        """This rank's parameter tensors (a sharded parameter's local shard), e.g. to leave
+        them out of activation memory."""
+        return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
 
     def checkpointable(self, ema: Any) -> Any:
         """What to register for checkpointing for an EMA (full tensors when sharded)."""
-        return self.tp.checkpointable(ema)
+        return self.sharded.checkpointable(ema) if self.sharded is not None else ema
 
     def full_model(self, model: nn.Module) -> nn.Module:
         """The whole unwrapped model with full weights (collective when sharded)."""
-        return self.tp.full_model(model)
+        return self.sharded.full_model(model) if self.sharded is not None else model

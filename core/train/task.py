@@ -103,6 +103,13 @@ class Task:
             model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
 
+    def fsdp_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The ``fully_shard`` units under ``--fsdp`` (default: the blocks,
+        :func:`~dspzoo.core.train.fsdp.shard_units`)."""
+        from .fsdp import shard_units
+
+        return shard_units(model)
+
     def ema_decay(self) -> float:
         """Decay of the parameter average saved as the final model (0: none)."""
         return 0.0

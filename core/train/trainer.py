@@ -30,6 +30,7 @@ from ..parallel.trace import SavedTensorMeter, format_bytes
 from .checkpoint import save_checkpoint
 from .config import start_run, train_loader, warmup_cosine
 from .ema import EMA
+from .fsdp import ShardingSettings
 from .loop import LoopSettings, run_training_loop
 from .resume import layout_of, mean_step_time, resume_from
 from .step import OptimisationStep
@@ -54,7 +55,12 @@ class Trainer:
         self.accelerator, self.mesh, self.sp, self.output_dir = accelerator, mesh, sp, output_dir
         task.attach(accelerator, mesh, sp, output_dir)
         dataset = task.build_data()
-        self.sync = GradientSync(accelerator, mesh, sp)
+        sharding = (
+            ShardingSettings(cfg.mixed_precision, cfg.activation_checkpointing, task.fsdp_units)
+            if getattr(cfg, "fsdp", False)
+            else None
+        )
+        self.sync = GradientSync(accelerator, mesh, sp, sharding)
         model = self.sync.shard(task.build_model())
         optimizer = task.build_optimizer(model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
@@ -181,7 +187,7 @@ class Trainer:
             self.loader,
             self.step,
             self.checkpoint,
-            self.model.parameters,
+            lambda: self.sync.local_parameters(self.model),
             history,
             self.mesh.is_main,
             self.logger,

@@ -263,6 +263,13 @@ class ProteinTask(Task):
     def tokens_per_sample(self, model: torch.nn.Module) -> int:
         return self.cfg.crop_size
 
+    def fsdp_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The sublayers of every Evoformer block: a block begins on ``m`` and ``z`` whose
+        switch the plan may have overlapped with the previous block (see ``sublayer_units``)."""
+        from dspzoo.core.train.fsdp import sublayer_units
+
+        return sublayer_units(model)
+
     def step_batch(self, samples: list[Sample], step: int) -> dict[str, torch.Tensor]:
         """This DP group's batch of ``step``: keyed crops and MSA rows of its samples."""
         first = self.first_sample(step)
