@@ -1,19 +1,58 @@
-"""dspzoo.core: the parallel layer (mesh, collectives, layouts, planner, strategies, accounting).
+"""dspzoo.core: everything below the zoo, in folders that show the architecture.
+
+=============  ====================================================================================
+``parallel/``  the DSP layer: mesh, collectives, layouts, the planner, the runtime, the method
+               registry and strategies, keyed randomness, tracing
+``layers/``    attention, MLP, modulation and embedding layers (CPU kernels; GPU ones when present)
+``train/``     the Trainer and the domain Task protocol, checkpoints, resume, EMA
+``costmodel/`` byte / FLOP / memory formulas read from the method registry, clusters, prediction
+``bench/``     the one benchmark (every strategy and a DeepSpeed peer on the same weights)
+``harness``    the public equivalence harness for new architectures
+=============  ====================================================================================
 
 Knows nothing about any domain. The paper's four-function API is :func:`sp_dataloader`,
 :func:`split`, :func:`gather` and :func:`switch`; :class:`SeqParallel` adds named dims, plans
-and strategies on top.
+and strategies on top. The parallel layer's modules moved into ``parallel/``; their old paths
+(``dspzoo.core.plan``, ``dspzoo.core.runtime``, …) are aliases of the new modules.
 """
 
-from .comm import gather, gather_for_local_use, set_debug, split, switch, switch_async
+import importlib as _importlib
+import pkgutil as _pkgutil
+import sys as _sys
+
 from .data import sp_dataloader
-from .layout import SeqSpec, shard_sizes
 from .loss import sp_mean, sp_mse, sp_report
-from .mesh import SPMesh, build_mesh, seed_everything, single_process_mesh, sp_generator
-from .plan import Plan, Stage, plan_stages
-from .runtime import SeqParallel, SeqTensor
-from .sharded_rng import ShardBlock, shard_block, sharded_dropout, sharded_uniform
-from .trace import SavedTensorMeter, comm_region, trace_comm
+from .parallel.comm import gather, gather_for_local_use, set_debug, split, switch, switch_async
+from .parallel.layout import SeqSpec, shard_sizes
+from .parallel.mesh import SPMesh, build_mesh, seed_everything, single_process_mesh, sp_generator
+from .parallel.plan import Plan, Stage, plan_stages
+from .parallel.runtime import SeqParallel, SeqTensor
+from .parallel.sharded_rng import ShardBlock, shard_block, sharded_dropout, sharded_uniform
+from .parallel.trace import SavedTensorMeter, comm_region, trace_comm
+
+# the parallel layer's old module paths (dspzoo.core.runtime, …) name the moved modules
+for _name in (
+    "comm",
+    "context",
+    "layout",
+    "mesh",
+    "methods",
+    "multiplan",
+    "plan",
+    "planner",
+    "rng",
+    "runtime",
+    "sharded_rng",
+    "strategies",
+    "trace",
+    "validate",
+):
+    _module = _importlib.import_module(f".parallel.{_name}", __name__)
+    _sys.modules.setdefault(f"{__name__}.{_name}", _module)
+    globals().setdefault(_name, _module)
+    for _sub in _pkgutil.iter_modules(getattr(_module, "__path__", [])):
+        _full = _importlib.import_module(f".parallel.{_name}.{_sub.name}", __name__)
+        _sys.modules.setdefault(f"{__name__}.{_name}.{_sub.name}", _full)
 
 __all__ = [
     "Plan",

@@ -13,7 +13,9 @@ Inside a script started by ``accelerate launch --multi_gpu --num_processes N`` (
 
 DDP (and FSDP2's ``fully_shard``) average gradients over the whole world; under the gradient
 contract of :mod:`dspzoo.core.loss` that is exactly the data-parallel average of
-single-process gradients, so no extra scaling is needed. On a machine without CUDA the
+single-process gradients, so no extra scaling is needed. ``accelerator.prepare`` builds DDP on
+``mesh.grad_group`` (all ranks, a communicator of its own; see :mod:`dspzoo.core.parallel.mesh`), so its
+bucket all-reduces never share a communicator with the SP group's collectives. On a machine without CUDA the
 Accelerator is built with ``cpu=True`` and gloo (``--multi_gpu`` still starts N processes),
 and glibc malloc's thresholds are raised process-wide (logged at INFO; opt out with
 ``keep_freed_memory=False`` or ``DSPZOO_KEEP_FREED_MEMORY=0``, see :func:`setup_accelerate`).
@@ -21,16 +23,19 @@ and glibc malloc's thresholds are raised process-wide (logged at INFO; opt out w
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
 
 from . import perf
-from .mesh import SPMesh, build_mesh, seed_everything
-from .runtime import SeqParallel
+from .parallel.mesh import SPMesh, build_mesh, seed_everything
+from .parallel.runtime import SeqParallel
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,7 @@ def setup_accelerate(
     Args:
         sp_size: ranks per SP group; must divide the number of launched processes.
         seed: base seed; RNG is identical inside an SP group, distinct across DP groups.
-        strategy: sequence-parallel strategy name (``dspzoo.core.strategies.STRATEGIES``).
+        strategy: sequence-parallel strategy name (``dspzoo.core.parallel.strategies.STRATEGIES``).
         sp_dim: the dim an embedded strategy shards (default: the longest).
         ulysses_size: for ``usp``, the Ulysses degree inside the SP group (default:
             :func:`default_ulysses_size`).
@@ -93,8 +98,41 @@ def setup_accelerate(
     if strategy == "usp" and ulysses_size is None:
         ulysses_size = default_ulysses_size(sp_size)
     mesh = build_mesh(sp_size, accelerator, ulysses_size=ulysses_size)
+    if mesh.grad_group is not None:
+        accelerator.ddp_handler = GroupDDPKwargs.on_group(mesh.grad_group, accelerator.ddp_handler)
     seed_everything(mesh, seed)
     return accelerator, mesh, SeqParallel(mesh, strategy, dim=sp_dim)
+
+
+@dataclass
+class GroupDDPKwargs(DistributedDataParallelKwargs):
+    """Accelerate's DDP kwargs plus the ``process_group`` DDP averages gradients on.
+
+    ``accelerator.prepare`` passes ``to_kwargs()`` to ``DistributedDataParallel``; Accelerate's
+    own handler has no ``process_group`` field (and deep-copies its fields, which a process
+    group does not allow), so the group is kept out of ``to_dict`` and added here.
+    """
+
+    process_group: Any = None
+
+    @classmethod
+    def on_group(
+        cls, group: Any, base: DistributedDataParallelKwargs | None = None
+    ) -> GroupDDPKwargs:
+        """``base``'s settings (the user's ``kwargs_handlers``, if any) with ``group``."""
+        settings = {} if base is None else dict(vars(base))
+        settings.pop("process_group", None)
+        return cls(**settings, process_group=group)
+
+    def to_dict(self, ignore_keys=("comm_hook", "comm_wrapper", "comm_state_option")):
+        own = {k: v for k, v in vars(self).items() if k != "process_group"}
+        return {k: v for k, v in copy.deepcopy(own).items() if k not in ignore_keys}
+
+    def to_kwargs(self) -> dict[str, Any]:
+        kwargs = super().to_kwargs()
+        if self.process_group is not None:
+            kwargs["process_group"] = self.process_group
+        return kwargs
 
 
 def default_ulysses_size(sp_size: int) -> int:

@@ -14,7 +14,7 @@ global batch and every rank of an SP group loads exactly that share. So
 Worker processes are seeded from a generator that is identical inside an SP group and distinct
 across DP groups (every epoch), so in-worker augmentation agrees inside a group. For results
 independent of the layout, datasets should be pure functions of the sample index (both
-built-in video datasets are) and training draws should be keyed (:mod:`dspzoo.core.rng`).
+built-in video datasets are) and training draws should be keyed (:mod:`dspzoo.core.parallel.rng`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .mesh import SPMesh, mix_dp_rank, sp_generator
-from .rng import keyed_generator, mix_key
+from .parallel.mesh import SPMesh, mix_dp_rank, sp_generator
+from .parallel.rng import keyed_generator, mix_key
 
 
 class SPBatchSampler(Sampler[list[int]]):

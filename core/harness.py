@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .mesh import SPMesh, build_mesh
-from .runtime import SeqParallel
-from .strategies import STRATEGIES
+from .parallel.mesh import SPMesh, build_mesh
+from .parallel.runtime import SeqParallel
+from .parallel.strategies import STRATEGIES
+from .parallel.trace import CommTracer, trace_comm
 from .testing import run_distributed
-from .trace import CommTracer, trace_comm
 
 PHASES = ("forward", "backward")
 
@@ -182,7 +182,7 @@ def _run(case: _Case, sp: SeqParallel, megatron: bool) -> tuple[torch.Tensor, nn
     torch.manual_seed(case.seed)
     model = case.make_model()
     if megatron:
-        from .methods.megatron import parallelize_megatron
+        from .parallel.methods.megatron import parallelize_megatron
 
         parallelize_megatron(model, sp.group)
     torch.manual_seed(case.seed)
@@ -198,7 +198,7 @@ def full_gradients(
     the SP-group mean of the local gradients (the gradient contract), or under ``megatron_sp``
     (``megatron=True``) the full tensors reassembled after Megatron's gradient sync."""
     if megatron:
-        from .methods.megatron import gather_full, megatron_grad_sync
+        from .parallel.methods.megatron import gather_full, megatron_grad_sync
 
         megatron_grad_sync(model, mesh)
         return gather_full(model, sp.group, grads=True)
@@ -365,7 +365,7 @@ def check_model(
         make_inputs: zero-argument callable returning the example inputs (same on every call).
         forward: ``forward(model, inputs, sp) -> Tensor``, the replicated output (default
             :func:`call_with_sp`).
-        strategies: names from :data:`~dspzoo.core.strategies.STRATEGIES` (default: all;
+        strategies: names from :data:`~dspzoo.core.parallel.strategies.STRATEGIES` (default: all;
             ``megatron_sp`` only for models that declare ``TP_PLAN``).
         sp_sizes: SP sizes to check; one spawn of ``max(sp_sizes)`` gloo processes, the
             smaller sizes on SP groups of its first ranks (USP at the largest even size ≥ 4

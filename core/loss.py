@@ -7,7 +7,7 @@ dp × sp world (what DDP and FSDP do by default) then gives exactly the data-par
 single-process gradients — for parameters used before the split, inside the sharded region and
 after the gather alike.
 
-* A loss on *replicated* data (after :func:`~dspzoo.core.comm.gather`) is computed as usual on
+* A loss on *replicated* data (after :func:`~dspzoo.core.parallel.comm.gather`) is computed as usual on
   every rank: its mean over the group is itself.
 * A loss on *sharded* tokens uses :func:`sp_mean`: rank ``r`` returns
   ``N · Σ_{own tokens} ℓ / (global token count)``, whose mean over the group is the global
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .comm import all_reduce_sum, group_size
+from .parallel.comm import all_reduce_sum, group_size
 
 
 def sp_mean(values: torch.Tensor, group: Any, weight: torch.Tensor | None = None) -> torch.Tensor:

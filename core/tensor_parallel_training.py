@@ -1,7 +1,8 @@
 """Training under a strategy that shards the model's weights (``megatron_sp``), like any other.
 
-Every training script makes the same calls whatever the strategy; they only do something
-special when the strategy shards weights (:attr:`TensorParallelTraining.active`)::
+The Trainer's gradient synchronisation (:class:`dspzoo.core.train.sync.GradientSync`) makes
+these calls whatever the strategy; they only do something special when the strategy shards
+weights (:attr:`TensorParallelTraining.active`), and otherwise the Trainer runs DDP::
 
     tp = TensorParallelTraining(accelerator, mesh, sp)
     model = tp.shard(build_model(cfg))                 # parallelize_megatron, before the optimizer
@@ -19,7 +20,7 @@ dp × sp) and ``accelerator.clip_grad_norm_``. With it:
 
 **No DDP.** DDP would broadcast rank 0's shards at construction and average different shards;
 the model is prepared with ``evaluation_mode=True`` (device placement and mixed precision,
-no wrapper) and :func:`~dspzoo.core.methods.megatron.megatron_grad_sync` runs after backward
+no wrapper) and :func:`~dspzoo.core.parallel.methods.megatron.megatron_grad_sync` runs after backward
 instead (replicated gradients summed over dp × sp, sharded ones over dp, both divided by
 dp · sp).
 
@@ -35,7 +36,7 @@ the DP groups hold the same values). Clipping then scales every gradient by
 resumes at any layout under any strategy, in both directions:
 
 * saving (Accelerate's ``save_state`` calls these on every rank, so they may communicate):
-  the model's shards are replaced by :func:`~dspzoo.core.methods.megatron.gather_full`'s full
+  the model's shards are replaced by :func:`~dspzoo.core.parallel.methods.megatron.gather_full`'s full
   tensors in the saved weights; the optimizer's ``state_dict`` (a post hook) and the EMA's
   (:meth:`checkpointable`) gather every per-parameter state tensor of a shard (Adam moments,
   averages) the same way;
@@ -58,8 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import all_reduce_sum, group_size
-from .methods.megatron import (
+from .parallel.comm import all_reduce_sum, group_size
+from .parallel.methods.megatron import (
     METHOD,
     ColumnParallelLinear,
     RowParallelLinear,

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .entry import release_communicators
+
 COLLECTIVE_TIMEOUT_S = 60
 
 
@@ -44,10 +46,10 @@ def _worker(
         )
         result = fn(rank, world, *args)
         queue.put((rank, "ok", _to_bytes(result)))
+        release_communicators()  # the groups' threads end before the interpreter does
     except BaseException:  # report everything, including assertion failures
         queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # a collective may be in flight: no waiting on it
             dist.destroy_process_group()
 
 

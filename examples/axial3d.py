@@ -19,7 +19,7 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.costmodel import StageSpec, Workload
 from dspzoo.core.costmodel.workload import register_workload
 from dspzoo.core.layers.mlp import Mlp
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.validate import validate_collectively
 from dspzoo.zoo import register_config, register_family
 
 SEQ_DIMS = ("t", "h", "w")

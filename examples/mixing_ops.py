@@ -29,7 +29,7 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.costmodel import StageSpec, Workload
 from dspzoo.core.layers.attention import SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.validate import validate_collectively
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import dspzoo.domains.video  # noqa: F401
 from dspzoo.core import SavedTensorMeter, SeqParallel, build_mesh, sp_mse, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.parallel.trace import format_bytes
 from dspzoo.zoo import create_model
 
 
@@ -92,4 +92,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "bench_video.py"))

@@ -11,4 +11,6 @@ Writes results.json, results.md and results.png into --out (default outputs/benc
 from dspzoo.core.bench import main
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "benchmark.py"))

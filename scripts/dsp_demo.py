@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dspzoo.core import SavedTensorMeter, single_process_mesh, sp_mse, sp_report, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
-from dspzoo.core.runtime import SeqParallel
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.parallel.runtime import SeqParallel
+from dspzoo.core.parallel.trace import format_bytes
 from dspzoo.domains.toy.model import STAGES, Toy2DConfig, Toy2DTransformer
 
 
@@ -106,4 +106,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "dsp_demo.py"))

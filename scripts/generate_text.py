@@ -78,4 +78,6 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "generate_text.py"))

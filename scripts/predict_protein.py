@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.domains.protein.data import ProteinDataError, parse_fasta, parse_msa, sequence_to_ids
 from dspzoo.domains.protein.dataset import collate, crop_and_sample
 from dspzoo.domains.protein.metrics import Bins, contact_probabilities, write_contact_png
@@ -149,4 +149,6 @@ def main(argv: list[str] | None = None) -> dict[str, np.ndarray]:
 
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "predict_protein.py"))

@@ -36,11 +36,11 @@ def _trial(
 ) -> dict[str, float]:
     """One rank of one trial: build the block and the local shards, run forward, measure."""
     resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))
-    from dspzoo.core.mesh import build_mesh
-    from dspzoo.core.multiplan import MultiParallel
-    from dspzoo.core.runtime import SeqParallel
+    from dspzoo.core.parallel.mesh import build_mesh
+    from dspzoo.core.parallel.multiplan import MultiParallel
+    from dspzoo.core.parallel.runtime import SeqParallel
     from dspzoo.domains.protein import CONFIGS
-    from dspzoo.domains.protein.model import BlockContext, EvoformerBlock, evoformer_plan
+    from dspzoo.domains.protein.model import EvoformerBlock, Residual, evoformer_plan
 
     sp = SeqParallel(build_mesh(sp_size=world) if world > 1 else None)
     cfg = replace(CONFIGS["af2"], num_blocks=1, chunk_size=chunk, mul_channel_chunk=channel_chunk)
@@ -53,34 +53,28 @@ def _trial(
         spec = mp.spec(name, plan.entry(name))
         shape = (1, *spec.local_shape(sp.rank, sp.size), channels)
         local[name] = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
-    ctx = BlockContext(
-        mp=mp,
-        msa_mask=torch.ones(1, depth, residues),
-        seq_mask=torch.ones(1, residues),
-        chunk=chunk,
-        channel_chunk=channel_chunk,
-        training=False,
-        rng_key=None,
-        batch_offset=0,
-    )
+    # all-ones masks as broadcast views: the whole masks cost no memory
+    msa_mask = torch.ones(1, 1, 1).expand(1, depth, residues)
+    pair_mask = torch.ones(1, 1, 1).expand(1, residues, residues)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    with torch.no_grad():
-        state = mp.finish(block(mp.enter(local), ctx))
+    with torch.no_grad(), mp.region(**local) as region:
+        m, z = block(local["m"], local["z"], msa_mask, pair_mask, Residual(chunk))
+        z = region.seq("z", z).tensor
     seconds = time.perf_counter() - start
-    finite = bool(torch.isfinite(state.acts["z"].tensor).all())
+    finite = bool(torch.isfinite(z).all())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak": float(peak), "before": float(before), "seconds": seconds, "finite": finite}
 
 
 def _activations(rank: int, world: int, residues: int, depth: int) -> float:
     """Bytes autograd saves on this rank for one af2-width block forward (training)."""
-    from dspzoo.core.mesh import build_mesh
-    from dspzoo.core.multiplan import MultiParallel
-    from dspzoo.core.runtime import SeqParallel
-    from dspzoo.core.trace import SavedTensorMeter
+    from dspzoo.core.parallel.mesh import build_mesh
+    from dspzoo.core.parallel.multiplan import MultiParallel
+    from dspzoo.core.parallel.runtime import SeqParallel
+    from dspzoo.core.parallel.trace import SavedTensorMeter
     from dspzoo.domains.protein import CONFIGS
-    from dspzoo.domains.protein.model import BlockContext, EvoformerBlock, evoformer_plan
+    from dspzoo.domains.protein.model import EvoformerBlock, Residual, evoformer_plan
 
     sp = SeqParallel(build_mesh(sp_size=world) if world > 1 else None)
     cfg = replace(CONFIGS["af2"], num_blocks=1)
@@ -93,10 +87,10 @@ def _activations(rank: int, world: int, residues: int, depth: int) -> float:
         spec = mp.spec(name, plan.entry(name))
         shape = (1, *spec.local_shape(sp.rank, sp.size), channels)
         local[name] = torch.randn(shape, requires_grad=True)
-    ctx = BlockContext(mp, torch.ones(1, depth, residues), torch.ones(1, residues), None, None,
-                       False, None, 0)  # fmt: skip
-    with SavedTensorMeter(block.parameters()) as meter:
-        mp.finish(block(mp.enter(local), ctx))
+    msa_mask = torch.ones(1, 1, 1).expand(1, depth, residues)
+    pair_mask = torch.ones(1, 1, 1).expand(1, residues, residues)
+    with SavedTensorMeter(block.parameters()) as meter, mp.region(**local):
+        block(local["m"], local["z"], msa_mask, pair_mask, Residual())
     return float(meter.bytes)
 
 
@@ -307,4 +301,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    raise SystemExit(main())
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "protein_memory.py"))

@@ -16,7 +16,7 @@ import torch
 
 import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core.accelerate import setup_accelerate
-from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.io import save_frame_strip_png, video_grid, write_video
 from dspzoo.domains.video.sampling import sample_video
@@ -127,4 +127,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "sample_video.py"))

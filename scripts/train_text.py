@@ -21,4 +21,6 @@ CLI = TrainingCLI(TextTrainConfig, train, __doc__, "dspzoo.text.train", "bits/by
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "train_text.py"))

@@ -19,4 +19,6 @@ CLI = TrainingCLI(VideoTrainConfig, train, __doc__, "dspzoo.video.train", "losse
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "train_video.py"))

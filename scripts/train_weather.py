@@ -24,4 +24,6 @@ CLI = TrainingCLI(WeatherTrainConfig, train, __doc__, "dspzoo.weather.train", "m
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":
-    main()
+    from dspzoo.core.entry import run_entry_point
+
+    raise SystemExit(run_entry_point(main, "train_weather.py"))

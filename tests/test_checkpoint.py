@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dspzoo.core import checkpoint as ckpt_mod
-from dspzoo.core.checkpoint import latest_checkpoint, read_progress, save_checkpoint
+from dspzoo.core.train import checkpoint as ckpt_mod
+from dspzoo.core.train.checkpoint import latest_checkpoint, read_progress, save_checkpoint
 
 
 class FakeAccelerator:

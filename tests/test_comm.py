@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from dspzoo.core import comm
-from dspzoo.core.layout import shard_offset, shard_sizes
+from dspzoo.core.parallel.layout import shard_offset, shard_sizes
+from dspzoo.core.parallel.trace import trace_comm
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.trace import trace_comm
 
 SHAPES = {
     "3d": [(2, 5, 3), (3, 4, 2)],  # lengths not divisible and divisible by 2, 3, 4
@@ -447,7 +447,7 @@ def test_bad_dims_raise() -> None:
 @pytest.mark.parametrize("axis", [0, 1, 2])
 def test_pack_unpack_round_trip(sizes: list[int], axis: int) -> None:
     """pack_blocks → unpack_blocks is the identity, padded or not, for any strides."""
-    from dspzoo.core.comm.blocks import empty_blocks, pack_blocks, unpack_blocks
+    from dspzoo.core.parallel.comm.blocks import empty_blocks, pack_blocks, unpack_blocks
 
     shape = [2, 3, 4]
     shape[axis] = sum(sizes)
@@ -466,7 +466,7 @@ def test_workspace_limit() -> None:
     comm.release_workspace()
     previous = comm.set_workspace_limit(0)
     try:
-        from dspzoo.core.comm.blocks import pack_blocks
+        from dspzoo.core.parallel.comm.blocks import pack_blocks
 
         pack_blocks(x, 1, [3, 3], reuse=True)
         assert comm.release_workspace() == 0

@@ -29,15 +29,15 @@ from dspzoo.core.costmodel import (
     predict,
     predict_table,
     recommend,
-    text_workload,
-    video_workload,
-    workload_for,
 )
-from dspzoo.core.mesh import SPMesh
-from dspzoo.core.methods.megatron import parallelize_megatron
+from dspzoo.core.parallel.mesh import SPMesh
+from dspzoo.core.parallel.methods.megatron import parallelize_megatron
+from dspzoo.core.parallel.trace import SavedTensorMeter
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.trace import SavedTensorMeter
+from dspzoo.domains.text.workload import text_workload
+from dspzoo.domains.video.workload import video_workload
 from dspzoo.zoo import create_model, get_config
+from dspzoo.zoo.workloads import workload_for
 
 VIDEO = {"hidden": 32, "heads": 4, "depth": 2, "full_attention_every": 2, "num_classes": 3}
 TEXT = {"hidden": 24, "heads": 4, "depth": 2}

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from dspzoo.core.layers.attention import attend
-from dspzoo.core.layout import shard_sizes
-from dspzoo.core.methods import ulysses_attention
+from dspzoo.core.parallel.layout import shard_sizes
+from dspzoo.core.parallel.methods import ulysses_attention
 from dspzoo.core.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dspzoo.core import build_mesh, comm
-from dspzoo.core.layout import shard_offset, shard_sizes
-from dspzoo.core.methods import (
+from dspzoo.core.parallel.layout import shard_offset, shard_sizes
+from dspzoo.core.parallel.methods import (
     lss_attention,
     ring_attention,
     ulysses_attention,
@@ -30,8 +30,8 @@ from dspzoo.core.methods import (
     zigzag_gather,
     zigzag_lengths,
 )
+from dspzoo.core.parallel.trace import comm_region
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.trace import comm_region
 
 BAD = 1  # the rank that gets the bad input
 B, T, S, C = 2, 5, 7, 3  # lengths not divisible by 2 or 3
@@ -193,6 +193,11 @@ def _zigzag_extra_row(model, x, group, n, r) -> None:
         zigzag_gather(torch.zeros(1, rows, 2), 1, group, T)
 
 
+def _check_consistent_args(model, x, group, n, r) -> None:
+    with comm_region("user"):
+        comm.check_consistent(x, group, "my_op", args=(_mine(r, 3, 4),), free_axes=(1,))
+
+
 # name → (the bad call, the primitive its error names, the region, words the message has)
 CASES: dict[str, tuple[Callable[..., None], str, str, str]] = {
     "model: extra row before the switch": (
@@ -246,6 +251,12 @@ CASES: dict[str, tuple[Callable[..., None], str, str, str]] = {
         "recv_shape",
     ),
     "zigzag_gather: extra row": (_zigzag_extra_row, "zigzag_gather", "lm_head", "zigzag layout"),
+    "check_consistent: other argument": (
+        _check_consistent_args,
+        "check_consistent",
+        "user",
+        "my_op arg 0 differs",
+    ),
 }
 
 
@@ -289,6 +300,56 @@ def test_one_bad_rank_raises_the_same_error_on_every_rank(world: int) -> None:
         assert len(set(texts.values())) == 1, (name, texts)
 
 
+def _usp_grid_extra_token(rank: int, world: int) -> str:
+    """USP on a 2 × 2 grid: SP rank 1 (ring slot 0, Ulysses rank 1) holds one token too many."""
+    mesh = build_mesh(world, ulysses_size=2, timeout_s=5)
+    lengths = shard_sizes(T, mesh.ring_size)  # tokens per ring slot
+    slot, u = divmod(rank, 2)
+    full = _qkv(1, 0, heads=2, length=T)
+    start = sum(lengths[:slot]) + shard_offset(lengths[slot], 2, u)
+    q, k, v = (t[:, start : start + shard_sizes(lengths[slot], 2)[u]] for t in full)
+    if rank == BAD:
+        q = torch.cat([q, q[:, :1]], dim=1)
+    with comm_region("attn"), pytest.raises(comm.CollectiveInputError) as info:
+        usp_attention(
+            q,
+            k,
+            v,
+            ulysses_group=mesh.ulysses_group,
+            ring_group=mesh.ring_group,
+            seq_lengths=lengths,
+            causal=True,
+        )
+    return str(info.value)
+
+
+def test_usp_grid_failure_reaches_every_rank() -> None:
+    texts = run_distributed(_usp_grid_extra_token, 4, timeout=120)
+    assert len(set(texts)) == 1, texts
+    assert "ring slot 0 (SP ranks 0…1)" in texts[0] and "Ulysses rank 1" in texts[0], texts[0]
+
+
+def _debug_mode_compares_replicated_data(rank: int, world: int) -> str:
+    """Debug mode: a replicated input that differs in its values (not its shape) is caught too."""
+    group = build_mesh(world, timeout_s=5).sp_group
+    x = torch.zeros(2, T, C) + (rank == BAD)
+    comm.split(x, 1, group)  # debug mode off: only shapes, dtypes and devices agree
+    comm.set_debug(True)
+    try:
+        with pytest.raises(
+            comm.CollectiveInputError, match=f"rank {BAD}.*checksum differs"
+        ) as info:
+            comm.split(x, 1, group)
+    finally:
+        comm.set_debug(False)
+    return str(info.value)
+
+
+def test_debug_mode_compares_the_data_of_replicated_inputs() -> None:
+    texts = run_distributed(_debug_mode_compares_replicated_data, 3, timeout=60)
+    assert len(set(texts)) == 1, texts
+
+
 def _one_rank_skips_a_switch(rank: int, world: int) -> str:
     mesh = build_mesh(world, timeout_s=2)
     if rank == BAD:
@@ -308,7 +369,7 @@ def test_a_timeout_names_the_collective_the_region_and_the_timeout() -> None:
 
 
 def test_mesh_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dspzoo.core.mesh import collective_timeout_s
+    from dspzoo.core.parallel.mesh import collective_timeout_s
 
     monkeypatch.delenv("DSPZOO_COLLECTIVE_TIMEOUT", raising=False)
     assert collective_timeout_s() == 300

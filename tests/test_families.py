@@ -149,6 +149,24 @@ def test_dspzoo_families_variable_registers_a_scripts_module(tmp_path: Path) -> 
         "  depth                  2",
         "True",
     ]
+    saved = tmp_path / "saved"
+    _ok(
+        _python(
+            f"""
+            from dspzoo.zoo import create_model, save_pretrained
+            save_pretrained(create_model("scriptwidget-wide", depth=1), {str(saved)!r})
+            """,
+            env=env,
+        )
+    )
+    loaded = _python(  # a fresh process: the checkpoint's family is found through the variable
+        f"""
+        from dspzoo.zoo import from_pretrained
+        print(from_pretrained({str(saved)!r}).config)
+        """,
+        env=env,
+    )
+    assert _ok(loaded).strip() == "WidgetConfig(width=64, depth=1)"
 
 
 def test_unknown_family_says_how_to_register_and_a_broken_plugin_is_named(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dspzoo.core.harness import check_model, relative_error
-from dspzoo.core.validate import InputValidationError
+from dspzoo.core.parallel.validate import InputValidationError
 from dspzoo.examples.axial3d import Axial3D, Axial3DConfig, Block, workload
 from dspzoo.zoo import create_model, get_config
 
@@ -102,7 +102,7 @@ def test_axial3d_is_a_zoo_model_with_a_cost_model_workload(capsys) -> None:
     with pytest.raises(ValueError, match="not a multiple of patch=2"):
         model(video[:, :, :5])
     from dspzoo.core.costmodel import comm_bytes
-    from dspzoo.core.costmodel.workload import workload_for
+    from dspzoo.zoo.workloads import workload_for
 
     wl = workload_for("axial3d-mini", frames=8, spatial=(32, 32))
     assert wl.lengths == (8, 8, 8) and wl.depth == 2

@@ -17,8 +17,12 @@ import torch.distributed as dist
 
 import dspzoo.domains.video  # noqa: F401  (registers latte1)
 from dspzoo.core import SeqParallel, build_mesh, sp_mse, trace_comm
-from dspzoo.core.mesh import SPMesh
-from dspzoo.core.methods.megatron import gather_full, megatron_grad_sync, parallelize_megatron
+from dspzoo.core.parallel.mesh import SPMesh
+from dspzoo.core.parallel.methods.megatron import (
+    gather_full,
+    megatron_grad_sync,
+    parallelize_megatron,
+)
 from dspzoo.core.testing import run_distributed
 from dspzoo.domains.video.dit import patchify
 from dspzoo.domains.video.latte1 import Latte1, parameter_count_formula, spatial_table

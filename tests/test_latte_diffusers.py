@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import dspzoo.domains.video  # noqa: F401  (registers latte1)
 from dspzoo.core import SeqParallel, build_mesh
-from dspzoo.core.mesh import SPMesh
+from dspzoo.core.parallel.mesh import SPMesh
 from dspzoo.core.testing import run_distributed
 from dspzoo.zoo import create_model, from_pretrained, load_extra
 from dspzoo.zoo.convert import (

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspzoo.core.layout import shard_offset, shard_sizes
 from dspzoo.core.loss import sp_mean, sp_mse, sp_report, world_report
+from dspzoo.core.parallel.layout import shard_offset, shard_sizes
 from dspzoo.core.testing import run_distributed
 
 

@@ -18,8 +18,8 @@ import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core import SeqParallel, build_mesh, sp_mse, trace_comm
 from dspzoo.core.layers.attention import SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp
-from dspzoo.core.layout import SeqSpec, shard_sizes
-from dspzoo.core.methods.megatron import (
+from dspzoo.core.parallel.layout import SeqSpec, shard_sizes
+from dspzoo.core.parallel.methods.megatron import (
     ColumnParallelLinear,
     RowParallelLinear,
     gather_full,
@@ -27,8 +27,8 @@ from dspzoo.core.methods.megatron import (
     parallelize_megatron,
     shard_index,
 )
-from dspzoo.core.plan import Stage, plan_fixed
-from dspzoo.core.strategies import STRATEGIES, get_strategy
+from dspzoo.core.parallel.plan import Stage, plan_fixed
+from dspzoo.core.parallel.strategies import STRATEGIES, get_strategy
 from dspzoo.core.testing import run_distributed
 from dspzoo.domains.toy.model import Toy2DConfig, Toy2DTransformer
 from dspzoo.zoo import create_model

@@ -15,8 +15,8 @@ from torch import nn
 
 from dspzoo.core import SeqParallel, Stage
 from dspzoo.core.harness import check_model
-from dspzoo.core.plan import plan_fixed, plan_stages
-from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.parallel.plan import plan_fixed, plan_stages
+from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.core.testing import run_distributed
 from dspzoo.examples import mixing_ops
 from dspzoo.examples.mixing_ops import ConvVideo, Grid2D, MixerConfig, mixer_workload

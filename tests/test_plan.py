@@ -92,7 +92,7 @@ def test_one_dim_model_under_dsp_is_all_embedded() -> None:
 
 
 def test_fixed_dim_strategies_shard_one_dim_throughout() -> None:
-    from dspzoo.core.plan import plan_fixed
+    from dspzoo.core.parallel.plan import plan_fixed
 
     plan = plan_fixed(("t", "s"), (16, 256), STDIT, sp_size=4, method="ring")
     assert {s.sharded for s in plan.steps} == {"s"} and plan.switches_per_period == 0

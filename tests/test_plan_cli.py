@@ -7,12 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 from torch import nn
 
-from dspzoo.core.costmodel import StageSpec, Workload, workload_for
+from dspzoo.core.costmodel import StageSpec, Workload
 from dspzoo.core.costmodel.workload import register_workload
-from dspzoo.core.plan import Stage
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.parallel.plan import Stage
+from dspzoo.core.parallel.trace import format_bytes
 from dspzoo.zoo import (
     count_parameters,
     create_model,
@@ -23,6 +24,7 @@ from dspzoo.zoo import (
     unregister_family,
 )
 from dspzoo.zoo.plan_cli import main
+from dspzoo.zoo.workloads import workload_for
 
 
 def _plan(capsys, *argv: str) -> list[str]:
@@ -63,6 +65,13 @@ def test_a_video_model_without_frames_is_an_image(capsys) -> None:
     bare = _plan(capsys, "latte-tiny")  # the config's latent input_size
     h, w = get_config("latte-tiny").input_size
     assert f"tokens (t=1, s={(h // 2) * (w // 2)})" in bare[0]
+    latte1 = _plan(capsys, "latte1-tiny")  # the config's sample_size (8: 4 × 4 patches of 2)
+    assert "tokens (t=1, s=16)" in latte1[0]
+    assert "  default size: latent 8x8 (the config's sample_size; --size/--latent)" in latte1
+    assert (
+        "tokens (t=5, s=35)"
+        in _plan(capsys, "latte1-tiny", "--frames", "5", "--latent", "10x14")[0]
+    )
 
 
 def test_a_text_model_takes_its_sequence_length(capsys) -> None:
@@ -185,8 +194,65 @@ def test_a_users_image_model_is_planned_by_its_own_dim_names(capsys) -> None:
         (["evoformer-tiny", "--strategies", "ring"], "runs under the dsp strategy only"),
         (["evoformer-tiny", "--dims", "i=8"], "the pair's i and j follow it); --dims names ['i']"),
         (["axial3d-tiny", "--dims", "t=8"], "name all of them (missing ['h', 'w'])"),
-        (["latte1-tiny"], "the cost model does not describe the 'latte1' family yet"),
+        (["latte1-tiny", "--frames", "3"], "takes video_length=5 latent frames or 1 (an image)"),
     ],
 )
 def test_sizes_a_model_does_not_take_are_refused_by_name(capsys, argv, message) -> None:
     assert message in _error(capsys, *argv)
+
+
+def make_latte1() -> nn.Module:
+    """Latte1-tiny with every weight random (the zero-initialised ones too)."""
+    model = create_model("latte1-tiny")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def latte1_inputs() -> dict[str, torch.Tensor]:
+    """5 latent frames (the tiny config's video_length) of 10 × 14: tokens (t=5, s=35)."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "x": torch.randn(2, 4, 5, 10, 14, generator=g),
+        "timestep": torch.tensor([17.0, 803.0]),
+        "cond": torch.randn(2, 3, 12, generator=g),
+        "cond_mask": torch.tensor([[True, True, False], [True, True, True]]),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_the_latte1_workload_predicts_the_traced_bytes_of_every_strategy() -> None:
+    """The workload behind `dspzoo plan latte1-...`: on every rank, under every strategy at SP 2
+    and 3 (uneven: t=5, s=35), the traced bytes equal the plan's and the model equals one
+    process (outputs and all gradients)."""
+    from dspzoo.core.harness import check_model
+
+    wl = workload_for("latte1-tiny", batch=2, frames=5, spatial=(10, 14), context=3)
+    assert wl.lengths == (5, 35) and wl.context == 3
+    report = check_model(make_latte1, latte1_inputs, workload=wl, sp_sizes=(2, 3), timeout=200)
+    strategies = {c.strategy for c in report.checks}
+    assert {"dsp", "ulysses", "ring", "lss", "usp", "megatron_sp"} <= strategies
+    assert all(c.traced_bytes == c.plan_bytes > 0 for c in report.checks)
+
+
+def make_toy() -> nn.Module:
+    return create_model("toy2d-tiny")
+
+
+def toy_inputs() -> dict[str, torch.Tensor]:
+    """``[B=2, T=7, S=10, C=4]``: neither length divisible by 3."""
+    return {"x": torch.randn(2, 7, 10, 4, generator=torch.Generator().manual_seed(1))}
+
+
+@pytest.mark.timeout(240)
+def test_the_toy2d_workload_predicts_the_traced_bytes_of_every_strategy() -> None:
+    from dspzoo.core.harness import check_model
+
+    wl = workload_for("toy2d-tiny", batch=2, frames=7, spatial=10)
+    assert wl.lengths == (7, 10)
+    report = check_model(
+        make_toy, toy_inputs, workload=wl, sp_sizes=(3,), validates_inputs=False, timeout=200
+    )
+    assert {c.strategy for c in report.checks} >= {"dsp", "ulysses", "ring", "megatron_sp"}
+    assert all(c.traced_bytes == c.plan_bytes > 0 for c in report.checks)

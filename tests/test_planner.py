@@ -11,10 +11,10 @@ import pytest
 from dspzoo.core.costmodel import StageSpec, Workload, comm_bytes
 from dspzoo.core.costmodel.cluster import get_cluster
 from dspzoo.core.costmodel.formulas import flops_per_rank
-from dspzoo.core.methods.registry import METHODS, OP_KINDS, get_method, methods_for
-from dspzoo.core.multiplan import ActShape, MultiStage, plan_multi
-from dspzoo.core.plan import Plan, PlanStep, Stage, plan_fixed, plan_stages
-from dspzoo.core.planner import Policy, plan_problem, solve
+from dspzoo.core.parallel.methods.registry import METHODS, OP_KINDS, get_method, methods_for
+from dspzoo.core.parallel.multiplan import ActShape, MultiStage, plan_multi
+from dspzoo.core.parallel.plan import Plan, PlanStep, Stage, plan_fixed, plan_stages
+from dspzoo.core.parallel.planner import Policy, plan_problem, solve
 
 NAMES = "abcd"
 FIXED = ("ulysses", "ring", "ring_zigzag", "lss", "usp", "megatron_sp")

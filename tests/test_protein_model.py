@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 import dspzoo.domains.protein  # noqa: F401  (registers the family)
-from dspzoo.core.mesh import build_mesh
-from dspzoo.core.multiplan import ActShape, Gather, MultiStage, plan_multi
-from dspzoo.core.rng import mix_key
-from dspzoo.core.runtime import SeqParallel
+from dspzoo.core.parallel.mesh import build_mesh
+from dspzoo.core.parallel.multiplan import ActShape, Gather, MultiStage, plan_multi
+from dspzoo.core.parallel.rng import mix_key
+from dspzoo.core.parallel.runtime import SeqParallel
+from dspzoo.core.parallel.trace import trace_comm
+from dspzoo.core.parallel.validate import InputValidationError
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.trace import trace_comm
-from dspzoo.core.validate import InputValidationError
 from dspzoo.domains.protein import CONFIGS, Evoformer, evoformer_plan
 from dspzoo.domains.protein.convert_openfold import (
     from_openfold,

@@ -13,8 +13,13 @@ import math
 import pytest
 import torch
 
-from dspzoo.core.methods import block_attention, block_attention_backward, chunked_attention, merge
-from dspzoo.core.methods.blockwise import attention_delta
+from dspzoo.core.parallel.methods import (
+    block_attention,
+    block_attention_backward,
+    chunked_attention,
+    merge,
+)
+from dspzoo.core.parallel.methods.blockwise import attention_delta
 from dspzoo.core.testing import run_distributed
 
 
@@ -137,7 +142,7 @@ def test_chunked_attention_matches_naive(dtype, causal):
 
 
 def test_chunked_attention_saves_only_inputs_and_output():
-    from dspzoo.core.trace import SavedTensorMeter
+    from dspzoo.core.parallel.trace import SavedTensorMeter
 
     q, k, v = (t.requires_grad_(True) for t in _qkv(1, 64, 64, 2, 2, 4, dtype=torch.float32))
     with SavedTensorMeter() as meter:
@@ -162,9 +167,9 @@ def _check_ring_case(group, lengths, layout, causal, dtype, seed):
     """Ring attention on this rank's shard equals its rows of single-process attention."""
     import torch.distributed as dist
 
-    from dspzoo.core.comm.group import group_rank, group_size
-    from dspzoo.core.methods.ring import ring_attention, ring_positions
-    from dspzoo.core.trace import SavedTensorMeter, trace_comm
+    from dspzoo.core.parallel.comm.group import group_rank, group_size
+    from dspzoo.core.parallel.methods.ring import ring_attention, ring_positions
+    from dspzoo.core.parallel.trace import SavedTensorMeter, trace_comm
 
     n, r = group_size(group), group_rank(group)
     length = sum(lengths)
@@ -213,10 +218,10 @@ def _check_exchange_and_zigzag(group):
     import torch.distributed as dist
 
     from dspzoo.core import comm
-    from dspzoo.core.comm.group import group_rank, group_size
-    from dspzoo.core.layout import shard_sizes
-    from dspzoo.core.methods.ring import zigzag_gather, zigzag_positions, zigzag_split
-    from dspzoo.core.trace import trace_comm
+    from dspzoo.core.parallel.comm.group import group_rank, group_size
+    from dspzoo.core.parallel.layout import shard_sizes
+    from dspzoo.core.parallel.methods.ring import zigzag_gather, zigzag_positions, zigzag_split
+    from dspzoo.core.parallel.trace import trace_comm
 
     n, r = group_size(group), group_rank(group)
     sizes = shard_sizes(2 * n - 1, n)  # uneven: the last rank holds fewer rows
@@ -254,10 +259,10 @@ def _check_exchange_and_zigzag(group):
 
 
 def _check_usp(ulysses, ring, rank):
-    from dspzoo.core.comm.group import group_rank, group_size
-    from dspzoo.core.layout import shard_sizes
-    from dspzoo.core.methods.ring import zigzag_lengths
-    from dspzoo.core.methods.usp import usp_attention, usp_positions
+    from dspzoo.core.parallel.comm.group import group_rank, group_size
+    from dspzoo.core.parallel.layout import shard_sizes
+    from dspzoo.core.parallel.methods.ring import zigzag_lengths
+    from dspzoo.core.parallel.methods.usp import usp_attention, usp_positions
 
     u_size, u, j = group_size(ulysses), group_rank(ulysses), group_rank(ring)
     assert rank == j * u_size + u
@@ -291,8 +296,8 @@ def _check_usp(ulysses, ring, rank):
 def _distributed_all(rank, world):
     import torch.distributed as dist
 
-    from dspzoo.core.layout import shard_sizes
-    from dspzoo.core.methods.ring import zigzag_lengths
+    from dspzoo.core.parallel.layout import shard_sizes
+    from dspzoo.core.parallel.methods.ring import zigzag_lengths
 
     torch.manual_seed(0)
     # every rank creates every group, in the same order

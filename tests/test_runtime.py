@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspzoo.core import SavedTensorMeter, SeqParallel, SeqSpec, Stage, build_mesh, shard_sizes
-from dspzoo.core.layout import shard_offset
+from dspzoo.core.parallel.layout import shard_offset
 from dspzoo.core.testing import run_distributed
 from dspzoo.domains.toy.model import Toy2DConfig, Toy2DTransformer
 

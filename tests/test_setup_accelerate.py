@@ -12,8 +12,8 @@ import torch
 
 from dspzoo.core import accelerate as accel_module
 from dspzoo.core import perf
-from dspzoo.core.mesh import seed_everything, single_process_mesh
-from dspzoo.core.runtime import SeqParallel
+from dspzoo.core.parallel.mesh import seed_everything, single_process_mesh
+from dspzoo.core.parallel.runtime import SeqParallel
 
 
 def test_seed_everything_leaves_pythonhashseed_alone(monkeypatch) -> None:

@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dspzoo.core import SeqParallel, SeqSpec, SPMesh
-from dspzoo.core.layout import shard_offset, shard_sizes
-from dspzoo.core.rng import mix_key, splitmix64
-from dspzoo.core.sharded_rng import (
+from dspzoo.core.parallel.layout import shard_offset, shard_sizes
+from dspzoo.core.parallel.rng import mix_key, splitmix64
+from dspzoo.core.parallel.sharded_rng import (
     dropout,
     keep_mask,
     random_bits,

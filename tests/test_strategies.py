@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core import SeqParallel, Stage, build_mesh, trace_comm
-from dspzoo.core.mesh import SPMesh
+from dspzoo.core.parallel.mesh import SPMesh
 from dspzoo.core.testing import run_distributed
 from dspzoo.zoo import create_model
 

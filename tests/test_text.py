@@ -15,14 +15,18 @@ import torch.nn.functional as F
 import dspzoo.domains.text  # noqa: F401  (registers bytelm)
 from dspzoo.core import SeqParallel, build_mesh
 from dspzoo.core.loss import sp_report
-from dspzoo.core.mesh import SPMesh
-from dspzoo.core.methods.megatron import gather_full, megatron_grad_sync, parallelize_megatron
-from dspzoo.core.plan import plan_stages
+from dspzoo.core.parallel.mesh import SPMesh
+from dspzoo.core.parallel.methods.megatron import (
+    gather_full,
+    megatron_grad_sync,
+    parallelize_megatron,
+)
+from dspzoo.core.parallel.plan import plan_stages
+from dspzoo.core.parallel.strategies import STRATEGIES
+from dspzoo.core.parallel.validate import InputValidationError
 from dspzoo.core.runconfig import NOT_WIRED
-from dspzoo.core.strategies import STRATEGIES
 from dspzoo.core.tensor_parallel_training import clip_sharded_grad_norm_
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.validate import InputValidationError
 from dspzoo.domains.text.data import ByteWindows, stdlib_corpus
 from dspzoo.domains.text.model import apply_rotary, rotary_table
 from dspzoo.domains.text.training import TextTrainConfig, train

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dspzoo.core import SeqParallel, build_mesh, sp_mse, sp_report
-from dspzoo.core.trace import trace_comm
+from dspzoo.core.parallel.trace import trace_comm
 from dspzoo.domains.toy.model import Toy2DConfig, Toy2DTransformer
 
 CFG = Toy2DConfig(in_channels=3, hidden=16, heads=2, depth=2)

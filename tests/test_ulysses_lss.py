@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspzoo.core.layout import shard_sizes
-from dspzoo.core.methods import lss, lss_attention, ulysses_attention
-from dspzoo.core.methods.ulysses import kv_heads_aligned
+from dspzoo.core.parallel.layout import shard_sizes
+from dspzoo.core.parallel.methods import lss, lss_attention, ulysses_attention
+from dspzoo.core.parallel.methods.ulysses import kv_heads_aligned
+from dspzoo.core.parallel.trace import trace_comm
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.trace import trace_comm
 
 B, D = 2, 4
 
@@ -228,7 +228,7 @@ def test_kv_alignment_rule():
 @pytest.mark.parametrize("causal", [False, True])
 def test_lss_saves_no_score_matrix(fallback, causal):
     """What autograd keeps is O(L·D), far below the L × L scores (blockwise kernel or fallback)."""
-    from dspzoo.core.trace import SavedTensorMeter
+    from dspzoo.core.parallel.trace import SavedTensorMeter
 
     length, heads = 1024, 2
     q = torch.randn(1, length, heads, 8, requires_grad=True)

@@ -9,8 +9,8 @@ import torch
 
 import dspzoo.domains.video  # noqa: F401
 from dspzoo.core import SeqParallel, build_mesh
+from dspzoo.core.parallel.validate import InputValidationError, validate_collectively
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.validate import InputValidationError, validate_collectively
 from dspzoo.zoo import create_model
 
 BAD_RANK = 1

@@ -17,10 +17,10 @@ import torch.distributed as dist
 import dspzoo.domains.weather  # noqa: F401  (registers the family)
 from dspzoo.core import SeqParallel, build_mesh, trace_comm
 from dspzoo.core.costmodel import comm_bytes
-from dspzoo.core.mesh import SPMesh
-from dspzoo.core.plan import plan_stages
+from dspzoo.core.parallel.mesh import SPMesh
+from dspzoo.core.parallel.plan import plan_stages
+from dspzoo.core.parallel.validate import InputValidationError
 from dspzoo.core.testing import run_distributed
-from dspzoo.core.validate import InputValidationError
 from dspzoo.domains.weather import WeatherTransformer, layer_stages
 from dspzoo.domains.weather.workload import weather_workload
 from dspzoo.zoo import create_model, from_pretrained, save_pretrained

@@ -8,6 +8,7 @@ from .pretrained import (
     load_extra,
     load_weights,
     save_pretrained,
+    ship_pretrained,
 )
 from .registry import (
     count_parameters,
@@ -21,7 +22,7 @@ from .registry import (
     resolve_name,
     unregister_family,
 )
-from .shipped import list_pretrained, model_card, ship_pretrained, shipped_names
+from .shipped import list_pretrained, model_card, shipped_names
 
 __all__ = [
     "CheckpointMismatchError",

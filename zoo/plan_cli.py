@@ -8,9 +8,9 @@ dspzoo plan axial3d-mini --dims t=64,h=128,w=128 --sp 4,8
 
 Each kind of model takes its own sizes; a size left out is the config's own:
 
-* video (stdit, latte): ``--frames`` latent frames (default 1: an image), ``--size`` the pixel
+* video (stdit, latte, latte1): ``--frames`` latent frames (default 1: an image), ``--size`` the pixel
   size H or HxW (divided by ``--vae-stride``, 8 by default) or ``--latent`` the latent size
-  (default: the config's ``input_size``), ``--context`` conditioning tokens;
+  (default: the config's ``input_size`` or ``sample_size``), ``--context`` conditioning tokens;
 * text (bytelm): ``--seq-len`` bytes per sequence (default: the config's ``max_len``);
 * weather (weathertx): ``--grid`` HxW grid points and ``--history`` input states (default: the
   config's ``grid`` and ``history``; ``--latent`` and ``--frames`` are accepted for them);
@@ -39,14 +39,18 @@ from dspzoo.core.costmodel import (
     format_table,
     predict_table,
     recommend,
-    workload_for,
 )
 
 from .registry import count_parameters, create_model, format_count, get_config, resolve_name
+from .workloads import workload_for
 
 # argparse dests of the per-kind size flags (each None unless given)
-SIZE_FLAGS = ("frames", "size", "latent", "context", "seq_len", "grid", "history")
-SIZE_FLAGS += ("residues", "msa_depth")
+SIZE_FLAGS = (
+    *("frames", "size", "latent", "context"),  # video
+    "seq_len",  # text
+    *("grid", "history"),  # weather
+    *("residues", "msa_depth"),  # protein
+)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -54,7 +58,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="dspzoo plan", description=__doc__.split("\n")[0])
     p.add_argument("model", help="zoo model, e.g. stdit-720M, evoformer-af2, weathertx-small")
     video = p.add_argument_group(
-        "video (stdit, latte)",
+        "video (stdit, latte, latte1)",
         "--frames, --size/--latent, --seq-len and --context also reach the workload builder of a "
         "family of no listed kind (yours); weather reads --frames/--latent as --history/--grid",
     )
@@ -99,7 +103,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 @dataclass(frozen=True)
 class Sizing:
     """How ``dspzoo plan`` sizes one kind of model: the flags it reads and the
-    :func:`~dspzoo.core.costmodel.workload_for` keywords they give (with a note per size that
+    :func:`~dspzoo.zoo.workloads.workload_for` keywords they give (with a note per size that
     came from a default, printed under the header)."""
 
     kind: str
@@ -126,12 +130,17 @@ def _video_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any],
                 f"{args.vae_stride})"
             )
         spatial = _hw(args.size, args.vae_stride)
-    else:
+    elif hasattr(config, "input_size"):  # stdit, latte
         spatial = tuple(config.input_size)
         notes.append(f"latent {spatial[0]}x{spatial[1]} (the config's input_size; --size/--latent)")
+    else:  # latte1
+        spatial = (config.sample_size, config.sample_size)
+        notes.append(
+            f"latent {spatial[0]}x{spatial[1]} (the config's sample_size; --size/--latent)"
+        )
     frames = args.frames
     if frames is None:
-        frames = config.patch[0]
+        frames = config.patch[0] if isinstance(config.patch, tuple) else 1
         notes.append(f"{frames} latent frame(s): an image (--frames for a video)")
     context = args.context or 0
     return {"frames": frames, "spatial": spatial, "context": context}, notes
@@ -181,6 +190,7 @@ BUILDER = Sizing("zoo", ("frames", "size", "latent", "context", "seq_len"), _bui
 SIZINGS = {
     "stdit": VIDEO,
     "latte": VIDEO,
+    "latte1": VIDEO,
     "bytelm": TEXT,
     "weathertx": WEATHER,
     "evoformer": PROTEIN,

@@ -28,7 +28,9 @@ from torch import nn
 
 from dspzoo.core.durable import fsync_path
 
-from .registry import family_info, family_of
+from . import shipped
+from .registry import family_info, family_of, resolve_name
+from .shipped import CARD_FILE, _card_from_json, resolve_pretrained
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -180,15 +182,11 @@ def _build_config(config_cls: type, values: dict[str, Any]) -> Any:
 
 def load_extra(path: str | os.PathLike) -> dict[str, Any]:
     """The ``extra`` settings saved with the checkpoint folder (or shipped name) ``path``."""
-    from .shipped import resolve_pretrained
-
     return dict(_read_meta(resolve_pretrained(path)).get("extra") or {})
 
 
 def load_config(path: str | os.PathLike) -> tuple[str, Any]:
     """``(family, config)`` of the checkpoint folder (or shipped name) ``path``."""
-    from .shipped import resolve_pretrained
-
     meta = _read_meta(resolve_pretrained(path))
     fam = family_info(meta["family"])  # imports the family's module if needed
     return fam.name, _build_config(fam.config_cls, meta["config"])
@@ -258,8 +256,6 @@ def from_pretrained(
     ``expected_family`` (e.g. ``"bytelm"``) refuses another family's checkpoint with a
     :class:`CheckpointMismatchError` before anything is built.
     """
-    from .shipped import resolve_pretrained
-
     path = resolve_pretrained(path)
     saved = _read_meta(path)["family"]
     if expected_family is not None and saved != expected_family:
@@ -270,3 +266,46 @@ def from_pretrained(
     model = family_info(family).model_cls(config)
     load_weights(model, path, strict=strict)
     return model.to(device)
+
+
+def ship_pretrained(
+    model: nn.Module,
+    name: str,
+    *,
+    config_name: str,
+    extra: dict[str, Any] | None = None,
+    card: dict[str, Any],
+    dtype: torch.dtype | None = torch.float16,
+    root: str | os.PathLike | None = None,
+) -> Path:
+    """Write ``model`` as shipped model ``name`` into ``zoo/weights/`` (or ``root``), atomically.
+
+    ``config_name`` is the zoo config the model instantiates (``"evoformer-small"``), and
+    ``name`` must extend it with the data it was trained on (``"evoformer-small-pdb"``).
+    ``card`` needs the keys ``model``, ``data``, ``metrics``, ``command`` and ``eval`` (see
+    :class:`ModelCard`); ``dtype`` stores the floating-point weights in that precision
+    (``None``: as they are).
+    """
+    config_name = resolve_name(config_name)
+    family = family_of(model)
+    if not config_name.startswith(f"{family}-"):
+        raise ValueError(f"config {config_name!r} is not of the model's family {family!r}")
+    if not name.casefold().startswith(config_name.casefold() + "-") or name.casefold() == (
+        config_name.casefold()
+    ):
+        raise ValueError(
+            f"shipped names look like '<family>-<config>-<data>': {name!r} must start with "
+            f"'{config_name}-' and name the data after it"
+        )
+    card = dict(card)
+    card.setdefault("model", config_name)
+    card["parameters"] = sum(p.numel() for p in model.parameters())
+    _card_from_json(name, card)  # validates the keys
+    return save_pretrained(
+        model,
+        Path(root or shipped.WEIGHTS_DIR) / name,  # looked up at call time (tests point it elsewhere)
+        config_name=config_name,
+        extra=extra,
+        dtype=dtype,
+        extra_files={CARD_FILE: json.dumps(card, indent=2) + "\n"},
+    )

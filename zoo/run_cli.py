@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..core.entry import UsageError, run_entry_point
+
 
 @dataclass(frozen=True)
 class Command:
@@ -70,10 +72,6 @@ COMMANDS: dict[str, Command] = {
         model_flag="--model-dir",
     ),
 }
-
-
-class UsageError(Exception):
-    """Bad usage of a pass-through command (printed as one line, exit status 2)."""
 
 
 def _usage(name: str) -> str:
@@ -133,17 +131,10 @@ def run_passthrough(name: str, argv: list[str]) -> int:
         return 2
     saved = sys.argv
     sys.argv = script_argv
-    try:
-        main()
-    except (FileNotFoundError, KeyError, ValueError) as exc:  # bad input: one line, no traceback
-        message = str(exc.args[0]) if exc.args else str(exc)
-        print(f"dspzoo {name}: error: {message}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    try:  # bad input: one line, status 2, once across the ranks of a launch
+        return run_entry_point(main, f"dspzoo {name}")
     finally:
         sys.argv = saved
-    return 0
 
 
 def add_convert(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import _close, _match, family_of, resolve_name
+from .registry import _close, _match
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 CARD_FILE = "card.json"
@@ -117,58 +117,13 @@ def list_pretrained() -> list[ModelCard]:
 
 def round_to_shipped_precision(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.Module:
     """Round ``model``'s floating-point weights and buffers to ``dtype`` in place, keeping its
-    own dtype: the model as :func:`ship_pretrained` will store it, so figures measured on it
+    own dtype: the model as :func:`~dspzoo.zoo.pretrained.ship_pretrained` will store it, so figures measured on it
     are the figures of the shipped copy. Returns ``model``."""
     with torch.no_grad():
         for tensor in model.state_dict().values():
             if tensor.is_floating_point():
                 tensor.copy_(tensor.to(dtype).to(tensor.dtype))
     return model
-
-
-def ship_pretrained(
-    model: nn.Module,
-    name: str,
-    *,
-    config_name: str,
-    extra: dict[str, Any] | None = None,
-    card: dict[str, Any],
-    dtype: torch.dtype | None = torch.float16,
-    root: str | os.PathLike | None = None,
-) -> Path:
-    """Write ``model`` as shipped model ``name`` into ``zoo/weights/`` (or ``root``), atomically.
-
-    ``config_name`` is the zoo config the model instantiates (``"evoformer-small"``), and
-    ``name`` must extend it with the data it was trained on (``"evoformer-small-pdb"``).
-    ``card`` needs the keys ``model``, ``data``, ``metrics``, ``command`` and ``eval`` (see
-    :class:`ModelCard`); ``dtype`` stores the floating-point weights in that precision
-    (``None``: as they are).
-    """
-    from .pretrained import save_pretrained
-
-    config_name = resolve_name(config_name)
-    family = family_of(model)
-    if not config_name.startswith(f"{family}-"):
-        raise ValueError(f"config {config_name!r} is not of the model's family {family!r}")
-    if not name.casefold().startswith(config_name.casefold() + "-") or name.casefold() == (
-        config_name.casefold()
-    ):
-        raise ValueError(
-            f"shipped names look like '<family>-<config>-<data>': {name!r} must start with "
-            f"'{config_name}-' and name the data after it"
-        )
-    card = dict(card)
-    card.setdefault("model", config_name)
-    card["parameters"] = sum(p.numel() for p in model.parameters())
-    _card_from_json(name, card)  # validates the keys
-    return save_pretrained(
-        model,
-        Path(root or WEIGHTS_DIR) / name,
-        config_name=config_name,
-        extra=extra,
-        dtype=dtype,
-        extra_files={CARD_FILE: json.dumps(card, indent=2) + "\n"},
-    )
 
 
 def _metric_text(metrics: dict[str, float], limit: int | None = None) -> str:

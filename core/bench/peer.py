@@ -3,8 +3,8 @@
 Used only by the benchmark. :class:`DeepSpeedUlysses` is a :class:`SeqParallel` planned as
 our ``ulysses`` strategy (one dim sharded, same layout), whose attention over the sharded dim
 calls ``deepspeed.sequence.layer.DistributedAttention`` on the folded ``[Bf, L/N, H, D]``
-tensors instead of :func:`dspzoo.core.methods.ulysses_attention`. DeepSpeed's collectives do
-not go through :mod:`dspzoo.core.comm`, so :func:`count_deepspeed_bytes` counts what its
+tensors instead of :func:`dspzoo.core.parallel.methods.ulysses_attention`. DeepSpeed's collectives do
+not go through :mod:`dspzoo.core.parallel.comm`, so :func:`count_deepspeed_bytes` counts what its
 ``all_to_all_single`` calls send to other ranks (equal splits: ``(N−1)/N`` of the input).
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..layers.attention import attend
-from ..runtime import SeqParallel
-from ..strategies.base import fold_attention_dims, local_attention, unfold_attention_dims
+from ..parallel.runtime import SeqParallel
+from ..parallel.strategies.base import fold_attention_dims, local_attention, unfold_attention_dims
 
 
 def deepspeed_available() -> bool:

@@ -14,38 +14,91 @@ def _kib(n: float) -> str:
     return f"{n / 1024:,.1f}"
 
 
+def _num(x: float | None, fmt: str) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def time_table(result: dict[str, Any]) -> list[str]:
+    """Step times (median, IQR, range) and the ratio to DSP: of the medians, and paired per
+    interleaved repetition (median and IQR of ``t_strategy[i] / t_dsp[i]``)."""
+    lines = [
+        "| strategy | step s (median) | IQR | min–max | ×dsp | ×dsp paired (median) | "
+        "paired IQR | tokens/s | predicted s | error |",
+        "|---" * 10 + "|",
+    ]
+    for r in result["rows"]:
+        t, v = r["time"], r["vs_dsp"]
+        pair = v["time_paired"]
+        pred = r.get("prediction", {})
+        ps = f"{pred['step_s']:.3f}" if "step_s" in pred else "–"
+        pe = f"{pred['error']:+.0%}" if "step_s" in pred else "–"
+        lines.append(
+            f"| {r['strategy']} | {t['median']:.3f} | {t['q1']:.3f}–{t['q3']:.3f} | "
+            f"{t['min']:.3f}–{t['max']:.3f} | {v['time']:.2f} | {pair['median']:.2f} | "
+            f"{pair['q1']:.2f}–{pair['q3']:.2f} | {r['tokens_per_s']:,.0f} | {ps} | {pe} |"
+        )
+    return lines
+
+
+def bytes_table(result: dict[str, Any]) -> list[str]:
+    """Per strategy: its methods, bytes traced beside the formula, memory, the check."""
+    checked = result.get("checked", False)
+    head = (
+        "| strategy | methods | fwd KiB/rank (formula) | bwd KiB/rank (formula) | = | ×dsp | "
+        "act. MiB | formula | ×dsp | traced step s | peak RSS MiB |"
+    )
+    if checked:
+        head += " output err | grad err | vs 1 process |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in result["rows"]:
+        v = r["vs_dsp"]
+        line = (
+            f"| {r['strategy']} | {'+'.join(r['methods'])} | "
+            f"{_kib(r['bytes_fwd'])} ({_kib(r['formula_bytes_fwd'])}) | "
+            f"{_kib(r['bytes_bwd'])} ({_kib(r['formula_bytes_bwd'])}) | "
+            f"{'yes' if r['formula_exact'] else 'NO'} | {_num(v['bytes'], '.2f')} | "
+            f"{r['activation_bytes'] / MiB:.2f} | {r['formula_activation_bytes'] / MiB:.2f} | "
+            f"{v['activation']:.2f} | {r['traced_step_s']:.3f} | {r['peak_rss_bytes'] / MiB:,.0f} |"
+        )
+        if checked:
+            line += (
+                f" {r['output_error']:.1e} | {r['grad_error']:.1e} | "
+                f"{'ok' if r['agrees'] else 'DIFFERS'} |"
+            )
+        lines.append(line)
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The table: medians with spread, tokens/s, bytes (traced vs formula), memory, agreement,
-    each as a ratio to DSP; then the skipped cases, the prediction error and the command."""
+    """The tables (time; bytes, memory and the check), the skipped cases, the prediction error
+    and the command."""
+    reps = result["reps"]
+    timing = (
+        f"warm-up {result['warmup']}, {reps} interleaved repetitions (step time = the slowest "
+        "rank's; ×dsp paired: the ratio taken within each repetition, its median and IQR)"
+        if reps
+        else "the traced step only (--reps 0: no timed repetitions)"
+    )
+    check = (
+        f"the gathered output and every parameter gradient against one process on the same "
+        f"samples (relative error, flagged above {result['rtol']:.0e})"
+        if result.get("checked")
+        else "no check against one process (--no-check)"
+    )
     lines = [
         f"## {result['case']}",
         "",
         f"mode `{result['mode']}`: {result['layout']}; {result['world']} processes, "
-        f"{result['threads_per_process']} thread(s) each; warm-up {result['warmup']}, "
-        f"{result['reps']} interleaved repetitions (step time = the slowest rank's). "
-        "Bytes: sent per rank per step (forward + backward, worst rank), traced by the "
-        "runtime's tracer beside the cost model's `comm_bytes`; memory: activations saved for "
-        "backward per rank (worst rank), measured beside `activation_bytes`.",
+        f"{result['threads_per_process']} thread(s) each, {result.get('meshes', '?')} "
+        f"mesh(es) in all, one per SP layout, shared by the strategies; {timing}. Bytes: sent per rank per step, worst "
+        "rank, traced by the runtime's tracer beside the cost model's `comm_bytes` walking the "
+        "same plan ('=': equal on every rank for every op and phase); memory: activations saved "
+        f"for backward per rank (worst rank) beside `activation_bytes`; check: {check}.",
         "",
-        "| strategy | step s (median) | IQR | min–max | ×dsp | tokens/s | ×dsp | KiB/rank | "
-        "formula KiB | = | ×dsp | act. MiB | formula | ×dsp | max abs diff vs dsp | "
-        "predicted s | error |",
-        "|---" * 17 + "|",
     ]
-    for r in result["rows"]:
-        t, v = r["time"], r["vs_dsp"]
-        pred = r.get("prediction", {})
-        ps = f"{pred['step_s']:.3f}" if "step_s" in pred else "–"
-        pe = f"{pred['error']:+.0%}" if "step_s" in pred else "–"
-        ratio_bytes = "–" if math.isnan(v["bytes"]) else f"{v['bytes']:.2f}"
-        lines.append(
-            f"| {r['strategy']} | {t['median']:.3f} | {t['q1']:.3f}–{t['q3']:.3f} | "
-            f"{t['min']:.3f}–{t['max']:.3f} | {v['time']:.2f} | {r['tokens_per_s']:,.0f} | "
-            f"{v['tokens_per_s']:.2f} | {_kib(r['bytes'])} | {_kib(r['formula_bytes'])} | "
-            f"{'yes' if r['formula_exact'] else 'NO'} | {ratio_bytes} | "
-            f"{r['activation_bytes'] / MiB:.2f} | {r['formula_activation_bytes'] / MiB:.2f} | "
-            f"{v['activation']:.2f} | {r['max_abs_diff']:.1e} | {ps} | {pe} |"
-        )
+    if reps:
+        lines += [*time_table(result), ""]
+    lines += bytes_table(result)
     if result.get("baseline_sp1"):
         base = result["baseline_sp1"]["median"]
         lines += ["", f"strong scaling: one process alone (SP 1) {base:.3f} s; speed-up "]
@@ -103,13 +156,15 @@ def chart(result: dict[str, Any], path: str) -> None:
 def write_report(result: dict[str, Any], out: str) -> dict[str, str]:
     """Write the three files into ``out``, print the table; returns the paths."""
     os.makedirs(out, exist_ok=True)
-    paths = {k: os.path.join(out, f"results.{k}") for k in ("json", "md", "png")}
+    kinds = ("json", "md", "png") if result["reps"] else ("json", "md")  # png: the timings
+    paths = {k: os.path.join(out, f"results.{k}") for k in kinds}
     with open(paths["json"], "w") as fh:
         json.dump(result, fh, indent=1, default=str)
     text = markdown(result)
     with open(paths["md"], "w") as fh:
         fh.write(text)
-    chart(result, paths["png"])
+    if "png" in paths:
+        chart(result, paths["png"])
     print("\n" + text)
-    print(f"wrote {paths['json']}, {paths['md']}, {paths['png']}", flush=True)
+    print(f"wrote {', '.join(paths.values())}", flush=True)
     return paths

@@ -1,150 +1,56 @@
 """The benchmark: every applicable strategy on the same model, weights and inputs, interleaved.
 
-Runs inside every process of an ``accelerate launch`` (:func:`main`). Per strategy: one
-warm-up step under the tracer and the activation meter (bytes sent per rank by phase,
-activation memory per rank, the gathered output for the agreement check), then ``reps`` timed
+Runs inside every process of an ``accelerate launch`` (:func:`main`). The strategies come from
+:data:`dspzoo.core.parallel.strategies.STRATEGIES` (those the model cannot run are reported with the
+registry's reason); they share one mesh per SP layout (:class:`~.meshes.MeshCache`). Per
+strategy: one warm-up step under the tracer and the activation meter (bytes sent per rank by
+op and phase beside the cost model's ``comm_bytes``, which walks the plan the runtime makes;
+activation memory; the output and every gradient against one process), then ``reps`` timed
 forward + backward steps. Repetitions are interleaved: repetition ``i`` runs every strategy
-once, in an order rotated by ``i``, so the drift of a shared machine spreads over all of them.
+once, in an order rotated by ``i``, so the drift of a shared machine spreads over all of them;
+ratios to DSP are taken per repetition (paired) and reported with their IQR.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
+import resource
 import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "usp", "megatron_sp")
-PEER = "deepspeed_ulysses"
+from ..parallel.methods.registry import METHODS
+from ..parallel.strategies import STRATEGIES
+from .case import PEER, Case, build_case, select_strategies
+from .check import RTOL, Reference, compare, one_process_reference
+from .meshes import MeshCache, ulysses_size_for
+from .stats import paired_ratios, spread
+
 MODES = ("sp", "weak", "strong", "end-to-end")
 # ops the cost model's comm_bytes counts (the loss's all-reduce is outside it)
 MODEL_OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
-
-
-# -- the case: model, inputs, loss ----------------------------------------------------------------
-@dataclass
-class Case:
-    """One model with its weights and one global batch of inputs, the same on every rank."""
-
-    name: str
-    text: bool
-    model: torch.nn.Module
-    lengths: dict[str, int]
-    batch: int
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    overrides: dict[str, Any] = field(default_factory=dict)
-    frames: int = 0
-    latent: int = 0
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of the global batch (one step)."""
-        return self.batch * math.prod(self.lengths.values())
-
-    def describe(self) -> str:
-        dims = " × ".join(f"{d}={n}" for d, n in self.lengths.items())
-        cfg = self.model.config
-        return (
-            f"{self.name} (hidden {cfg.hidden}, heads {cfg.heads}, depth {cfg.depth}): "
-            f"global batch {self.batch}, {dims} = {self.tokens} tokens per step"
-        )
-
-    def workload(self, batch: int) -> Any:
-        """The cost model's description of ``batch`` samples of this case."""
-        from ..costmodel import workload_for
-
-        if self.text:
-            return workload_for(
-                self.name, batch=batch, seq_len=self.lengths["l"], overrides=self.overrides
-            )
-        return workload_for(
-            self.name,
-            batch=batch,
-            frames=self.frames,
-            spatial=self.latent,
-            overrides=self.overrides,
-        )
-
-    def shard_batch(self, dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
-        """The samples of data-parallel group ``dp_rank``."""
-        per = self.batch // dp_size
-        return {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in self.inputs.items()}
-
-    def step(self, model: torch.nn.Module, sp: Any, inputs: dict[str, torch.Tensor]):
-        """This rank's loss and its output shard (a ``SeqTensor``; no output gather)."""
-        from ..loss import sp_mse
-
-        if self.text:
-            from dspzoo.domains.text.model import lm_loss
-
-            tokens = inputs["tokens"]
-            out = model(tokens[:, :-1], sp, gather_output=False)
-            return lm_loss(out, tokens[:, 1:], sp), out
-        out = model(inputs["x"], inputs["t"], inputs["y"], sp=sp, gather_output=False)
-        target = sp.shard_like(model.patchify_target(inputs["target"]), out)
-        return sp_mse(out.tensor, target, sp.group), out
-
-
-def build_case(args: argparse.Namespace, batch: int) -> Case:
-    """The model (seeded, perturbed off its identity start) and ``batch`` samples of inputs."""
-    from dspzoo.zoo import create_model
-
-    text = args.model.lower().startswith("bytelm")
-    if text:
-        import dspzoo.domains.text  # noqa: F401
-    else:
-        import dspzoo.domains.video  # noqa: F401
-    overrides: dict[str, Any] = (
-        {"max_len": max(args.seq_len, 512)}
-        if text
-        else {"cond_dim": 0, "max_frames": max(args.frames, 16)}
-    )
-    torch.manual_seed(args.seed)
-    model = create_model(args.model, **overrides)
-    g = torch.Generator().manual_seed(args.seed + 1)
-    with torch.no_grad():  # adaLN-Zero starts as the identity: perturb for non-trivial outputs
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    cfg = model.config
-    if text:
-        tokens = torch.randint(0, 256, (batch, args.seq_len + 1), generator=g)
-        return Case(args.model, True, model.train(), {"l": args.seq_len}, batch,
-                    {"tokens": tokens}, overrides)  # fmt: skip
-    pt, ph, pw = cfg.patch
-    lengths = {"t": args.frames // pt, "s": (args.latent // ph) * (args.latent // pw)}
-    shape = (batch, cfg.in_channels, args.frames, args.latent, args.latent)
-    inputs = {
-        "x": torch.randn(shape, generator=g),
-        "target": torch.randn(shape, generator=g),
-        "t": torch.rand(batch, generator=g) * 1000,
-        "y": torch.randint(0, max(cfg.num_classes, 1), (batch,), generator=g),
-    }
-    return Case(args.model, False, model.eval(), lengths, batch, inputs, overrides,
-                args.frames, args.latent)  # fmt: skip
+__all__ = ["MODES", "PEER", "STRATEGIES", "Case", "Runner", "build_parser", "main", "run"]
 
 
 # -- one strategy's runner ------------------------------------------------------------------------
 class Runner:
-    """A strategy with its own model copy and ``SeqParallel``; traced and timed steps."""
+    """A strategy with its own model copy and ``SeqParallel`` on the run's shared mesh of its
+    layout; one traced step (bytes, memory, agreement) and timed steps."""
 
-    def __init__(self, name: str, case: Case, sp_size: int, accelerator: Any) -> None:
-        from ..accelerate import default_ulysses_size
-        from ..mesh import build_mesh
-        from ..runtime import SeqParallel
+    def __init__(self, name: str, case: Case, sp_size: int, meshes: MeshCache) -> None:
+        from ..parallel.runtime import SeqParallel
 
         self.name = name
         self.case = case
-        self.ulysses = default_ulysses_size(sp_size) if name == "usp" else None
-        self.mesh = build_mesh(sp_size, accelerator, ulysses_size=self.ulysses)
+        self.ulysses = ulysses_size_for(name, sp_size)
+        self.mesh = meshes.for_strategy(name, sp_size)
         model = copy.deepcopy(case.model)
         if name == PEER:
             from .peer import DeepSpeedUlysses
@@ -152,8 +58,9 @@ class Runner:
             self.sp: Any = DeepSpeedUlysses(self.mesh)
         else:
             self.sp = SeqParallel(self.mesh, name)
-        if name == "megatron_sp" and sp_size > 1:
-            from ..methods.megatron import parallelize_megatron
+        self.tensor_parallel = name in METHODS and METHODS[name].tensor_parallel
+        if self.tensor_parallel and sp_size > 1:
+            from ..parallel.methods.megatron import parallelize_megatron
 
             model = parallelize_megatron(model, self.sp.group)
         self.model = model
@@ -173,12 +80,16 @@ class Runner:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def traced_step(self) -> dict[str, Any]:
-        """The warm-up step: bytes by phase, activation memory, loss and the gathered output."""
-        from ..trace import SavedTensorMeter, trace_comm
+    def traced_step(self, reference: Reference | None) -> dict[str, Any]:
+        """The warm-up step: bytes by op and phase, activation memory, loss, its time, and (with
+        a ``reference``) the output and gradients against one process."""
+        from ..harness import full_gradients
+        from ..parallel.trace import SavedTensorMeter, trace_comm
 
         self.model.zero_grad(set_to_none=True)
         peer = None
+        _barrier()
+        start = time.perf_counter()
         with trace_comm() as tracer:
             if self.name == PEER:
                 from .peer import count_deepspeed_bytes
@@ -194,40 +105,50 @@ class Runner:
             finally:
                 if peer is not None:
                     peer_ctx.__exit__(None, None, None)
-        self._sync_dp()
-        model_bytes = {
-            ph: sum(r.bytes_sent for r in tracer.records if r.op in MODEL_OPS and r.phase == ph)
-            for ph in ("forward", "backward")
-        }
+        elapsed = time.perf_counter() - start
+        by_op: dict[str, int] = {}
+        for r in tracer.records:
+            if r.op in MODEL_OPS:
+                key = f"{r.op}/{r.phase}"
+                by_op[key] = by_op.get(key, 0) + r.bytes_sent
         if peer is not None:  # DeepSpeed's own all-to-alls, counted at its comm layer
-            for ph in model_bytes:
-                model_bytes[ph] += peer.bytes[ph]
+            for ph, n in peer.bytes.items():
+                by_op[f"all_to_all/{ph}"] = by_op.get(f"all_to_all/{ph}", 0) + n
         total = sum(r.bytes_sent for r in tracer.records) + (
             sum(peer.bytes.values()) if peer else 0
         )
-        with torch.no_grad():
-            full = self.sp.exit(out.with_tensor(out.tensor.detach()))
-        return {
-            "fwd_bytes": model_bytes["forward"],
-            "bwd_bytes": model_bytes["backward"],
+        result: dict[str, Any] = {
+            "fwd_bytes": _phase_bytes(by_op, "forward"),
+            "bwd_bytes": _phase_bytes(by_op, "backward"),
+            "bytes_by_op": {k: v for k, v in by_op.items() if v},
             "all_bytes": total,
             "activation_bytes": meter.bytes,
             "loss": float(loss.detach()),
-            "output": full,
+            "traced_step_s": elapsed,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
+        if reference is not None:
+            with torch.no_grad():
+                full = self.sp.exit(out.with_tensor(out.tensor.detach()))
+            grads = full_gradients(self.model, self.sp, self.mesh, self.tensor_parallel)
+            agreement = compare(reference, full, grads)
+            result["agreement"] = agreement.__dict__
+        self._sync_dp()
+        return result
 
     def timed_step(self) -> None:
         self.model.zero_grad(set_to_none=True)
-        dist.barrier()
+        _barrier()
         start = time.perf_counter()
         loss, _ = self.case.step(self.model, self.sp, self.inputs)
         loss.backward()
         self._sync_dp()
         self.times.append(time.perf_counter() - start)
 
-    def formula(self, rank_in_sp: int) -> dict[str, float]:
-        """The cost model for this rank: bytes (comm_bytes, exact) and activation memory."""
-        from ..costmodel import activation_bytes, comm_bytes
+    def formula(self, rank_in_sp: int) -> dict[str, Any]:
+        """The cost model for this rank, walking the plan the runtime makes: bytes by op and
+        phase (``comm_bytes``, exact), activation memory, and the plan itself."""
+        from ..costmodel import activation_bytes, comm_bytes, make_plan
 
         name = "ulysses" if self.name == PEER else self.name
         per_group = self.case.batch // self.mesh.dp_size
@@ -236,11 +157,26 @@ class Runner:
         counts = comm_bytes(
             wl, name, n, rank_in_sp, ulysses_size=self.ulysses or 1, exit_gather=False
         )
+        by_op = {f"{op}/{ph}": b for (op, ph), (_, b) in counts.items() if b}
+        plan = make_plan(wl, name, n) if n > 1 else None
+        methods = sorted({s.method for s in plan.steps} - {"local"}) if plan else []
         return {
             "fwd": counts.bytes(phase="forward"),
             "bwd": counts.bytes(phase="backward"),
+            "bytes_by_op": by_op,
             "activation": activation_bytes(wl, name, n, rank_in_sp),
+            "plan": str(plan) if plan else "SP 1: no plan",
+            "methods": methods or ["local"],
         }
+
+
+def _phase_bytes(by_op: dict[str, int], phase: str) -> int:
+    return sum(v for k, v in by_op.items() if k.endswith(f"/{phase}"))
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 # -- modes ---------------------------------------------------------------------------------------
@@ -286,33 +222,6 @@ def choose_layout(args: argparse.Namespace, world: int) -> tuple[int, int, str]:
     )
 
 
-def select_strategies(requested: str, case: Case, sp: int) -> tuple[list[str], dict[str, str]]:
-    """Strategies to run (``dsp`` first: the reference) and the skipped ones with reasons."""
-    from ..strategies import STRATEGIES as REGISTERED
-
-    if sp == 1:
-        return ["dsp"], {"*": "SP 1: pure data parallelism, every strategy is the same"}
-    names = list(STRATEGIES) if requested == "all" else [s.strip() for s in requested.split(",")]
-    run, skipped = [], {}
-    for name in names:
-        if name == PEER:
-            continue
-        if name not in REGISTERED:
-            skipped[name] = "not a registered strategy"
-        elif name == "megatron_sp" and not any(
-            getattr(type(m), "TP_PLAN", None) for m in case.model.modules()
-        ):
-            skipped[name] = f"{type(case.model).__name__} declares no TP_PLAN linears"
-        elif name == "megatron_sp" and case.model.config.heads % sp:
-            skipped[name] = f"heads {case.model.config.heads} not divisible by SP {sp}"
-        else:
-            run.append(name)
-    if "dsp" not in run:
-        run.insert(0, "dsp")
-    run.sort(key=lambda s: s != "dsp")
-    return run, skipped
-
-
 def peer_status(args: argparse.Namespace, case: Case, sp: int) -> str | None:
     """``None`` when the DeepSpeed peer runs, else why not (reported, never silent)."""
     from ..costmodel import make_plan
@@ -333,20 +242,9 @@ def peer_status(args: argparse.Namespace, case: Case, sp: int) -> str | None:
 
 
 # -- the run -------------------------------------------------------------------------------------
-def _stats(times: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return {
-        "median": statistics.median(times),
-        "q1": q[0],
-        "q3": q[2],
-        "min": min(times),
-        "max": max(times),
-    }
-
-
 def baseline_time(case: Case, warmup: int, reps: int) -> list[float]:
     """One process alone (SP 1, the whole batch): the strong-scaling reference (rank 0)."""
-    from ..runtime import SeqParallel
+    from ..parallel.runtime import SeqParallel
 
     model, sp, times = copy.deepcopy(case.model), SeqParallel(), []
     for i in range(warmup + reps):
@@ -378,20 +276,26 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         names.append(PEER)
     else:
         skipped[PEER] = why_not
-    runners = [Runner(n, case, sp_size, accelerator) for n in names]
+    meshes = MeshCache(accelerator, built=(world_mesh,))
+    runners = [Runner(n, case, sp_size, meshes) for n in names]
     main = rank == 0
+    reference = None
+    if not args.no_check:  # one process on this rank's DP group's samples
+        reference = one_process_reference(case, runners[0].inputs)
+    timed_rounds = args.warmup - 1 + args.reps if args.reps else 0
     bar = None
     if main and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(runners) * (args.warmup + args.reps), desc="bench", unit="step")
+        bar = tqdm(total=len(runners) * (1 + timed_rounds), desc="bench", unit="step")
     mine: dict[str, dict[str, Any]] = {}
     for r in runners:  # warm-up 1: traced and metered
-        mine[r.name] = r.traced_step()
+        mine[r.name] = r.traced_step(reference)
         if bar:
             bar.set_postfix_str(r.name)
             bar.update()
-    for i in range(args.warmup - 1 + args.reps):  # interleaved, order rotated per repetition
+    del reference
+    for i in range(timed_rounds):  # interleaved, order rotated per repetition
         order = runners[i % len(runners) :] + runners[: i % len(runners)]
         for r in order:
             r.timed_step()
@@ -402,25 +306,25 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                 r.times.clear()
     if bar:
         bar.close()
-    reference = mine["dsp"]["output"]
     for r in runners:
-        m = mine[r.name]
-        m["max_abs_diff"] = float((m.pop("output") - reference).abs().max())
-        m["times"] = r.times
-        m["formula"] = r.formula(r.mesh.sp_rank)
+        mine[r.name]["times"] = r.times
+        mine[r.name]["formula"] = r.formula(r.mesh.sp_rank)
     base_times = None
-    if args.mode == "strong":
+    if args.mode == "strong" and args.reps:
         if main:
             base_times = baseline_time(case, 1, args.reps)
-        dist.barrier()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+        _barrier()
+    gathered: list[Any] = [mine]
+    if dist.is_initialized() and world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
     result = None
     if main:
         result = summarise(args, case, gathered, names, skipped, sp_size, world, layout)
         result["threads_per_process"] = threads
+        result["meshes"] = len(meshes)
         if base_times:
-            result["baseline_sp1"] = _stats(base_times)
+            result["baseline_sp1"] = spread(base_times)
     accelerator.wait_for_everyone()
     return result
 
@@ -436,29 +340,50 @@ def summarise(args, case, gathered, names, skipped, sp, world, layout) -> dict[s
         formula = [p["formula"]["fwd"] + p["formula"]["bwd"] for p in per]
         row = {
             "strategy": name,
+            "methods": per[0]["formula"]["methods"],
+            "plan": per[0]["formula"]["plan"],
             "times": steps,
-            "time": _stats(steps),
-            "tokens_per_s": case.tokens / statistics.median(steps),
+            "time": spread(steps) if steps else None,
+            "tokens_per_s": case.tokens / statistics.median(steps) if steps else None,
+            "traced_step_s": max(p["traced_step_s"] for p in per),
             "bytes_fwd": max(p["fwd_bytes"] for p in per),
             "bytes_bwd": max(p["bwd_bytes"] for p in per),
             "bytes": max(traced),
             "bytes_all_ops": max(p["all_bytes"] for p in per),
+            "formula_bytes_fwd": max(p["formula"]["fwd"] for p in per),
+            "formula_bytes_bwd": max(p["formula"]["bwd"] for p in per),
             "formula_bytes": max(formula),
-            "formula_exact": traced == formula,
+            # every rank, every (op, phase): traced bytes == the cost model's walk of the plan
+            "formula_exact": all(p["bytes_by_op"] == p["formula"]["bytes_by_op"] for p in per),
+            "bytes_by_op": [p["bytes_by_op"] for p in per],
+            "formula_bytes_by_op": [p["formula"]["bytes_by_op"] for p in per],
             "activation_bytes": max(p["activation_bytes"] for p in per),
             "formula_activation_bytes": max(p["formula"]["activation"] for p in per),
-            "max_abs_diff": max(p["max_abs_diff"] for p in per),
+            "peak_rss_bytes": max(p["peak_rss_bytes"] for p in per),
             "loss": statistics.mean(p["loss"] for p in per),
         }
+        if "agreement" in per[0]:
+            agree = [p["agreement"] for p in per]
+            row["output_error"] = max(a["output_error"] for a in agree)
+            row["grad_error"] = max(a["grad_error"] for a in agree)
+            row["worst_param"] = max(agree, key=lambda a: a["grad_error"])["worst_param"]
+            row["missing_grads"] = sorted({m for a in agree for m in a["missing"]})
+            row["agrees"] = (
+                row["output_error"] <= RTOL
+                and row["grad_error"] <= RTOL
+                and not row["missing_grads"]
+            )
         rows.append(row)
     dsp = rows[0]
     for row in rows:
         row["vs_dsp"] = {
-            "time": row["time"]["median"] / dsp["time"]["median"],
-            "tokens_per_s": row["tokens_per_s"] / dsp["tokens_per_s"],
             "bytes": row["bytes"] / dsp["bytes"] if dsp["bytes"] else float("nan"),
             "activation": row["activation_bytes"] / dsp["activation_bytes"],
         }
+        if row["times"]:
+            row["vs_dsp"]["time"] = row["time"]["median"] / dsp["time"]["median"]
+            row["vs_dsp"]["tokens_per_s"] = row["tokens_per_s"] / dsp["tokens_per_s"]
+            row["vs_dsp"]["time_paired"] = spread(paired_ratios(row["times"], dsp["times"]))
     result = {
         "case": case.describe(),
         "model": case.name,
@@ -471,12 +396,14 @@ def summarise(args, case, gathered, names, skipped, sp, world, layout) -> dict[s
         "tokens_per_step": case.tokens,
         "warmup": args.warmup,
         "reps": args.reps,
+        "checked": not args.no_check,
+        "rtol": RTOL,
         "rows": rows,
         "skipped": skipped,
         "args": vars(args),
         "command": reproduce_command(args, world),
     }
-    if args.cluster != "none":
+    if args.cluster != "none" and args.reps:
         add_prediction(result, case, args.cluster)
     return result
 
@@ -532,11 +459,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="sp")
     p.add_argument("--frames", type=int, default=16, help="video: latent frames T")
     p.add_argument("--latent", type=int, default=32, help="video: latent H = W (S = (H/2)²)")
+    p.add_argument("--full-attention-every", type=int, default=0,
+                   help="video (STDiT): every k-th layer attends over t·s jointly (0: never)")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=1024, help="text: bytes per sample")
+    p.add_argument("--kv-heads", type=int, default=0, help="text: GQA key/value heads (0: heads)")
+    p.add_argument("--checkpoint", action="store_true", help="text: activation checkpointing")
+    p.add_argument("--perturb", type=float, default=0.02, help="noise added to the initial weights")
     p.add_argument("--batch", type=int, default=1, help="samples per step (per N in weak/e2e)")
     p.add_argument("--strategies", default="all", help="comma-separated, or 'all'")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps (the first is traced)")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per strategy")
+    p.add_argument("--reps", type=int, default=5,
+                   help="timed steps per strategy (0: the traced step only — bytes, memory, check)")  # fmt: skip
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the check against one process (e.g. for the longest contexts)")  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores/N)")
     p.add_argument("--memory-budget-mib", type=float, default=256, help="end-to-end: per rank")
     p.add_argument("--peer", choices=("auto", "on", "off"), default="auto",
@@ -553,8 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     from .report import write_report
 
     args = build_parser().parse_args(argv)
-    if args.warmup < 1 or args.reps < 1:
-        raise SystemExit("--warmup and --reps must be ≥ 1")
+    if args.warmup < 1 or args.reps < 0:
+        raise SystemExit("--warmup must be ≥ 1 and --reps ≥ 0 (0: the traced step only)")
     result = run(args)
     if result is not None:
         write_report(result, args.out)

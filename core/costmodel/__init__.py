@@ -26,7 +26,7 @@ from .predict import (
     predict_table,
     recommend,
 )
-from .workload import StageSpec, Workload, text_workload, video_workload, workload_for
+from .workload import StageSpec, Workload, register_workload, workload_builder
 
 __all__ = [
     "CLUSTERS",
@@ -52,8 +52,22 @@ __all__ = [
     "predict",
     "predict_table",
     "recommend",
-    "text_workload",
     "ulysses_flat_bytes",
-    "video_workload",
-    "workload_for",
+    "register_workload",
+    "workload_builder",
 ]
+
+_MOVED = {
+    "workload_for": "dspzoo.zoo.workloads.workload_for",
+    "video_workload": "dspzoo.domains.video.workload.video_workload",
+    "text_workload": "dspzoo.domains.text.workload.text_workload",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(
+            f"dspzoo.core.costmodel.{name} moved to {_MOVED[name]} (the cost model no longer "
+            f"imports the zoo or the domains)"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

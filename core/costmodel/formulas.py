@@ -3,7 +3,7 @@
 **Bytes.** :func:`comm_bytes` walks a :class:`~.workload.Workload` layer by layer under the plan
 the runtime itself would make (``get_strategy(name).plan(...)``), starting sharded on the
 plan's entry dim, and adds every collective the runtime issues, with the tracer's conventions
-(:mod:`dspzoo.core.trace`: bytes *sent* by this rank to other ranks, payload only):
+(:mod:`dspzoo.core.parallel.trace`: bytes *sent* by this rank to other ranks, payload only):
 
 * a DSP switch ``a → b`` of ``[B, …, C]`` on rank ``r``: ``a_r·(L_b − b_r)·rest·C`` elements
   forward, ``b_r·(L_a − a_r)·rest·C`` backward (``a_r``, ``b_r`` its balanced shards);
@@ -38,8 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..layout import shard_sizes
-from ..methods.registry import (
+from ..parallel.layout import shard_sizes
+from ..parallel.methods.registry import (
     AttentionShape,
     CommCount,
     gather_bytes,
@@ -47,9 +47,9 @@ from ..methods.registry import (
     megatron_pair_bytes,
     switch_bytes,
 )
-from ..methods.ring import zigzag_lengths
-from ..plan import Plan
-from ..strategies import get_strategy
+from ..parallel.methods.ring import zigzag_lengths
+from ..parallel.plan import Plan
+from ..parallel.strategies import get_strategy
 from .workload import StageSpec, Workload
 
 OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import Plan
-from ..strategies.auto import auto_plan  # noqa: F401  (re-exported: strategy="auto")
+from ..parallel.plan import Plan
+from ..parallel.strategies.auto import auto_plan  # noqa: F401  (re-exported: strategy="auto")
 from .cluster import Cluster, get_cluster
 from .formulas import (
     CommCount,

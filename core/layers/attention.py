@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..parallel import context
+
 
 @lru_cache(maxsize=1)
 def flash_attn_func() -> Any | None:
@@ -80,7 +82,9 @@ class SeqSelfAttention(torch.nn.Module):
     """Multi-head self-attention along one named sequence dim of ``[B, *seq, C]``.
 
     The other sequence dims act as batch dims; the SP context decides what (if anything)
-    must be communicated: nothing under DSP, whose plan keeps ``over`` whole. ``TP_PLAN``
+    must be communicated: nothing under DSP, whose plan keeps ``over`` whole. Inside an open
+    region (:mod:`dspzoo.core.parallel.context`) ``forward(x)`` reads the runtime and the layout from it;
+    ``forward(x, spec, sp)`` passes them explicitly (the earlier API). ``TP_PLAN``
     declares the linears for tensor parallelism (``megatron_sp``): ``qkv`` column-parallel
     with q, k, v stacked (each third sharded by heads), ``proj`` row-parallel; the
     ``sp.tp_enter``/``sp.tp_exit`` hooks around them do nothing under other strategies, and
@@ -97,8 +101,12 @@ class SeqSelfAttention(torch.nn.Module):
         self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=qkv_bias)
         self.proj = torch.nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor, spec: Any, sp: Any) -> torch.Tensor:
-        """``x``: local ``[B, *seq_local, C]`` laid out as ``spec`` → same shape."""
+    def forward(self, x: torch.Tensor, spec: Any = None, sp: Any = None) -> torch.Tensor:
+        """``x``: local ``[B, *seq_local, C]`` laid out as ``spec`` (default: the open
+        region's layout) → same shape."""
+        if sp is None:
+            region = context.current(f"{type(self).__name__}(x) without (spec, sp)")
+            sp, spec = region.sp, region.spec() if spec is None else spec
         x, inner = sp.tp_enter(x, spec)
         q, k, v = rearrange(
             self.qkv(x), "... (three h d) -> three ... h d", three=3, d=self.head_dim

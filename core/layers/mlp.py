@@ -7,13 +7,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parallel import context
+
 
 class Mlp(nn.Module):
     """``[..., C]`` → ``[..., C]`` with a GELU (tanh) hidden layer of ``ratio · C``.
 
     ``TP_PLAN``: under tensor parallelism (``megatron_sp``) ``fc1`` is column-parallel and
-    ``fc2`` row-parallel (hidden units sharded); pass the activation's ``spec`` and the SP
-    context so the ``sp.tp_enter``/``sp.tp_exit`` hooks can act (without them: plain MLP).
+    ``fc2`` row-parallel (hidden units sharded): the ``sp.tp_enter``/``sp.tp_exit`` hooks act
+    on the activation's ``spec`` and the SP context, passed explicitly or read from the open
+    region (:mod:`dspzoo.core.parallel.context`); outside a region and without them: a plain MLP.
     """
 
     TP_PLAN = {"fc1": "column", "fc2": "row"}
@@ -26,6 +29,9 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(width, hidden)
 
     def forward(self, x: torch.Tensor, spec: Any = None, sp: Any = None) -> torch.Tensor:
+        if sp is None and context.active() is not None:
+            region = context.current("Mlp")
+            sp, spec = region.sp, region.spec() if spec is None else spec
         if sp is None:
             return self.fc2(self.act(self.fc1(x)))
         h, _ = sp.tp_enter(x, spec)
@@ -34,9 +40,11 @@ class Mlp(nn.Module):
 
 def _per_token(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``[B, C]`` → ``[B, 1, …, 1, C]`` to broadcast over ``x``'s tokens; a ``p`` with as many
-    dims as ``x`` (e.g. per-frame ``[B, T, 1, C]``) is used as it is."""
+    dims as ``x`` (e.g. per-frame ``[B, T, 1, C]``) is laid out like the activation: inside an
+    open region it is sliced for the current layout (:func:`dspzoo.core.parallel.context.local`),
+    outside one used as it is."""
     if p.dim() == x.dim():
-        return p
+        return context.local(p)
     return p.reshape((p.shape[0],) + (1,) * (x.dim() - 2) + (p.shape[-1],))
 
 
@@ -44,7 +52,7 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     """adaLN: ``x · (1 + scale) + shift`` for ``x`` ``[B, *tokens, C]``.
 
     ``shift``/``scale``: ``[B, C]`` (one per sample) or broadcastable with ``x`` (e.g. per-frame
-    ``[B, T, 1, C]``).
+    ``[B, T, 1, C]``, whole inside an open region: sliced here for the current layout).
     """
     return x * (1 + _per_token(scale, x)) + _per_token(shift, x)
 

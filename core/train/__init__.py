@@ -9,6 +9,7 @@ The pieces: the shared flags and run config (:mod:`.config`, :mod:`.flags`), the
 from .config import RunConfig, load_initial_weights, start_run, train_loader, warmup_cosine
 from .ema import EMA
 from .flags import TrainingCLI, check_values, flag
+from .step import OptimisationStep
 from .sync import GradientSync, gradient_group
 from .task import Task, with_batch_offset
 from .trainer import Trainer, train_task
@@ -16,6 +17,7 @@ from .trainer import Trainer, train_task
 __all__ = [
     "EMA",
     "GradientSync",
+    "OptimisationStep",
     "RunConfig",
     "Task",
     "Trainer",

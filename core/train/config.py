@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..strategies import STRATEGIES
+from ..parallel.strategies import STRATEGIES
 from .flags import check_values, flag
 
 # strategies the training scripts cannot drive yet (every one can: megatron_sp, which shards
@@ -51,7 +51,11 @@ class RunConfig:
     seed: int = flag(0, "seed of the weights, the data order and every random draw")
     num_workers: int = flag(0, "dataloader worker processes per rank")
     output_dir: str | None = flag(None, "where checkpoints, logs and the final model go")
-    save_every: int = flag(100, "save a checkpoint every n steps (0: only at --stop-after)")
+    save_every: int = flag(
+        100,
+        "save a checkpoint every n steps; the last step and --stop-after are always saved, so "
+        "a finished run continues with a larger --steps and --resume latest",
+    )
     keep_checkpoints: int = flag(3, "keep the newest n checkpoints (0: keep all)")
     log_every: int = flag(10, "log (and average the reported loss over) every n steps")
     resume: str | None = flag(None, "a checkpoint folder, or 'latest' in <output-dir>/checkpoints")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..trace import SavedTensorMeter
+from ..parallel.trace import SavedTensorMeter
 from .resume import mean_step_time
 
 

@@ -1,6 +1,6 @@
 """Resuming a training run at any dp × sp layout, and the step-time figure every loop logs.
 
-A run whose randomness is keyed by (seed, step, sample) (:mod:`dspzoo.core.rng`) and whose
+A run whose randomness is keyed by (seed, step, sample) (:mod:`dspzoo.core.parallel.rng`) and whose
 data order comes from (seed, epoch) (:class:`dspzoo.core.data.SPBatchSampler`) continues
 exactly after a resume at another layout or under another strategy; :func:`resume_from`
 loads the checkpoint, re-seeds the global RNGs identically inside every SP group, and says in
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..mesh import SPMesh, seed_everything
-from ..rng import mix_key
+from ..parallel.mesh import SPMesh, seed_everything
+from ..parallel.rng import mix_key
 from .checkpoint import latest_checkpoint, read_progress, recover_interrupted_save
 
 logger = logging.getLogger("dspzoo.resume")

@@ -28,7 +28,7 @@ def gradient_group(mesh: Any) -> Any:
     """DDP's process group.
 
     ``mesh.grad_group`` is a communicator of its own spanning the dp × sp world, separate from
-    the SP and DP groups (see :mod:`dspzoo.core.mesh`); a mesh without that attribute (older
+    the SP and DP groups (see :mod:`dspzoo.core.parallel.mesh`); a mesh without that attribute (older
     meshes) gives ``None``: the default group.
     """
     return getattr(mesh, "grad_group", None)

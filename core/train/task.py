@@ -56,6 +56,11 @@ class Task:
     output_dir: Path
 
     def __init__(self, cfg: RunConfig) -> None:
+        if not isinstance(cfg, self.config_type):
+            raise TypeError(
+                f"{type(self).__name__} takes a {self.config_type.__name__}, got "
+                f"{type(cfg).__name__}"
+            )
         self.cfg = cfg
 
     def attach(self, accelerator: Any, mesh: Any, sp: Any, output_dir: Path) -> None:
@@ -116,6 +121,7 @@ class Task:
         return None
 
     def has_evaluation(self) -> bool:
+        """Whether the domain overrides :meth:`evaluate`."""
         return type(self).evaluate is not Task.evaluate
 
     def evaluates_at(self, step: int) -> bool:

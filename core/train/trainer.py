@@ -9,7 +9,7 @@
    own communicator, or the tensor-parallel path) — the same for every domain;
 3. resumes ``--resume``'s checkpoint from any layout (:func:`resume_from`);
 4. runs the loop (:func:`run_training_loop`): one optimisation step per global batch
-   (:meth:`Trainer.step`), evaluation when the task asks, a checkpoint every
+   (:meth:`Trainer.step`, an :class:`OptimisationStep`), evaluation when the task asks, a checkpoint every
    ``--save-every`` steps, at ``--stop-after`` and after the last step;
 5. when the run is complete, saves the final model (EMA weights if any, full tensors) with
    the task's extras, and always ``losses.json``.
@@ -19,7 +19,6 @@ Checkpoints record the task's run settings, the layout, the loss and evaluation 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,13 @@ from typing import Any
 import torch
 
 from ..loss import world_report
-from ..trace import SavedTensorMeter, format_bytes
+from ..parallel.trace import SavedTensorMeter, format_bytes
 from .checkpoint import save_checkpoint
 from .config import start_run, train_loader, warmup_cosine
 from .ema import EMA
 from .loop import LoopSettings, run_training_loop
 from .resume import layout_of, mean_step_time, resume_from
+from .step import OptimisationStep
 from .sync import GradientSync
 from .task import Task
 
@@ -67,6 +67,10 @@ class Trainer:
         if self.ema is not None:
             accelerator.register_for_checkpointing(self.sync.checkpointable(self.ema))
         self.loader = train_loader(cfg, dataset, mesh, **task.loader_options())
+        self.optimisation_step = OptimisationStep(
+            accelerator, self.model, self.optimizer, self.sync, cfg.grad_clip, self.scheduler,
+            self.ema,
+        )  # fmt: skip
         self.tokens_per_step = cfg.global_batch * task.tokens_per_sample(self.raw_model)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -112,16 +116,8 @@ class Trainer:
         global batch's loss (the task's reported figure). ``meter`` measures the activation
         memory of the loss computation."""
         self.model.train()
-        with self.accelerator.autocast():
-            with meter if meter is not None else contextlib.nullcontext():
-                loss = self.task.loss(self.model, batch, step, self.sp)
-        self.accelerator.backward(loss)
-        self.sync.sync_and_clip(self.model, self.cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self.ema.update(self.raw_model)
+        task, model, sp = self.task, self.model, self.sp
+        loss = self.optimisation_step(lambda: task.loss(model, batch, step, sp), meter)
         return self.task.report(world_report(loss))
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -149,8 +145,9 @@ class Trainer:
         complete = step >= self.cfg.steps
         final = None
         if complete:
-            if self.task.has_evaluation() and self.final_figures is None:
-                self.evaluate(step)
+            if self.final_figures is None and self.task.has_evaluation():
+                if self.task.evaluates_at(step):  # e.g. a finished run resumed as it was
+                    self.evaluate(step)
             if self.ema is not None:  # the final model carries the averaged weights
                 self.ema.copy_to(self.raw_model)
             final = self.sync.full_model(self.raw_model)  # every rank: shards are gathered

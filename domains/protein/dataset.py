@@ -10,7 +10,7 @@ A sample (:meth:`ProteinDataset.__getitem__`) is the whole chain as NumPy arrays
 ``aatype``, ``residue_index``, targets, and its merged, deduplicated MSA (``msa``,
 ``deletions`` ``[S, L]``). Training randomness — which contiguous crop of ``crop_size``
 residues and which MSA rows — is drawn in :func:`crop_and_sample` from a generator keyed by
-``(seed, step, global sample index)`` (:mod:`dspzoo.core.rng`), so it is the same on every rank
+``(seed, step, global sample index)`` (:mod:`dspzoo.core.parallel.rng`), so it is the same on every rank
 of an SP group, independent of the dp × sp layout, and exact after a resume. :func:`collate`
 builds the contract's feature tensors and pads them to a common ``R`` and ``S``.
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dspzoo.core.rng import keyed_generator, mix_key
+from dspzoo.core.parallel.rng import keyed_generator, mix_key
 
 from .data import (
     MSA,

@@ -3,7 +3,7 @@
 The trunk carries the MSA activation ``m`` ``[B, S, R, c_m]`` (dims ``s``, ``r``) and the pair
 activation ``z`` ``[B, R, R, c_z]`` (dims ``i``, ``j``); ``r``, ``i`` and ``j`` are the same
 residues. :data:`STAGES` declares what each layer of a block needs whole, and
-:func:`~dspzoo.core.multiplan.plan_multi` decides where each activation is sharded: ``m`` on
+:func:`~dspzoo.core.parallel.multiplan.plan_multi` decides where each activation is sharded: ``m`` on
 ``s`` for row attention and on ``r`` for column attention, the transition and the outer
 product mean; ``z`` on ``i`` for the outgoing update and starting-node attention, on ``j`` for
 the incoming update and ending-node attention — six switches per block, the MSA's switch back to
@@ -26,19 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspzoo.core.layout import SeqSpec
-from dspzoo.core.multiplan import (
-    ActShape,
-    Gather,
-    MultiParallel,
-    MultiStage,
-    MultiState,
-    plan_multi,
-)
-from dspzoo.core.rng import mix_key
-from dspzoo.core.runtime import SeqParallel, SeqTensor
-from dspzoo.core.trace import comm_region
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.context import current_stage, dropout, stage
+from dspzoo.core.parallel.multiplan import ActShape, Gather, MultiParallel, MultiStage, plan_multi
+from dspzoo.core.parallel.rng import mix_key
+from dspzoo.core.parallel.runtime import SeqParallel, SeqTensor
+from dspzoo.core.parallel.trace import comm_region
+from dspzoo.core.parallel.validate import validate_collectively
 
 from .ops import (
     MSAColumnAttention,
@@ -116,7 +109,7 @@ def evoformer_stages(config: EvoformerConfig) -> tuple[MultiStage, ...]:
 
 
 def evoformer_plan(config: EvoformerConfig, residues: int, msa_depth: int, sp_size: int):
-    """The :class:`~dspzoo.core.multiplan.MultiPlan` of one block at these sizes."""
+    """The :class:`~dspzoo.core.parallel.multiplan.MultiPlan` of one block at these sizes."""
     shapes = {
         "m": ActShape(MSA_DIMS, (msa_depth, residues), config.c_m),
         "z": ActShape(PAIR_DIMS, (residues, residues), config.c_z),
@@ -125,50 +118,41 @@ def evoformer_plan(config: EvoformerConfig, residues: int, msa_depth: int, sp_si
 
 
 @dataclass
-class BlockContext:
-    """What a block needs besides the activations: masks, dropout keys, chunking."""
+class Residual:
+    """How one pass adds a layer's update to its activation: ``add(x, op, *inputs)`` is
+    ``x + dropout(op(*inputs))``.
 
-    mp: MultiParallel
-    msa_mask: torch.Tensor  # [B, S, R], replicated
-    seq_mask: torch.Tensor  # [B, R], replicated
-    chunk: int | None
-    channel_chunk: int | None
-    training: bool
-    rng_key: int | None
-    batch_offset: int
+    Dropout (training mode, ``p > 0``) is AF2's row- or column-shared mask (``shared_along``
+    names the dim it is shared along, which also names the activation), keyed by
+    ``(rng_key, *prefix, stage)`` so that it is the one-process mask on any sharding. In
+    no-grad inference without dropout the layer adds its update into ``x`` in place, ``chunk``
+    rows at a time (peak memory: one activation plus one chunk).
+    """
+
+    chunk: int | None = None
+    training: bool = False
+    rng_key: int | None = None
+    batch_offset: int = 0
     prefix: tuple[int, ...] = ()
 
-    def msa_mask_for(self, spec: SeqSpec) -> torch.Tensor:
-        """The MSA mask laid out like ``m`` under ``spec``: ``[B, S_loc, R_loc]``."""
-        s0, sn = self.mp.local_range(spec, "s")
-        r0, rn = self.mp.local_range(spec, "r")
-        return self.msa_mask[:, s0 : s0 + sn, r0 : r0 + rn]
-
-    def pair_mask_for(self, spec: SeqSpec) -> torch.Tensor:
-        """The pair mask ``seq_mask_i · seq_mask_j`` laid out like ``z``: ``[B, I_loc, J_loc]``."""
-        i0, ni = self.mp.local_range(spec, "i")
-        j0, nj = self.mp.local_range(spec, "j")
-        return self.seq_mask[:, i0 : i0 + ni, None] * self.seq_mask[:, None, j0 : j0 + nj]
-
-    def key(self, *parts: int | str) -> int:
-        """The dropout key of one layer in one recycling iteration."""
-        assert self.rng_key is not None
-        return mix_key(self.rng_key, *self.prefix, *parts)
-
-    def inplace(self, p: float) -> bool:
-        """Whether a layer may add its update in place (no autograd, no dropout)."""
-        return not torch.is_grad_enabled() and not (self.training and p > 0)
-
-    def residual(
-        self, act: SeqTensor, update: torch.Tensor, p: float, shared: tuple[str, ...], name: str
-    ) -> SeqTensor:
-        """``act + dropout(update)`` with the mask shared along ``shared`` (AF2 row/column)."""
-        if self.training and p > 0:
-            upd = self.mp.sp.dropout(
-                act.with_tensor(update), p, self.key(name), shared, True, self.batch_offset
-            )
-            update = upd.tensor
-        return act.with_tensor(act.tensor + update)
+    def __call__(
+        self,
+        x: torch.Tensor,
+        op: nn.Module,
+        *inputs: torch.Tensor,
+        p: float = 0.0,
+        shared_along: str = "",
+    ) -> torch.Tensor:
+        dropping = self.training and p > 0
+        if not torch.is_grad_enabled() and not dropping:
+            return op(*inputs, chunk=self.chunk, residual=x)
+        update = op(*inputs, chunk=self.chunk)
+        if dropping:
+            if self.rng_key is None:
+                raise ValueError("Evoformer dropout needs rng_key (see Evoformer.forward)")
+            key = mix_key(self.rng_key, *self.prefix, current_stage() or "")
+            update = dropout(update, p, key, shared_along, batch_offset=self.batch_offset)
+        return x + update
 
 
 class EvoformerBlock(nn.Module):
@@ -182,81 +166,50 @@ class EvoformerBlock(nn.Module):
             c.c_m, c.c_z, c.c_hidden_msa_att, c.msa_heads, c.inf
         )
         self.msa_att_col = MSAColumnAttention(c.c_m, c.c_hidden_msa_att, c.msa_heads, c.inf)
-        self.msa_transition = Transition(c.c_m, c.transition_n)
+        self.msa_transition = Transition(c.c_m, c.transition_n, "m")
         self.outer_product_mean = OuterProductMean(c.c_m, c.c_z, c.c_hidden_opm, c.opm_eps)
-        self.tri_mul_out = TriangleMultiplication(c.c_z, c.c_hidden_mul, outgoing=True)
-        self.tri_mul_in = TriangleMultiplication(c.c_z, c.c_hidden_mul, outgoing=False)
+        mul = c.mul_channel_chunk
+        self.tri_mul_out = TriangleMultiplication(c.c_z, c.c_hidden_mul, True, mul)
+        self.tri_mul_in = TriangleMultiplication(c.c_z, c.c_hidden_mul, False, mul)
         self.tri_att_start = TriangleAttention(
             c.c_z, c.c_hidden_pair_att, c.pair_heads, starting=True, inf=c.inf
         )
         self.tri_att_end = TriangleAttention(
             c.c_z, c.c_hidden_pair_att, c.pair_heads, starting=False, inf=c.inf
         )
-        self.pair_transition = Transition(c.c_z, c.transition_n)
+        self.pair_transition = Transition(c.c_z, c.transition_n, "z")
 
-    def forward(self, state: MultiState, ctx: BlockContext) -> MultiState:
-        c, mp, chunk = self.config, ctx.mp, ctx.chunk
-        pd, md = c.pair_dropout, c.msa_dropout
-
-        with comm_region("msa_row"):
-            mp.to_stage(state, "msa_row")
-            m, z = state["m"], state["z"]
-            res = m.tensor if ctx.inplace(md) else None
-            upd = self.msa_att_row(
-                m.tensor, ctx.msa_mask_for(m.spec), z.tensor, z.spec, mp, chunk, res
-            )
-            state["m"] = m if res is not None else ctx.residual(m, upd, md, ("s",), "msa_row")
-
-        with comm_region("msa_col"):
-            mp.to_stage(state, "msa_col")
-            m = state["m"]
-            res = m.tensor if ctx.inplace(0.0) else None
-            upd = self.msa_att_col(m.tensor, ctx.msa_mask_for(m.spec), chunk, res)
-            state["m"] = m if res is not None else m.with_tensor(m.tensor + upd)
-
-        with comm_region("msa_transition"):
-            mp.to_stage(state, "msa_transition")
-            m = state["m"]
-            res = m.tensor if ctx.inplace(0.0) else None
-            upd = self.msa_transition(m.tensor, ctx.msa_mask_for(m.spec), chunk, res)
-            state["m"] = m if res is not None else m.with_tensor(m.tensor + upd)
-
-        with comm_region("outer_product_mean"):
-            mp.to_stage(state, "outer_product_mean")
-            m, z = state["m"], state["z"]
-            res = z.tensor if ctx.inplace(0.0) else None
-            upd = self.outer_product_mean(
-                m.tensor, m.spec, ctx.msa_mask, z.spec.sharded or "i", mp, chunk, res
-            )
-            state["z"] = z if res is not None else z.with_tensor(z.tensor + upd)
-
-        pair_layers = (
-            ("tri_mul_out", ("i",)),
-            ("tri_mul_in", ("i",)),
-            ("tri_att_start", ("i",)),
-            ("tri_att_end", ("j",)),
-        )
-        for name, shared in pair_layers:
-            with comm_region(name):
-                mp.to_stage(state, name)
-                z = state["z"]
-                res = z.tensor if ctx.inplace(pd) else None
-                mask = ctx.pair_mask_for(z.spec)
-                layer = getattr(self, name)
-                if name.startswith("tri_mul"):
-                    upd = layer(z.tensor, z.spec, mask, mp, chunk, ctx.channel_chunk, res)
-                else:
-                    upd = layer(z.tensor, z.spec, mask, mp, chunk, res)
-                state["z"] = z if res is not None else ctx.residual(z, upd, pd, shared, name)
-                del z, upd, res
-
-        with comm_region("pair_transition"):
-            mp.to_stage(state, "pair_transition")
-            z = state["z"]
-            res = z.tensor if ctx.inplace(0.0) else None
-            upd = self.pair_transition(z.tensor, ctx.pair_mask_for(z.spec), chunk, res)
-            state["z"] = z if res is not None else z.with_tensor(z.tensor + upd)
-        return state
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        add: Residual,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """AF2 Algorithm 6 on this rank's shards of ``m`` and ``z``; the masks ``[B, S, R]`` and
+        ``[B, R, R]`` whole. Each ``stage`` line moves the activations as planned
+        (:func:`evoformer_stages`); ``add(x, op, *inputs)`` is ``x + dropout(op(*inputs))``."""
+        pm, pz = self.config.msa_dropout, self.config.pair_dropout
+        m, z = stage("msa_row", m=m, z=z)
+        m = add(m, self.msa_att_row, m, z, msa_mask, p=pm, shared_along="s")
+        m = stage("msa_col", m=m)
+        m = add(m, self.msa_att_col, m, msa_mask)
+        m = stage("msa_transition", m=m)
+        m = add(m, self.msa_transition, m, msa_mask)
+        m, z = stage("outer_product_mean", m=m, z=z)
+        z = add(z, self.outer_product_mean, m, msa_mask)
+        z = stage("tri_mul_out", z=z)
+        z = add(z, self.tri_mul_out, z, pair_mask, p=pz, shared_along="i")
+        z = stage("tri_mul_in", z=z)
+        z = add(z, self.tri_mul_in, z, pair_mask, p=pz, shared_along="i")
+        z = stage("tri_att_start", z=z)
+        z = add(z, self.tri_att_start, z, pair_mask, p=pz, shared_along="i")
+        z = stage("tri_att_end", z=z)
+        z = add(z, self.tri_att_end, z, pair_mask, p=pz, shared_along="j")
+        z = stage("pair_transition", z=z)
+        z = add(z, self.pair_transition, z, pair_mask)
+        return m, z
 
 
 class InputEmbedder(nn.Module):
@@ -365,6 +318,13 @@ def _check_strategy(sp: SeqParallel) -> None:
         )
 
 
+def _masks(msa_mask: torch.Tensor, seq_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole MSA mask ``[B, S, R]`` and pair mask ``seq_mask_i · seq_mask_j`` ``[B, R, R]``
+    (the layers slice them for the current layout), as floats."""
+    seq_mask = seq_mask.float()
+    return msa_mask.float(), seq_mask[:, :, None] * seq_mask[:, None, :]
+
+
 class Evoformer(nn.Module):
     """Input embedder, recycling embedder, Evoformer stack and distogram head (zoo family
     ``evoformer``); see the module docstring for the forward contract."""
@@ -401,7 +361,7 @@ class Evoformer(nn.Module):
         if dropout_on and rng_key is None:
             raise ValueError(
                 "Evoformer in training mode with dropout needs rng_key (e.g. "
-                "dspzoo.core.rng.mix_key(seed, step)) so that the masks are exact under sharding; "
+                "dspzoo.core.parallel.rng.mix_key(seed, step)) so that the masks are exact under sharding; "
                 "or call model.eval()"
             )
         recycles = cfg.num_recycles if num_recycles is None else int(num_recycles)
@@ -409,16 +369,9 @@ class Evoformer(nn.Module):
             raise ValueError(f"num_recycles must be >= 0, got {recycles}")
         b, s, r, _ = batch["msa_feat"].shape
         mp = MultiParallel(sp, self.plan(r, s, sp.size), switch_chunk=cfg.c_z // 4 or None)
-        ctx = BlockContext(
-            mp=mp,
-            msa_mask=batch["msa_mask"].float(),
-            seq_mask=batch["seq_mask"].float(),
-            chunk=cfg.chunk_size if chunk_size is None else chunk_size,
-            channel_chunk=cfg.mul_channel_chunk,
-            training=self.training,
-            rng_key=rng_key,
-            batch_offset=batch_offset,
-        )
+        msa_mask, pair_mask = _masks(batch["msa_mask"], batch["seq_mask"])
+        chunk = cfg.chunk_size if chunk_size is None else chunk_size
+        add = Residual(chunk, self.training, rng_key, batch_offset)
         prev_row = batch["msa_feat"].new_zeros(b, r, cfg.c_m)
         prev_z: SeqTensor | None = None
         out: dict[str, torch.Tensor] = {}
@@ -428,21 +381,21 @@ class Evoformer(nn.Module):
                 torch.set_grad_enabled(last and torch.is_grad_enabled()),
                 comm_region(f"recycle{it}"),
             ):
-                ctx.prefix = (it,)
-                state = self._embed(batch, mp, prev_row, prev_z)
-                for k, block in enumerate(self.evoformer.blocks):
-                    with comm_region(f"block{k}"):
-                        ctx.prefix = (it, k)
-                        state = block(state, ctx)
-                with comm_region("exit"):
-                    m_full = mp.exit(state, "m")
-                prev_row = m_full[:, 0].detach()
-                prev_z = SeqTensor(state.acts["z"].tensor.detach(), state.acts["z"].spec)
-                if last:
-                    z = state.acts["z"]
+                m, z = self._embed(batch, mp, prev_row, prev_z)
+                with mp.region(m=m, z=z) as region:
+                    for k, block in enumerate(self.evoformer.blocks):
+                        with comm_region(f"block{k}"):
+                            add.prefix = (it, k)
+                            m, z = block(m, z, msa_mask, pair_mask, add)
                     with comm_region("exit"):
-                        logits = sp.exit(z.with_tensor(self.distogram_head.linear(z.tensor)))
-                        pair = sp.exit(z)
+                        m_full = sp.exit(region.seq("m", m))
+                    z_act = region.seq("z", z)
+                prev_row = m_full[:, 0].detach()
+                prev_z = SeqTensor(z_act.tensor.detach(), z_act.spec)
+                if last:
+                    with comm_region("exit"):
+                        logits = sp.exit(z_act.with_tensor(self.distogram_head.linear(z_act.tensor)))
+                        pair = sp.exit(z_act)
                     out = {
                         "distogram_logits": logits + logits.transpose(1, 2),
                         "pair": pair,
@@ -467,31 +420,19 @@ class Evoformer(nn.Module):
         _check_strategy(sp)
         b, s, r, _ = m.shape
         mp = MultiParallel(sp, self.plan(r, s, sp.size))
-        ctx = BlockContext(
-            mp=mp,
-            msa_mask=msa_mask.float(),
-            seq_mask=seq_mask.float(),
-            chunk=self.config.chunk_size if chunk_size is None else chunk_size,
-            channel_chunk=self.config.mul_channel_chunk,
-            training=self.training,
-            rng_key=rng_key,
-            batch_offset=batch_offset,
-        )
-        m_spec = mp.spec("m", None)
-        z_spec = mp.spec("z", None)
-        state = mp.enter(
-            {
-                # copies: the no-grad path adds updates in place
-                "m": sp.shard(m.clone(), m_spec, mp.plan.entry("m")).tensor,
-                "z": sp.shard(z.clone(), z_spec, mp.plan.entry("z")).tensor,
-            }
-        )
-        for k, block in enumerate(self.evoformer.blocks):
-            with comm_region(f"block{k}"):
-                ctx.prefix = (0, k)
-                state = block(state, ctx)
-        with comm_region("exit"):
-            return mp.exit(state, "m"), mp.exit(state, "z")
+        msa_mask, pair_mask = _masks(msa_mask, seq_mask)
+        chunk = self.config.chunk_size if chunk_size is None else chunk_size
+        add = Residual(chunk, self.training, rng_key, batch_offset)
+        # copies: the no-grad path adds updates in place
+        m = sp.shard(m.clone(), mp.spec("m", None), mp.plan.entry("m")).tensor
+        z = sp.shard(z.clone(), mp.spec("z", None), mp.plan.entry("z")).tensor
+        with mp.region(m=m, z=z) as region:
+            for k, block in enumerate(self.evoformer.blocks):
+                with comm_region(f"block{k}"):
+                    add.prefix = (0, k)
+                    m, z = block(m, z, msa_mask, pair_mask, add)
+            with comm_region("exit"):
+                return sp.exit(region.seq("m", m)), sp.exit(region.seq("z", z))
 
     def _embed(
         self,
@@ -499,7 +440,7 @@ class Evoformer(nn.Module):
         mp: MultiParallel,
         prev_row: torch.Tensor,
         prev_z: SeqTensor | None,
-    ) -> MultiState:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's shards of the embedded ``m`` and ``z`` (plus recycling)."""
         emb, rec = self.input_embedder, self.recycling_embedder
         m_spec = mp.spec("m", mp.plan.entry("m"))
@@ -520,4 +461,4 @@ class Evoformer(nn.Module):
             z = z + rec.layer_norm_z(torch.zeros_like(z))
         else:
             z = z + rec.layer_norm_z(mp.switch(prev_z, z_spec.sharded).tensor)
-        return mp.enter({"m": m, "z": z})
+        return m, z

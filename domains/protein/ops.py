@@ -1,9 +1,11 @@
 """The Evoformer's layers (AlphaFold 2, Algorithms 7-15), written on local shards.
 
-Every layer takes this rank's shard of the activation it updates plus, where it needs an
-operand whole, a :class:`~dspzoo.core.multiplan.MultiParallel` to all-gather it
-(``gather_for_local_use``: backward reduce-scatters). With one process the gathers return their
-input, so the same code is the single-device model.
+Every layer takes this rank's shard of the activation it updates (``m`` ``[B, S, R, c_m]`` or
+``z`` ``[B, R, R, c_z]`` in the layout the plan gave it) and the *whole* masks; inside the
+region the trunk opens (:mod:`dspzoo.core.parallel.context`) it slices the masks for the current layout
+(``local(mask, "m")``) and all-gathers an operand it needs whole
+(``gather_for_local_use(t, "z")``: backward reduce-scatters). Outside a region both are the
+identity, so the same code is the single-device model (OpenFold's calling convention).
 
 Each layer returns its *update* ``[B, *local dims, C]``; with ``residual=`` (no-grad inference)
 it instead adds the update into ``residual`` in place, ``chunk`` rows at a time, so that peak
@@ -24,8 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from dspzoo.core.layout import SeqSpec
-from dspzoo.core.multiplan import MultiParallel
+from dspzoo.core.parallel.context import gather_for_local_use, local, sharded
 
 
 def chunked(
@@ -119,25 +120,23 @@ class MSARowAttentionWithPairBias(nn.Module):
     def forward(
         self,
         m: torch.Tensor,
-        mask: torch.Tensor,
         z: torch.Tensor,
-        z_spec: SeqSpec,
-        mp: MultiParallel,
+        mask: torch.Tensor,
         chunk: int | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``m`` ``[B, S_loc, R, c_m]`` (sharded on ``s``), ``mask`` ``[B, S_loc, R]``, ``z`` the
-        local pair shard laid out as ``z_spec``. Returns the update ``[B, S_loc, R, c_m]``."""
-        axis = 1 if z_spec.sharded != "j" else 2
-        local = chunked(
+        """``m`` ``[B, S_loc, R, c_m]`` (sharded on ``s``), ``z`` the local pair shard, ``mask``
+        the MSA mask ``[B, S, R]``. Returns the update ``[B, S_loc, R, c_m]``."""
+        axis = 1 if sharded("z") != "j" else 2
+        part = chunked(
             lambda a, b: self.linear_z(self.layer_norm_z(z.narrow(axis, a, b - a))),
             z.shape[axis],
             chunk,
             axis,
         )
-        bias = mp.gather(local, z_spec)  # [B, R, R, H]: the whole pair bias
+        bias = gather_for_local_use(part, "z")  # [B, R, R, H]: the whole pair bias
         bias = rearrange(bias, "b i j h -> b 1 h i j")
-        keys = mask_bias(mask, self.inf)[:, :, None, None, :]  # [B, S_loc, 1, 1, R]
+        keys = mask_bias(local(mask, "m"), self.inf)[:, :, None, None, :]  # [B, S_loc, 1, 1, R]
 
         def run(a: int, b: int) -> torch.Tensor:
             return self.mha(self.layer_norm_m(m[:, a:b]), [_rows(keys, a, b), bias])
@@ -161,9 +160,9 @@ class MSAColumnAttention(nn.Module):
         chunk: int | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``m`` ``[B, S, R_loc, c_m]`` (sharded on ``r``), ``mask`` ``[B, S, R_loc]``."""
+        """``m`` ``[B, S, R_loc, c_m]`` (sharded on ``r``), ``mask`` ``[B, S, R]``."""
         mt = m.transpose(1, 2)  # [B, R_loc, S, C]
-        keys = mask_bias(mask.transpose(1, 2), self.inf)[:, :, None, None, :]
+        keys = mask_bias(local(mask, "m").transpose(1, 2), self.inf)[:, :, None, None, :]
 
         def run(a: int, b: int) -> torch.Tensor:
             out = self.mha(self.layer_norm_m(mt[:, a:b]), [_rows(keys, a, b)])
@@ -173,10 +172,14 @@ class MSAColumnAttention(nn.Module):
 
 
 class Transition(nn.Module):
-    """AF2 Algorithms 9 and 15: LayerNorm, ``linear_1`` (×n), ReLU, ``linear_2``; masked."""
+    """AF2 Algorithms 9 and 15: LayerNorm, ``linear_1`` (×n), ReLU, ``linear_2``; masked.
 
-    def __init__(self, c: int, n: int) -> None:
+    ``activation``: the activation it updates (``"m"`` or ``"z"``), whose layout the mask takes.
+    """
+
+    def __init__(self, c: int, n: int, activation: str) -> None:
         super().__init__()
+        self.activation = activation
         self.layer_norm = nn.LayerNorm(c)
         self.linear_1 = nn.Linear(c, n * c)
         self.linear_2 = nn.Linear(n * c, c)
@@ -188,7 +191,8 @@ class Transition(nn.Module):
         chunk: int | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x`` ``[B, A, L, C]`` (any local shard), ``mask`` ``[B, A, L]``."""
+        """``x`` ``[B, A, L, C]`` (any local shard), ``mask`` ``[B, A, L]`` whole."""
+        mask = local(mask, self.activation)
 
         def run(a: int, b: int) -> torch.Tensor:
             h = self.linear_1(self.layer_norm(x[:, a:b]))
@@ -215,29 +219,25 @@ class OuterProductMean(nn.Module):
     def forward(
         self,
         m: torch.Tensor,
-        m_spec: SeqSpec,
         mask: torch.Tensor,
-        z_dim: str,
-        mp: MultiParallel,
         chunk: int | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``m`` ``[B, S, R_loc, c_m]``; ``mask`` the *whole* MSA mask ``[B, S, R]``.
+        """``m`` ``[B, S, R_loc, c_m]``; ``mask`` the MSA mask ``[B, S, R]``.
 
-        Returns the pair update ``[B, R_loc, R, c_z]`` (``z_dim == "i"``) or ``[B, R, R_loc,
-        c_z]`` (``"j"``).
+        Returns the pair update ``[B, R_loc, R, c_z]`` (``z`` sharded on ``i``) or
+        ``[B, R, R_loc, c_z]`` (on ``j``).
         """
-        off, size = mp.local_range(m_spec, "r")
-        mask_loc = mask[:, :, off : off + size, None]
+        mask_loc = local(mask, "m")
         mn = self.layer_norm(m)
-        a = self.linear_1(mn) * mask_loc
-        b = self.linear_2(mn) * mask_loc
-        if z_dim == "i":
-            b = mp.gather(b, m_spec)
-            mask_a, mask_b = mask[:, :, off : off + size], mask
+        a = self.linear_1(mn) * mask_loc[..., None]
+        b = self.linear_2(mn) * mask_loc[..., None]
+        if sharded("z") != "j":
+            b = gather_for_local_use(b, "m")
+            mask_a, mask_b = mask_loc, mask
         else:
-            a = mp.gather(a, m_spec)
-            mask_a, mask_b = mask, mask[:, :, off : off + size]
+            a = gather_for_local_use(a, "m")
+            mask_a, mask_b = mask, mask_loc
 
         def run(lo: int, hi: int) -> torch.Tensor:
             outer = torch.einsum("bsix,bsjy->bijxy", a[:, :, lo:hi], b)
@@ -256,9 +256,11 @@ class TriangleMultiplication(nn.Module):
     The gathered operand travels ``channel_chunk`` channels at a time when chunking.
     """
 
-    def __init__(self, c_z: int, c_hidden: int, outgoing: bool) -> None:
+    def __init__(
+        self, c_z: int, c_hidden: int, outgoing: bool, channel_chunk: int | None = None
+    ) -> None:
         super().__init__()
-        self.outgoing = outgoing
+        self.outgoing, self.channel_chunk = outgoing, channel_chunk
         self.layer_norm_in = nn.LayerNorm(c_z)
         self.linear_a_p = nn.Linear(c_z, c_hidden)
         self.linear_a_g = nn.Linear(c_z, c_hidden)
@@ -289,16 +291,15 @@ class TriangleMultiplication(nn.Module):
     def forward(
         self,
         z: torch.Tensor,
-        z_spec: SeqSpec,
         mask: torch.Tensor,
-        mp: MultiParallel,
         chunk: int | None = None,
-        channel_chunk: int | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``z`` the local pair shard (``[B, R_loc, R, C]`` outgoing, ``[B, R, R_loc, C]``
-        incoming), ``mask`` the local pair mask ``[B, *local]``. Returns the update."""
+        incoming), ``mask`` the pair mask ``[B, R, R]``. Returns the update."""
+        mask = local(mask, "z")
         c_hidden = self.linear_a_p.out_features
+        channel_chunk = self.channel_chunk
         step = c_hidden if chunk is None or channel_chunk is None else channel_chunk
         parts = []
         p = None if torch.is_grad_enabled() else z.new_empty((*z.shape[:-1], c_hidden))
@@ -307,10 +308,10 @@ class TriangleMultiplication(nn.Module):
             a = self._operand(z, mask, "a", c0, c1, chunk)
             b = self._operand(z, mask, "b", c0, c1, chunk)
             if self.outgoing:  # rows i local, b's rows j gathered
-                b = mp.gather(b, z_spec)
+                b = gather_for_local_use(b, "z")
                 part = torch.einsum("bikc,bjkc->bijc", a, b)
             else:  # columns j local, a's columns i gathered
-                a = mp.gather(a, z_spec)
+                a = gather_for_local_use(a, "z")
                 part = torch.einsum("bkic,bkjc->bijc", a, b)
             del a, b
             if p is None:
@@ -347,22 +348,21 @@ class TriangleAttention(nn.Module):
     def forward(
         self,
         z: torch.Tensor,
-        z_spec: SeqSpec,
         mask: torch.Tensor,
-        mp: MultiParallel,
         chunk: int | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``z`` ``[B, R_loc, R, C]`` (starting) or ``[B, R, R_loc, C]`` (ending); ``mask`` the
-        local pair mask. Returns the update laid out like ``z``."""
+        pair mask ``[B, R, R]``. Returns the update laid out like ``z``."""
+        mask = local(mask, "z")
         axis = 1 if self.starting else 2
-        local = chunked(
+        part = chunked(
             lambda a, b: self.linear(self.layer_norm(z.narrow(axis, a, b - a))),
             z.shape[axis],
             chunk,
             axis,
         )
-        full = mp.gather(local, z_spec)  # [B, R, R, H]
+        full = gather_for_local_use(part, "z")  # [B, R, R, H]
         if self.starting:  # query j, key k: b_jk
             bias = rearrange(full, "b q k h -> b 1 h q k")
             x, keys = z, mask_bias(mask, self.inf)[:, :, None, None, :]

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dspzoo.core.rng import mix_key
-from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.parallel.rng import mix_key
+from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.core.train import (
     RunConfig,
     Task,
@@ -107,7 +107,7 @@ class ProteinTrainConfig(RunConfig):
         if self.sp_strategy != "dsp":
             raise ValueError(
                 f"--sp-strategy {self.sp_strategy}: the Evoformer runs under 'dsp' only (its MSA "
-                f"and pair activations are planned together, core/multiplan.py)"
+                f"and pair activations are planned together, core/parallel/multiplan.py)"
             )
         if not 0.0 < self.held_out_fraction < 1.0:
             raise ValueError(f"--held-out-fraction must be in (0, 1), got {self.held_out_fraction}")
@@ -402,7 +402,8 @@ def ship_trained(
     """
     import dspzoo.domains.protein  # noqa: F401
     from dspzoo.zoo import from_pretrained, load_config, load_extra
-    from dspzoo.zoo.shipped import round_to_shipped_precision, ship_pretrained
+    from dspzoo.zoo.pretrained import ship_pretrained
+    from dspzoo.zoo.shipped import round_to_shipped_precision
 
     extra = load_extra(final_dir)
     model = round_to_shipped_precision(from_pretrained(final_dir, expected_family="evoformer"))

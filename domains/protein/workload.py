@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dspzoo.core.trace import format_bytes
+from dspzoo.core.parallel.trace import format_bytes
 
 from .model import EvoformerConfig, evoformer_plan
 

@@ -6,9 +6,11 @@ Registers the zoo family ``bytelm`` with configs ``tiny`` (tests), ``small`` (CP
 (12 layers, hidden 768, 12 heads).
 """
 
+from dspzoo.core.costmodel.workload import register_workload
 from dspzoo.zoo import register_config, register_family
 
 from .model import STAGES, ByteLM, ByteLMConfig, lm_loss
+from .workload import lm_workload, text_workload
 
 CONFIGS = {
     "tiny": ByteLMConfig(hidden=64, depth=2, heads=4, max_len=512),
@@ -21,4 +23,5 @@ register_family("bytelm", ByteLM, ByteLMConfig)
 for _name, _config in CONFIGS.items():
     register_config("bytelm", _name, _config)
 
-__all__ = ["CONFIGS", "STAGES", "ByteLM", "ByteLMConfig", "lm_loss"]
+__all__ = ["CONFIGS", "STAGES", "ByteLM", "ByteLMConfig", "lm_loss", "text_workload"]
+register_workload("bytelm", lm_workload)

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dspzoo.core import SeqParallel, SeqSpec, SeqTensor, Stage, comm_region, sp_mean
 from dspzoo.core.layers.attention import attend
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.validate import validate_collectively
 
 SEQ_DIMS = ("l",)
 STAGES = (Stage("attn", ("l",)), Stage("mlp"))  # ByteLM.stages adds the attention's head count

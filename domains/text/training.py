@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dspzoo.core.strategies import STRATEGIES
+from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.core.train import (
     RunConfig,
     Task,

@@ -8,12 +8,14 @@ Also registers ``latte1``, the exact architecture of diffusers' ``LatteTransform
 (:mod:`.latte1`), with configs ``tiny`` (tests) and ``latte-1`` (the published Latte-1 size).
 """
 
+from dspzoo.core.costmodel.workload import register_workload
 from dspzoo.zoo import register_config, register_family
 
 from .dit import VideoDiT, VideoDiTConfig, patchify, unpatchify
 from .latte import Latte
 from .latte1 import Latte1, Latte1Config
 from .stdit import STDiT
+from .workload import dit_workload, latte1_workload
 
 _BIG = dict(in_channels=4, patch=(1, 2, 2), max_frames=1024, input_size=(64, 64), cond_dim=4096)
 CONFIGS = {
@@ -38,6 +40,9 @@ LATTE1_CONFIGS = {
 register_family("latte1", Latte1, Latte1Config)
 for _name, _config in LATTE1_CONFIGS.items():
     register_config("latte1", _name, _config)
+register_workload("latte1", latte1_workload)
+register_workload("stdit", dit_workload)
+register_workload("latte", dit_workload)
 
 __all__ = [
     "CONFIGS",

@@ -5,7 +5,7 @@ the model predicts the velocity ``v = ε − x_0`` from ``x_t`` and ``1000·t``.
 (:mod:`.sampling`) integrates from t = 1 to t = 0 with Euler steps.
 
 Training draws (noise, timesteps) are keyed by ``(seed, step, sample)`` through
-:class:`dspzoo.core.rng.SampleRandom` (:func:`keyed_t`, ``noisy_pair(..., noise=...)``), so they
+:class:`dspzoo.core.parallel.rng.SampleRandom` (:func:`keyed_t`, ``noisy_pair(..., noise=...)``), so they
 are identical on every rank of an SP group and independent of the dp × sp layout. A generator
 (or the global RNG) can be passed instead for ad-hoc use.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspzoo.core.rng import SampleRandom
+from dspzoo.core.parallel.rng import SampleRandom
 
 TIMESTEP_SCALE = 1000.0
 

@@ -18,7 +18,8 @@ from torch import nn
 from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d, sincos_2d
 from dspzoo.core.layers.mlp import FinalLayer
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.context import local
+from dspzoo.core.parallel.validate import validate_collectively
 
 SEQ_DIMS = ("t", "s")
 
@@ -70,7 +71,9 @@ def _sincos_tables(
 
 
 def frame_local(mod: torch.Tensor, act: SeqTensor, sp: SeqParallel) -> torch.Tensor:
-    """This rank's part of a modulation tensor for the activation's current sharding.
+    """This rank's part of a modulation tensor for the activation's current sharding (for
+    blocks written against the explicit API; plain-tensor blocks let ``modulate``/``gated``
+    slice, see :func:`dspzoo.core.parallel.context.local`).
 
     ``[B, …, C]`` per-sample tensors pass through; per-frame ones ``[B, T', 1, C]`` are sliced on
     ``t`` when ``act`` is sharded there (in lockstep with the tokens) and kept whole otherwise.
@@ -103,9 +106,11 @@ def unpatchify(
 class VideoDiT(nn.Module):
     """Base class: embeddings, conditioning and the DSP-aware forward.
 
-    Subclasses set ``STAGES``, build ``self.blocks`` (each called as
-    ``block(act, block_inputs(c), context, context_mask, sp) -> act``) and call
-    :meth:`initialize_weights`.
+    Subclasses set ``STAGES``, build ``self.blocks`` and call :meth:`initialize_weights`. The
+    blocks run inside the region :meth:`forward_tokens` opens (:mod:`dspzoo.core.parallel.context`) and
+    receive plain local tensors: ``block(x, block_inputs(c), context, context_mask) -> x``, with
+    ``x = stage(name, x)`` before each stage; per-frame inputs arrive whole (``[B, T', 1, …]``)
+    and are sliced for the current layout by ``modulate``/``gated`` (or ``local``).
     """
 
     STAGES: tuple[Stage, ...] = ()
@@ -256,11 +261,11 @@ class VideoDiT(nn.Module):
 
         ``timestep`` ``[B]`` gives ``[B, hidden]``; per-frame timesteps ``[B, T']`` (e.g. clean
         conditioning frames at t = 0 next to noisy ones) give ``[B, T', 1, hidden]``, laid out to
-        broadcast over ``[B, T', S, hidden]`` tokens and sliced with them (:func:`frame_local`).
+        broadcast over ``[B, T', S, hidden]`` tokens and sliced with them (:func:`~dspzoo.core.parallel.context.local`).
 
         Label dropout for classifier-free guidance: ``label_drop`` ``[B]`` bool replaces the
         marked labels with the null label. Trainers pass it drawn from keyed randomness
-        (:class:`dspzoo.core.rng.SampleRandom`), which makes the run independent of the
+        (:class:`dspzoo.core.parallel.rng.SampleRandom`), which makes the run independent of the
         dp × sp layout. Without it, a model in training mode with ``class_dropout_prob > 0``
         draws the mask from the global RNG (fine for one process, or with the global RNG
         seeded identically inside each SP group by :func:`dspzoo.core.seed_everything`).
@@ -350,20 +355,20 @@ class VideoDiT(nn.Module):
         label_drop: torch.Tensor | None,
     ) -> SeqTensor:
         """:meth:`forward_tokens` on inputs already validated."""
-        x = act.tensor
-        temporal, spatial = self.position_tables(
-            grid[0] // self.config.patch[0], grid[1], grid[2], x.device, x.dtype
-        )
-        x = self.x_embed(x) + sp.shard_like(temporal, act) + sp.shard_like(spatial, act)
-        act = act.with_tensor(x)
-        c = self.condition(timestep, y, label_drop)
-        if context is not None:
-            context = self.cond_proj(context)
-        block_c = self.block_inputs(c)
-        for i, block in enumerate(self.blocks):
-            with comm_region(f"block{i}"):
-                act = block(act, block_c, context, context_mask, sp)
-        return act.with_tensor(self.final(act.tensor, frame_local(c, act, sp)))
+        with sp.region(act) as region:
+            x = act.tensor
+            temporal, spatial = self.position_tables(
+                grid[0] // self.config.patch[0], grid[1], grid[2], x.device, x.dtype
+            )
+            x = self.x_embed(x) + local(temporal) + local(spatial)
+            c = self.condition(timestep, y, label_drop)
+            if context is not None:
+                context = self.cond_proj(context)
+            block_c = self.block_inputs(c)
+            for i, block in enumerate(self.blocks):
+                with comm_region(f"block{i}"):
+                    x = block(x, block_c, context, context_mask)
+            return region.seq(self.final(x, c))
 
     def forward(
         self,

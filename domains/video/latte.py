@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspzoo.core import SeqParallel, SeqTensor, Stage
+from dspzoo.core import Stage
 from dspzoo.core.layers.attention import CrossAttention, SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
+from dspzoo.core.parallel.context import stage
 
-from .dit import VideoDiT, VideoDiTConfig, frame_local
+from .dit import VideoDiT, VideoDiTConfig
 
 
 class LatteBlock(nn.Module):
@@ -42,27 +43,20 @@ class LatteBlock(nn.Module):
 
     def forward(
         self,
-        act: SeqTensor,
+        x: torch.Tensor,
         c: torch.Tensor,
-        context: torch.Tensor | None,
-        context_mask: torch.Tensor | None,
-        sp: SeqParallel,
-    ) -> SeqTensor:
-        """``c``: ``[B, C]`` or per frame ``[B, T', 1, C]``."""
-        mods = self.ada(c).chunk(6, dim=-1)
-        act = sp.to_stage(act, f"{self.kind}_attn")
-        x = act.tensor
-        shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
-        x = x + gated(self.attn(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a)
-        act = sp.to_stage(act.with_tensor(x), f"{self.kind}_cross")
-        x = act.tensor
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x`` local ``[B, T'_l, S_l, C]``; ``c``: ``[B, C]`` or per frame ``[B, T', 1, C]``."""
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=-1)
+        x = stage(f"{self.kind}_attn", x)
+        x = x + gated(self.attn(modulate(self.norm1(x), shift_a, scale_a)), gate_a)
+        x = stage(f"{self.kind}_cross", x)
         if self.cross is not None and context is not None:
             x = x + self.cross(x, context, context_mask)
-        act = sp.to_stage(act.with_tensor(x), f"{self.kind}_mlp")
-        x = act.tensor
-        shift_m, scale_m, gate_m = (frame_local(m, act, sp) for m in mods[3:])
-        x = x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m), act.spec, sp), gate_m)
-        return act.with_tensor(x)
+        x = stage(f"{self.kind}_mlp", x)
+        return x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
 
 
 class Latte(VideoDiT):

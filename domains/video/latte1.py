@@ -48,7 +48,7 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.attention import SeqSelfAttention, attend
 from dspzoo.core.layers.embeddings import TimestepEmbedder
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.validate import validate_collectively
 
 from .dit import patchify, unpatchify
 

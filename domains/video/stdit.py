@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspzoo.core import SeqParallel, SeqTensor, Stage
+from dspzoo.core import Stage
 from dspzoo.core.layers.attention import CrossAttention, SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
+from dspzoo.core.parallel.context import stage
 
-from .dit import VideoDiT, VideoDiTConfig, frame_local
+from .dit import VideoDiT, VideoDiTConfig
 
 
 def layer_stages(full: bool, tag: str = "") -> tuple[Stage, ...]:
@@ -43,7 +44,7 @@ class STDiTBlock(nn.Module):
     def __init__(self, config: VideoDiTConfig, full: bool = False, tag: str = "") -> None:
         super().__init__()
         h = config.hidden
-        self.full, self.tag = full, tag
+        self.tag, self.first = tag, f"full{tag}" if full else f"spatial{tag}"
         self.norm1 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
         self.spatial = SeqSelfAttention(h, config.heads, over=("t", "s") if full else "s")
         self.temporal = None if full else SeqSelfAttention(h, config.heads, over="t")
@@ -61,39 +62,23 @@ class STDiTBlock(nn.Module):
 
     def forward(
         self,
-        act: SeqTensor,
+        x: torch.Tensor,
         mod: torch.Tensor,
-        context: torch.Tensor | None,
-        context_mask: torch.Tensor | None,
-        sp: SeqParallel,
-    ) -> SeqTensor:
-        """``mod``: shared modulation for this layer, ``[B, 6, C]`` or per frame ``[B, T', 1, 6, C]``."""
-        mods = (mod + self.table).unbind(-2)
-
-        tag = self.tag
-        act = sp.to_stage(act, f"full{tag}" if self.full else f"spatial{tag}")
-        x = act.tensor
-        shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
-        x = x + gated(self.spatial(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a)
-
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x`` local ``[B, T'_l, S_l, C]``; ``mod`` ``[B, 6, C]`` or per frame ``[B, T', 1, 6, C]``."""
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (mod + self.table).unbind(-2)
+        x = stage(self.first, x)  # "spatial" (or "full": t and s at once)
+        x = x + gated(self.spatial(modulate(self.norm1(x), shift_a, scale_a)), gate_a)
         if self.temporal is not None:
-            act = sp.to_stage(act.with_tensor(x), f"temporal{tag}")
-            x = act.tensor
-            shift_a, scale_a, gate_a = (frame_local(m, act, sp) for m in mods[:3])
-            x = x + gated(
-                self.temporal(modulate(self.norm1(x), shift_a, scale_a), act.spec, sp), gate_a
-            )
-
-        act = sp.to_stage(act.with_tensor(x), f"cross{tag}")
-        x = act.tensor
+            x = stage(f"temporal{self.tag}", x)
+            x = x + gated(self.temporal(modulate(self.norm1(x), shift_a, scale_a)), gate_a)
+        x = stage(f"cross{self.tag}", x)
         if self.cross is not None and context is not None:
             x = x + self.cross(x, context, context_mask)
-
-        act = sp.to_stage(act.with_tensor(x), f"mlp{tag}")
-        x = act.tensor
-        shift_m, scale_m, gate_m = (frame_local(m, act, sp) for m in mods[3:])
-        x = x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m), act.spec, sp), gate_m)
-        return act.with_tensor(x)
+        x = stage(f"mlp{self.tag}", x)
+        return x + gated(self.mlp(modulate(self.norm2(x), shift_m, scale_m)), gate_m)
 
 
 class STDiT(VideoDiT):

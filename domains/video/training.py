@@ -5,7 +5,7 @@ planned dim, switched between spatial and temporal stages, and the loss is taken
 sharded output tokens (no gather in training).
 
 Every random draw — the sample order, diffusion noise, timesteps and label dropout — is a
-function of ``(seed, step, global sample index)`` (:mod:`dspzoo.core.rng`,
+function of ``(seed, step, global sample index)`` (:mod:`dspzoo.core.parallel.rng`,
 :class:`dspzoo.core.data.SPBatchSampler`). So the ranks of an SP group draw identically by
 construction, the loss sequence is the same for every dp × sp layout with the same global
 batch, and a run resumed at any layout continues exactly where it stopped.
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dspzoo.core import sp_mse
-from dspzoo.core.rng import SampleRandom
+from dspzoo.core.parallel.rng import SampleRandom
 from dspzoo.core.train import RunConfig, Task, check_values, flag, load_initial_weights, train_task
 
 from .codec import PixelUnshuffleCodec

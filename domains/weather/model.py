@@ -39,8 +39,8 @@ from torch import nn
 from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d
 from dspzoo.core.layers.mlp import FinalLayer, Mlp, gated, modulate
-from dspzoo.core.rng import mix_key
-from dspzoo.core.validate import validate_collectively
+from dspzoo.core.parallel.rng import mix_key
+from dspzoo.core.parallel.validate import validate_collectively
 
 from .layers import (
     VariableTokenizer,

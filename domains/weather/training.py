@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspzoo.core.rng import mix_key
+from dspzoo.core.parallel.rng import mix_key
 from dspzoo.core.train import (
     RunConfig,
     Task,
@@ -522,7 +522,8 @@ def ship_trained(
     Returns the card. ``root``: another folder than ``zoo/weights`` (tests).
     """
     from dspzoo.zoo import from_pretrained, load_extra
-    from dspzoo.zoo.shipped import round_to_shipped_precision, ship_pretrained
+    from dspzoo.zoo.pretrained import ship_pretrained
+    from dspzoo.zoo.shipped import round_to_shipped_precision
 
     from .metrics import metric_dict
 

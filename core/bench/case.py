@@ -1,0 +1,207 @@
+"""The benchmark's case: one model with its weights, one global batch, the strategies to run.
+
+A :class:`Case` is what every strategy of one run shares: the model (seeded, perturbed off its
+identity start), the inputs, the step (forward + the sharded loss, as training runs it) and the
+cost model's :class:`~dspzoo.core.costmodel.Workload` of the same shapes. Which strategies a
+run compares comes from one list, :data:`dspzoo.core.parallel.strategies.STRATEGIES`; which of them the
+model cannot run, and why, from the method registry (:meth:`Method.unsupported`) and the model
+(Megatron-SP needs ``TP_PLAN`` linears).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PEER = "deepspeed_ulysses"
+
+
+@dataclass
+class Case:
+    """One model with its weights and one global batch of inputs, the same on every rank.
+
+    Attributes:
+        name: the zoo model name.
+        text: a 1-D byte LM (``tokens [B, L+1]``) rather than a video DiT
+            (``x, target [B, C, F, H, W]``, ``t [B]``, ``y [B]``).
+        model: the reference weights (each strategy runs on its own copy).
+        lengths: token lengths of the sequence dims, e.g. ``{"t": 8, "s": 64}``.
+        batch: samples of the global batch.
+        inputs: the global batch (sliced per DP group by :meth:`shard_batch`).
+        overrides: config fields replaced at creation (also given to the cost model).
+    """
+
+    name: str
+    text: bool
+    model: torch.nn.Module
+    lengths: dict[str, int]
+    batch: int
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    frames: int = 0
+    latent: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the global batch (one step)."""
+        return self.batch * math.prod(self.lengths.values())
+
+    @property
+    def heads(self) -> int:
+        return self.model.config.heads
+
+    @property
+    def depth(self) -> int:
+        return self.model.config.depth
+
+    def describe(self) -> str:
+        dims = " × ".join(f"{d}={n}" for d, n in self.lengths.items())
+        cfg = self.model.config
+        extra = "".join(
+            f", {k} {getattr(cfg, k)}"
+            for k in ("full_attention_every", "num_kv_heads", "checkpoint")
+            if getattr(cfg, k, None) and not (k == "num_kv_heads" and cfg.num_kv_heads == cfg.heads)
+        )
+        return (
+            f"{self.name} (hidden {cfg.hidden}, heads {cfg.heads}, depth {cfg.depth}{extra}): "
+            f"global batch {self.batch}, {dims} = {self.tokens} tokens per step"
+        )
+
+    def workload(self, batch: int) -> Any:
+        """The cost model's description of ``batch`` samples of this case."""
+        from dspzoo.zoo.workloads import workload_for
+
+        if self.text:
+            return workload_for(
+                self.name, batch=batch, seq_len=self.lengths["l"], overrides=self.overrides
+            )
+        return workload_for(
+            self.name,
+            batch=batch,
+            frames=self.frames,
+            spatial=self.latent,
+            overrides=self.overrides,
+        )
+
+    def shard_batch(self, dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
+        """The samples of data-parallel group ``dp_rank``."""
+        per = self.batch // dp_size
+        return {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in self.inputs.items()}
+
+    def step(self, model: torch.nn.Module, sp: Any, inputs: dict[str, torch.Tensor]):
+        """This rank's loss and its output shard (a ``SeqTensor``; no output gather)."""
+        from ..loss import sp_mse
+
+        if self.text:
+            from dspzoo.domains.text.model import lm_loss
+
+            tokens = inputs["tokens"]
+            out = model(tokens[:, :-1], sp, gather_output=False)
+            return lm_loss(out, tokens[:, 1:], sp), out
+        out = model(inputs["x"], inputs["t"], inputs["y"], sp=sp, gather_output=False)
+        target = sp.shard_like(model.patchify_target(inputs["target"]), out)
+        return sp_mse(out.tensor, target, sp.group), out
+
+
+def build_case(args: argparse.Namespace, batch: int) -> Case:
+    """The model (seeded, perturbed off its identity start) and ``batch`` samples of inputs.
+
+    Reads ``--model``, ``--seq-len`` / ``--frames`` / ``--latent``, ``--kv-heads``,
+    ``--checkpoint``, ``--full-attention-every``, ``--perturb`` and ``--seed`` from ``args``.
+    """
+    from dspzoo.zoo import create_model
+
+    text = args.model.lower().startswith("bytelm")
+    if text:
+        import dspzoo.domains.text  # noqa: F401
+    else:
+        import dspzoo.domains.video  # noqa: F401
+    overrides: dict[str, Any]
+    if text:
+        overrides = {"max_len": max(args.seq_len, 512)}
+        if getattr(args, "kv_heads", 0):
+            overrides["kv_heads"] = args.kv_heads
+        if getattr(args, "checkpoint", False):
+            overrides["checkpoint"] = True
+    else:
+        overrides = {"cond_dim": 0, "max_frames": max(args.frames, 16)}
+        if getattr(args, "full_attention_every", 0):
+            overrides["full_attention_every"] = args.full_attention_every
+    torch.manual_seed(args.seed)
+    model = create_model(args.model, **overrides)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    perturb = getattr(args, "perturb", 0.02)
+    with torch.no_grad():  # adaLN-Zero starts as the identity: perturb for non-trivial outputs
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * perturb)
+    cfg = model.config
+    if text:
+        tokens = torch.randint(0, 256, (batch, args.seq_len + 1), generator=g)
+        return Case(args.model, True, model.train(), {"l": args.seq_len}, batch,
+                    {"tokens": tokens}, overrides)  # fmt: skip
+    pt, ph, pw = cfg.patch
+    lengths = {"t": args.frames // pt, "s": (args.latent // ph) * (args.latent // pw)}
+    shape = (batch, cfg.in_channels, args.frames, args.latent, args.latent)
+    inputs = {
+        "x": torch.randn(shape, generator=g),
+        "target": torch.randn(shape, generator=g),
+        "t": torch.rand(batch, generator=g) * 1000,
+        "y": torch.randint(0, max(cfg.num_classes, 1), (batch,), generator=g),
+    }
+    return Case(args.model, False, model.eval(), lengths, batch, inputs, overrides,
+                args.frames, args.latent)  # fmt: skip
+
+
+def not_runnable(name: str, case: Case, sp: int) -> str | None:
+    """Why ``case`` cannot run strategy ``name`` at SP ``sp`` (``None``: it can).
+
+    The reasons come from the method registry (a method's :meth:`unsupported`, e.g. Ulysses
+    with fewer heads than ranks) and, for tensor-parallel methods, from the model: it must
+    declare ``TP_PLAN`` linears.
+    """
+    from ..harness import declares_tensor_parallelism
+    from ..parallel.methods.registry import METHODS
+    from ..parallel.strategies import STRATEGIES
+
+    if name not in STRATEGIES:
+        return f"not a registered strategy (registered: {', '.join(STRATEGIES)})"
+    method = METHODS.get(name)
+    if method is None:  # a policy over methods (dsp): it plans around what cannot run
+        return None
+    if method.tensor_parallel and not declares_tensor_parallelism(case.model):
+        return (
+            f"{type(case.model).__name__} declares no TP_PLAN linears (its blocks do not call "
+            f"sp.tp_enter/sp.tp_exit)"
+        )
+    return method.unsupported(sp, case.heads)
+
+
+def select_strategies(requested: str, case: Case, sp: int) -> tuple[list[str], dict[str, str]]:
+    """Strategies to run (``dsp`` first: the reference) and the others with the reason.
+
+    ``requested``: ``"all"`` (every name of :data:`~dspzoo.core.parallel.strategies.STRATEGIES`) or a
+    comma-separated list. A strategy the model cannot run is reported as ``"not runnable:
+    <reason>"``, never run into a failure.
+    """
+    from ..parallel.strategies import STRATEGIES
+
+    if sp == 1:
+        return ["dsp"], {"*": "SP 1: pure data parallelism, every strategy is the same"}
+    names = list(STRATEGIES) if requested == "all" else [s.strip() for s in requested.split(",")]
+    run, skipped = [], {}
+    for name in names:
+        if name == PEER:
+            continue
+        why = not_runnable(name, case, sp)
+        if why is None:
+            run.append(name)
+        else:
+            skipped[name] = f"not runnable: {why}"
+    if "dsp" not in run:
+        run.insert(0, "dsp")
+    run.sort(key=lambda s: s != "dsp")
+    return run, skipped

@@ -1,0 +1,51 @@
+"""Group queries, argument normalisation, tracing and the small reductions of the SP group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..trace import record_comm
+
+# the single-tensor collectives under their current and older names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: Any) -> int:
+    """Number of ranks in ``group`` (``None`` means a one-rank group)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank inside ``group``."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def norm_dim(x: torch.Tensor, dim: int, what: str) -> int:
+    """``dim`` as a non-negative axis of ``x``; a clear error when it is out of range."""
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}"
+        )
+    return dim % x.dim()
+
+
+def record(
+    op: str, bytes_sent: int, group: Any, x: torch.Tensor, phase: str, region: str | None
+) -> None:
+    """Report one collective to the active tracer (see :mod:`dspzoo.core.parallel.trace`)."""
+    record_comm(op, bytes_sent, group_size(group), x, phase=phase, region=region)
+
+
+def record_size_sync(group: Any) -> None:
+    """Trace the length resolution of a call without a length (8 bytes, as an all-reduce).
+
+    The global length is the sum of the shards, which the call's agreement already carries;
+    the record keeps the traced bytes of such calls what they have always been.
+    """
+    n = group_size(group)
+    one = torch.zeros(1, dtype=torch.long)
+    record("size_sync", 8 * 2 * (n - 1) // n, group, one, "forward", None)

@@ -1,0 +1,133 @@
+"""The settings the collectives read, and the CPU send workspaces they own (one per group).
+
+:data:`SETTINGS` is the one explicit configuration object of :mod:`dspzoo.core.parallel.comm`; the
+public setters (:func:`set_debug`, :func:`set_workspace_limit`, :func:`release_workspace`)
+change it, and ``DSPZOO_DEBUG`` / ``DSPZOO_COMM_WORKSPACE_MIB`` give its starting values.
+
+Workspaces: synchronous CPU sends reuse one buffer per ``(device, dtype)`` *per process
+group* instead of a fresh buffer (on CPU a fresh multi-MiB buffer costs page faults comparable
+to the copy itself). Each group's :class:`Workspace` grows to its largest send so far but never
+beyond the limit; at most :attr:`CommSettings.max_workspaces` groups keep one (least recently
+used dropped first), so building many meshes cannot grow memory without bound.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
+class Workspace:
+    """Reusable flat send buffers of one group, one per ``(device, dtype)``, each ≤ ``limit`` bytes."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def take(self, numel: int, like: torch.Tensor, limit: int) -> torch.Tensor | None:
+        """A flat buffer of ``numel`` elements of ``like``'s dtype, or ``None`` above ``limit``."""
+        if like.device.type != "cpu" or numel * like.element_size() > limit:
+            return None
+        key = (str(like.device), like.dtype)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self.buffers[key] = buf
+        return buf[:numel]
+
+    def shrink(self, limit: int) -> None:
+        """Drop the buffers larger than ``limit`` bytes."""
+        for key, buf in list(self.buffers.items()):
+            if buf.numel() * buf.element_size() > limit:
+                del self.buffers[key]
+
+
+@dataclass
+class CommSettings:
+    """What the collectives of :mod:`dspzoo.core.parallel.comm` read; change it through the setters.
+
+    Attributes:
+        debug: also check in backward passes and compare the data of replicated inputs
+            (``split``) across ranks, not only their shapes (``DSPZOO_DEBUG=1``).
+        workspace_limit: bytes per ``(device, dtype)`` a group's send workspace may hold
+            (``DSPZOO_COMM_WORKSPACE_MIB``, default 256 MiB).
+        max_workspaces: groups that keep a workspace at once (least recently used dropped).
+    """
+
+    debug: bool = field(default_factory=lambda: _env_flag("DSPZOO_DEBUG"))
+    workspace_limit: int = field(
+        default_factory=lambda: int(
+            float(os.environ.get("DSPZOO_COMM_WORKSPACE_MIB", "256")) * 2**20
+        )
+    )
+    max_workspaces: int = 8
+    _workspaces: OrderedDict[int, tuple[Any, Workspace]] = field(
+        default_factory=OrderedDict, repr=False
+    )
+
+    def workspace(self, group: Any) -> Workspace:
+        """The send workspace of ``group`` (created on first use; LRU-bounded)."""
+        key = id(group)
+        entry = self._workspaces.get(key)
+        if entry is None or entry[0] is not group:
+            entry = (group, Workspace())  # holding the group keeps its id from being reused
+            self._workspaces[key] = entry
+            while len(self._workspaces) > self.max_workspaces:
+                self._workspaces.popitem(last=False)
+        self._workspaces.move_to_end(key)
+        return entry[1]
+
+    def release(self) -> int:
+        freed = sum(ws.nbytes() for _, ws in self._workspaces.values())
+        self._workspaces.clear()
+        return freed
+
+
+SETTINGS = CommSettings()
+
+
+def set_debug(enabled: bool) -> None:
+    """Debug mode: also check backward collectives and the data of replicated inputs.
+
+    The checks that make a bad input on one rank raise on every rank run with debug mode off
+    too; debug mode adds a checksum of ``split``'s input (it must be identical on every rank)
+    and the same agreement before the backward collectives.
+    """
+    SETTINGS.debug = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    """Whether debug mode is on (:func:`set_debug` or ``DSPZOO_DEBUG=1``)."""
+    return SETTINGS.debug
+
+
+def release_workspace() -> int:
+    """Free the CPU send workspaces of every group; returns the bytes freed.
+
+    Safe at any time outside a collective call: the next synchronous send allocates again.
+    """
+    return SETTINGS.release()
+
+
+def set_workspace_limit(nbytes: int) -> int:
+    """Cap each group's CPU send workspace at ``nbytes`` per ``(device, dtype)``; returns the old cap.
+
+    Sends larger than the cap allocate a fresh buffer each time; workspace buffers already
+    larger than the new cap are released.
+    """
+    if nbytes < 0:
+        raise ValueError(f"workspace limit must be >= 0 bytes, got {nbytes}")
+    previous, SETTINGS.workspace_limit = SETTINGS.workspace_limit, int(nbytes)
+    for _, ws in SETTINGS._workspaces.values():
+        ws.shrink(SETTINGS.workspace_limit)
+    return previous
