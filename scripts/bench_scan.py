@@ -2,7 +2,7 @@
 
 One process, interleaved repetitions (every variant once per round, rounds repeated), median
 wall time of forward and of forward + backward, and the activation memory each variant keeps
-for backward (bytes of distinct saved storages, :class:`dspzoo.core.trace.SavedTensorMeter`)::
+for backward (bytes of distinct saved storages, :class:`dspzoo.core.parallel.trace.SavedTensorMeter`)::
 
     python scripts/bench_scan.py                       # L = 4096 and 16384, 3 rounds
     python scripts/bench_scan.py --lengths 4096 --rounds 5 --threads 1
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from dspzoo.core.layers.scan import selective_scan, ssd_scan
-from dspzoo.core.trace import SavedTensorMeter, format_bytes
+from dspzoo.core.parallel.trace import SavedTensorMeter, format_bytes
 
 Inputs = dict[str, torch.Tensor]
 
