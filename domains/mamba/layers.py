@@ -1,0 +1,87 @@
+"""Scan stages: a Mamba mixer run over a grid of tokens in a :mod:`.orders` scan order.
+
+:func:`scan_stage` declares the stage (the dims it mixes, op kind ``scan`` once that kind is
+registered, ``generic`` before: either way a stage whose scanned dims are whole runs locally,
+DSP's axial case). :func:`run_scan` is the one place a mixer meets the grid; it is where
+``sp.scan`` (the scan op kind's runtime entry: state passing, head all-to-all over a sharded
+scanned dim) is wired in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dspzoo.core.layers.mamba import Mamba1Config, Mamba1Mixer, Mamba2Config, Mamba2Mixer
+from dspzoo.core.parallel.methods.registry import OP_KINDS
+from dspzoo.core.parallel.plan import Stage
+
+from .orders import ScanOrder, along_route, fold, from_route, parse_order, unfold
+
+#: The op kind of a scan stage: ``scan`` where the parallel layer registers it, else ``generic``
+#: (its dims always whole: exact under every strategy, DSP's axial order with no extra traffic).
+SCAN_OP = "scan" if "scan" in OP_KINDS else "generic"
+
+
+def scan_stage(name: str, order: str | ScanOrder) -> Stage:
+    """The :class:`Stage` of a scan in ``order``: it mixes the order's dims."""
+    return Stage(name, parse_order(order).mixes, op=SCAN_OP)
+
+
+def run_scan(
+    mixer: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    grid_dims: tuple[str, ...],
+    over: tuple[str, ...],
+) -> torch.Tensor:
+    """``mixer`` (``[B', L, C]`` → ``[B', L, C']``) over ``x`` ``[B, *grid_local, C]``: the
+    ``over`` dims flattened (the first outermost) into the scanned sequence, the other dims in
+    the batch. Returns ``[B, *grid_local, C']``.
+
+    The scanned dims are whole on this rank (the stage declares them): the fold is local.
+    """
+    seq, sizes = fold(x, grid_dims, over)
+    return unfold(mixer(seq), grid_dims, over, sizes)
+
+
+def build_mixer(kind: str, hidden: int, **options) -> nn.Module:
+    """A ``mamba1`` or ``mamba2`` mixer of width ``hidden`` (``options``: its config fields)."""
+    if kind == "mamba1":
+        return Mamba1Mixer(Mamba1Config(hidden_size=hidden, **options))
+    if kind == "mamba2":
+        return Mamba2Mixer(Mamba2Config(hidden_size=hidden, **options))
+    raise ValueError(f"mixer must be 'mamba1' or 'mamba2', got {kind!r}")
+
+
+class OrderedScan(nn.Module):
+    """One scan of a grid in a scan order: ``[B, *grid, C]`` → ``[B, *grid, C]``.
+
+    One mixer per route of the order (four for ``cross``, whose outputs are averaged, as
+    VMamba's cross-merge sums them); ``layer`` picks ``zigzag``'s scheme.
+    """
+
+    def __init__(
+        self,
+        order: str | ScanOrder,
+        grid_dims: tuple[str, ...],
+        make_mixer: Callable[[], nn.Module],
+        layer: int = 0,
+    ) -> None:
+        super().__init__()
+        self.order = parse_order(order, grid_dims)
+        self.grid_dims, self.layer = tuple(grid_dims), layer
+        self.mixers = nn.ModuleList(make_mixer() for _ in range(self.order.route_count()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, *grid_local, C]`` with the order's dims whole → same shape."""
+        over = self.order.dims
+        lengths = tuple(x.shape[1 + self.grid_dims.index(d)] for d in over)
+        routes = self.order.routes(lengths, self.layer)
+        outs = [
+            run_scan(lambda seq, m=mixer, p=perm: from_route(m(along_route(seq, p)), p),
+                     x, self.grid_dims, over)
+            for mixer, perm in zip(self.mixers, routes, strict=True)
+        ]  # fmt: skip
+        return outs[0] if len(outs) == 1 else torch.stack(outs).mean(0)
