@@ -64,8 +64,17 @@ def config_from_transformers(config: dict[str, Any]) -> MambaLMConfig:
         raise ConversionError("time_step_scale != 1 changes the forward; not supported")
     values = {k: config[k] for k in (*_COMMON, *_ONLY[version]) if k in config}
     if version == 2 and "time_step_limit" in config:
-        values["time_step_limit"] = tuple(float(v) for v in config["time_step_limit"])
+        values["time_step_limit"] = tuple(_json_float(v) for v in config["time_step_limit"])
     return MambaLMConfig(version=version, **values)
+
+
+def _json_float(value: Any) -> float:
+    """A float as transformers writes it to JSON (``{"__float__": "Infinity"}`` for ±inf, nan)."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    if isinstance(value, int | float | str):
+        return float(value)
+    raise ConversionError(f"time_step_limit holds {value!r}, not a number")
 
 
 def transformers_config(config: MambaLMConfig) -> dict[str, Any]:
