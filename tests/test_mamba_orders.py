@@ -164,3 +164,19 @@ def test_ordered_scan_follows_its_routes(spec):
     for b, t, h, w in itertools.product(range(2), range(2), range(3), range(4)):
         want[b, t, h, w, 0] = route_sum(x, scan.order, b, {"t": t, "h": h, "w": w}, 3)
     torch.testing.assert_close(scan(x), want)
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+def test_empty_local_shard_scans_to_an_empty_output(mixer):
+    """More ranks than rows of a batch-folded dim leave a rank with an empty shard."""
+    from dspzoo.domains.mamba.layers import build_mixer
+
+    options = {"state_size": 4} | ({"num_heads": 4, "head_dim": 8} if mixer == "mamba2" else {})
+    scan = OrderedScan("axial(t)", DIMS, lambda: build_mixer(mixer, 16, **options))
+    x = torch.randn(2, 5, 0, 3, 16, requires_grad=True)
+    out = scan(x)
+    assert out.shape == x.shape
+    out.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in scan.parameters())
+    seq, sizes = fold(torch.zeros(2, 0, 4, 3, 1), DIMS, ("h",))
+    assert seq.shape == (0, 4, 1) and unfold(seq, DIMS, ("h",), sizes).shape == (2, 0, 4, 3, 1)

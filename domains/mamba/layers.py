@@ -40,9 +40,13 @@ def run_scan(
     ``over`` dims flattened (the first outermost) into the scanned sequence, the other dims in
     the batch. Returns ``[B, *grid_local, C']``.
 
-    The scanned dims are whole on this rank (the stage declares them): the fold is local.
+    The scanned dims are whole on this rank (the stage declares them): the fold is local. A
+    rank whose shard of another dim is empty (more ranks than rows) runs the mixer on one row
+    of zeros and keeps none of it, so its parameters still get (zero) gradients.
     """
     seq, sizes = fold(x, grid_dims, over)
+    if seq.shape[0] == 0:  # the Mamba-1 kernel cannot reduce over an empty batch
+        return unfold(mixer(seq.new_zeros(1, *seq.shape[1:]))[:0], grid_dims, over, sizes)
     return unfold(mixer(seq), grid_dims, over, sizes)
 
 

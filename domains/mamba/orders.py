@@ -32,6 +32,7 @@ import torch
 from einops import rearrange
 
 KINDS = ("axial", "raster", "cross", "zigzag")
+_BATCH = "batch"  # the einops name of the batch axis in fold/unfold
 _SPEC = re.compile(r"^\s*(axial|raster|cross|zigzag)\s*\(\s*([a-z_][\w\s,]*)\)\s*$")
 
 
@@ -188,16 +189,20 @@ def fold(
     x: torch.Tensor, grid_dims: tuple[str, ...], over: tuple[str, ...]
 ) -> tuple[torch.Tensor, dict[str, int]]:
     """``x`` ``[B, *grid, C]`` → ``[B·(other dims), L, C]``, ``L`` the product of ``over``'s
-    lengths flattened in ``over``'s order (the first outermost); also returns every dim's
-    length, for :func:`unfold`."""
+    lengths flattened in ``over``'s order (the first outermost); also returns the batch's and
+    every dim's length, for :func:`unfold` (which then also handles an empty local shard)."""
     if x.dim() != len(grid_dims) + 2:
         raise ValueError(
             f"expected [B, {', '.join(grid_dims)}, C] ({len(grid_dims) + 2} dims), "
             f"got shape {tuple(x.shape)}"
         )
-    sizes = dict(zip(grid_dims, x.shape[1:-1], strict=True))
+    if _BATCH in grid_dims:
+        raise ValueError(f"a grid dim may not be called {_BATCH!r}")
+    sizes = dict(zip(grid_dims, x.shape[1:-1], strict=True), **{_BATCH: x.shape[0]})
     rest = [d for d in grid_dims if d not in over]
-    pattern = f"b {' '.join(grid_dims)} c -> (b {' '.join(rest)}) ({' '.join(over)}) c"
+    pattern = (
+        f"{_BATCH} {' '.join(grid_dims)} c -> ({_BATCH} {' '.join(rest)}) ({' '.join(over)}) c"
+    )
     return rearrange(x, pattern), sizes
 
 
@@ -206,8 +211,13 @@ def unfold(
 ) -> torch.Tensor:
     """Inverse of :func:`fold`: ``[B·(other dims), L, C']`` → ``[B, *grid, C']``."""
     rest = [d for d in grid_dims if d not in over]
-    pattern = f"(b {' '.join(rest)}) ({' '.join(over)}) c -> b {' '.join(grid_dims)} c"
-    return rearrange(seq, pattern, **{d: sizes[d] for d in grid_dims})
+    pattern = (
+        f"({_BATCH} {' '.join(rest)}) ({' '.join(over)}) c -> {_BATCH} {' '.join(grid_dims)} c"
+    )
+    if seq.numel() == 0:  # an empty shard: einops cannot infer lengths from a zero-size axis
+        shape = [sizes[_BATCH], *(sizes[d] for d in grid_dims), seq.shape[-1]]
+        return seq.reshape(shape)
+    return rearrange(seq, pattern, **{d: sizes[d] for d in (_BATCH, *grid_dims)})
 
 
 def along_route(seq: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
