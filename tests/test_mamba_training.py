@@ -72,3 +72,17 @@ def test_three_steps_at_sp2_repeat_sp1(tmp_path: Path, byte_file: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((tmp_path / "losses.json").read_text())
     assert got == pytest.approx(reference, rel=1e-5)
+
+
+def test_video_mamba_trains_with_the_video_task(tmp_path: Path) -> None:
+    """The video Mamba DiT has the video DiTs' interface: the video Task trains it as it is."""
+    from dspzoo.domains.video.training import VideoTrainConfig
+    from dspzoo.domains.video.training import train as train_video
+
+    cfg = VideoTrainConfig(model="videomamba-tiny", sp=1, steps=2, global_batch=2, frames=2,
+                           size=8, num_samples=4, log_every=1, save_every=0,
+                           output_dir=str(tmp_path))  # fmt: skip
+    result = train_video(cfg)
+    assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
+    model = from_pretrained(tmp_path / "final", expected_family="videomamba")
+    assert model.config.in_channels == 12 and model.config.num_classes >= 1
