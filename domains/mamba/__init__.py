@@ -5,6 +5,8 @@ Registers the zoo families
 * ``mambalm`` (Mamba-1) and ``mamba2lm`` (Mamba-2): transformers' ``MambaForCausalLM`` /
   ``Mamba2ForCausalLM`` (:mod:`.lm`, checkpoints via :mod:`.convert`), configs ``tiny`` (tests),
   ``small`` (byte-level, CPU training) and ``130m`` (mamba-130m / mamba2-130m shapes);
+* ``weathermamba``: the weather transformer with axial scans (circular in longitude),
+  configs ``tiny`` and ``small`` (:mod:`.weather`);
 * ``videomamba``: a video Mamba DiT with configurable scan orders (:mod:`.video`), configs
   ``tiny``, ``small``, and the order variants ``tiny-raster``, ``tiny-cross``, ``tiny-zigzag``;
 
@@ -18,7 +20,8 @@ from .layers import SCAN_OP, OrderedScan, run_scan, scan_stage
 from .lm import Mamba2LM, MambaLM, MambaLMConfig, lm_class
 from .orders import ScanOrder, parse_order
 from .video import VideoMamba, VideoMambaConfig
-from .workload import mamba_lm_workload, video_mamba_workload
+from .weather import WeatherMamba, WeatherMambaConfig
+from .workload import mamba_lm_workload, video_mamba_workload, weather_mamba_workload
 
 LM_CONFIGS = {
     "mambalm": {
@@ -77,6 +80,27 @@ for _name, _config in VIDEO_CONFIGS.items():
     register_config("videomamba", _name, _config)
 register_workload("videomamba", video_mamba_workload)
 
+WEATHER_CONFIGS = {
+    "tiny": WeatherMambaConfig(
+        grid=(16, 32),
+        patch=2,
+        hidden=32,
+        depth=2,
+        heads=2,
+        state_size=4,
+        head_dim=16,
+        chunk_size=16,
+        mlp_ratio=2.0,
+    ),  # fmt: skip
+    "small": WeatherMambaConfig(
+        grid=(32, 64), patch=2, hidden=96, depth=4, heads=4, state_size=16, head_dim=32
+    ),  # fmt: skip
+}
+register_family("weathermamba", WeatherMamba, WeatherMambaConfig)
+for _name, _config in WEATHER_CONFIGS.items():
+    register_config("weathermamba", _name, _config)
+register_workload("weathermamba", weather_mamba_workload)
+
 __all__ = [
     "LM_CONFIGS",
     "SCAN_OP",
@@ -88,6 +112,9 @@ __all__ = [
     "ScanOrder",
     "VideoMamba",
     "VideoMambaConfig",
+    "WEATHER_CONFIGS",
+    "WeatherMamba",
+    "WeatherMambaConfig",
     "lm_class",
     "parse_order",
     "run_scan",

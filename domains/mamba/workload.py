@@ -18,6 +18,8 @@ from .lm import STAGES as LM_STAGES
 from .lm import MambaLMConfig
 from .video import SEQ_DIMS as VIDEO_DIMS
 from .video import VideoMambaConfig, layer_stages
+from .weather import SEQ_DIMS as WEATHER_DIMS
+from .weather import WeatherMambaConfig, weather_mamba_stages
 
 
 def _scan_shape(hidden: int, state: int, expand: int, conv: int, heads: int, routes: int) -> dict:
@@ -100,6 +102,44 @@ def video_mamba_workload(
         period=stages,
         in_width=config.in_channels * pt * ph * pw,
         exit_width=config.out_channels * pt * ph * pw,
+        params=params,
+        itemsize=itemsize,
+        extra={
+            "scan": _scan_shape(
+                config.hidden, config.state_size, config.expand, config.conv_kernel, heads, 1
+            )
+        },  # fmt: skip
+    )
+
+
+def weather_mamba_workload(
+    name: str,
+    config: WeatherMambaConfig,
+    *,
+    batch: int = 1,
+    itemsize: int = 4,
+    params: int = 0,
+    **unused: Any,
+) -> Workload:
+    """One step of a weather Mamba on its configured grid and history."""
+    stages = weather_mamba_stages(config)
+    rows, cols = config.patch_grid
+    heads = config.expand * config.hidden // config.head_dim if config.mixer == "mamba2" else 1
+    pixels = config.patch * config.patch
+    return Workload(
+        name=name,
+        family="weathermamba",
+        batch=batch,
+        dims=WEATHER_DIMS,
+        lengths=(config.history, rows, cols),
+        hidden=config.hidden,
+        heads=heads,
+        kv_heads=heads,
+        mlp_hidden=int(config.hidden * config.mlp_ratio),
+        layers=(tuple(StageSpec(s, mlp=s.name == "mlp") for s in stages),) * config.depth,
+        period=stages,
+        in_width=len(config.variables) * pixels,
+        exit_width=len(config.variables) * pixels,
         params=params,
         itemsize=itemsize,
         extra={
