@@ -79,3 +79,16 @@ def test_weather_mamba_under_dsp_equals_one_process():
     """History 3, 5 × 6 patches: no SP size divides every dim; at SP 4 ``t`` leaves a rank empty."""
     workload = weather_mamba_workload("weathermamba", SMALL, batch=2)
     check_model(make_model, make_inputs, strategies=["dsp"], workload=workload, timeout=560)
+
+
+def test_weather_mamba_trains_with_the_weather_task(tmp_path) -> None:
+    """The weather Mamba has the weather transformer's interface: the weather Task trains it."""
+    import math
+
+    from dspzoo.domains.weather.training import WeatherTrainConfig, train
+
+    cfg = WeatherTrainConfig(model="weathermamba-tiny", sp=1, data="a1b", history=2, leads="1",
+                             holdout_from=2090, steps=2, global_batch=2, warmup=1, eval_every=0,
+                             eval_batch=8, log_every=1, save_every=0, output_dir=str(tmp_path))  # fmt: skip
+    result = train(cfg)
+    assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
