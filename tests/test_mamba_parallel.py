@@ -19,6 +19,8 @@ VIDEO = dict(in_channels=3, hidden=16, head_dim=8, chunk_size=8, depth=1, num_cl
 AXIAL = replace(VIDEO_CONFIGS["tiny"], **VIDEO, bidirectional=False)
 AXIAL_MAMBA1 = replace(AXIAL, mixer="mamba1", bidirectional=True)  # both directions
 CROSS = replace(VIDEO_CONFIGS["tiny-cross"], **VIDEO, bidirectional=False)
+RASTER = replace(VIDEO_CONFIGS["tiny-raster"], **VIDEO, bidirectional=False)
+ZIGZAG = replace(VIDEO_CONFIGS["tiny-zigzag"], **VIDEO, bidirectional=False)
 LM = replace(LM_CONFIGS["mamba2lm"]["tiny"], chunk_size=8)
 
 
@@ -41,6 +43,14 @@ def make_axial_mamba1() -> VideoMamba:
 
 def make_cross() -> VideoMamba:
     return _perturb(VideoMamba(CROSS))
+
+
+def make_raster() -> VideoMamba:
+    return _perturb(VideoMamba(RASTER))
+
+
+def make_zigzag() -> VideoMamba:
+    return _perturb(VideoMamba(ZIGZAG))
 
 
 def make_lm() -> MambaLM:
@@ -114,3 +124,10 @@ def test_mamba_lm_workload_describes_the_model():
     assert wl.dims == ("l",) and wl.lengths == (13,) and wl.depth == LM.num_hidden_layers
     assert [spec.name for layer in wl.layers for spec in layer] == ["scan"] * wl.depth
     assert wl.extra["scan"] == {"inner": 64, "state": 8, "heads": 4, "conv": 4, "routes": 1}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("factory", [make_raster, make_zigzag])
+def test_video_mamba_flattened_orders_under_dsp_equal_one_process(factory):
+    """raster(t,h,w) / zigzag(t,h,w) mix every dim: the scan stage gets the grid whole."""
+    check_model(factory, video_inputs, strategies=["dsp"], timeout=560)
