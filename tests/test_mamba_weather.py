@@ -85,10 +85,18 @@ def test_weather_mamba_trains_with_the_weather_task(tmp_path) -> None:
     """The weather Mamba has the weather transformer's interface: the weather Task trains it."""
     import math
 
-    from dspzoo.domains.weather.training import WeatherTrainConfig, train
+    from dspzoo.domains.weather.forecast import forecast_from
+    from dspzoo.domains.weather.training import WeatherTrainConfig, data_from_extra, train
+    from dspzoo.zoo import from_pretrained, load_extra
 
     cfg = WeatherTrainConfig(model="weathermamba-tiny", sp=1, data="a1b", history=2, leads="1",
                              holdout_from=2090, steps=2, global_batch=2, warmup=1, eval_every=0,
                              eval_batch=8, log_every=1, save_every=0, output_dir=str(tmp_path))  # fmt: skip
     result = train(cfg)
     assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
+    model = from_pretrained(tmp_path / "final", expected_family="weathermamba").eval()
+    data = data_from_extra(load_extra(tmp_path / "final"))
+    fc = forecast_from(model, data, trajectory=0, t0=197, steps=2, lead=1)  # the forecaster
+    assert (
+        fc.forecast.shape == (2, 1, 37, 49) and torch.isfinite(torch.as_tensor(fc.forecast)).all()
+    )
