@@ -160,3 +160,15 @@ def test_bad_configs_and_folders(tmp_path):
 def test_bad_tokens(tokens, error, message):
     with pytest.raises(error, match=message):
         create_model("mambalm-tiny")(tokens)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    tokens = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = create_model("mamba2lm-tiny", checkpoint=checkpointed)
+        model(tokens).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, msg=name)

@@ -121,8 +121,12 @@ class MambaLMBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` local ``[B, L, C]`` (``L`` whole after the stage) → same shape."""
-        x = stage("scan", x)
+        """``x`` local ``[B, L_l, C]`` → ``[B, L, C]`` (``L`` whole after the stage)."""
+        return self.mix(stage("scan", x))
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's computation on ``x`` already in the stage's layout (what activation
+        checkpointing recomputes: the stage's switch stays outside it)."""
         residual = x.float() if self.residual_in_fp32 else x
         return residual + run_scan(
             self.mixer, self.norm(x.to(self.norm.weight.dtype)), SEQ_DIMS, ("l",)
@@ -198,7 +202,7 @@ class MambaLM(nn.Module):
             for i, layer in enumerate(self.backbone.layers):
                 with comm_region(f"block{i}"):
                     if self.config.checkpoint and torch.is_grad_enabled():
-                        x = checkpoint(layer, x, use_reentrant=False)
+                        x = checkpoint(layer.mix, stage("scan", x), use_reentrant=False)
                     else:
                         x = layer(x)
             x = self.backbone.norm_f(x.to(self.backbone.norm_f.weight.dtype))
