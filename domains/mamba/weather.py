@@ -58,7 +58,9 @@ class WeatherMambaConfig(WeatherConfig):
 
 def weather_mamba_stages(config: WeatherMambaConfig) -> tuple[Stage, ...]:
     """One scan stage per axis (``temporal``, ``lat``, ``lon``), then ``mlp``."""
-    return (*(scan_stage(name, f"axial({dim})") for name, dim in AXES), Stage("mlp"))
+    circular = {"x": config.periodic_lon}  # a ring has no segments: its stage stays generic
+    scans = (scan_stage(name, f"axial({d})", not circular.get(d, False)) for name, d in AXES)
+    return (*scans, Stage("mlp"))
 
 
 def circular_windows(length: int, anchor: int) -> torch.Tensor:
@@ -89,11 +91,11 @@ class AxialScan(nn.Module):
         self.mixer = build_mixer(config.mixer, config.hidden, **config.mixer_options())
 
     def forward(self, x: torch.Tensor, spec=None, sp=None, rope=None) -> torch.Tensor:
-        """``x`` local ``[B, T_l, Y_l, X_l, C]`` with ``self.dim`` whole → same shape."""
-        if self.circular:
+        """``x`` local ``[B, T_l, Y_l, X_l, C]`` laid out as ``spec`` → same shape."""
+        if self.circular:  # a generic stage: the ring is whole
             return run_scan(lambda s: circular_scan(self.mixer, s, self.bidirectional), x,
                             SEQ_DIMS, (self.dim,))  # fmt: skip
-        return run_scan(self.mixer, x, SEQ_DIMS, (self.dim,))
+        return run_scan(self.mixer, x, SEQ_DIMS, (self.dim,), sp, spec)
 
 
 class WeatherMambaBlock(WeatherBlock):
