@@ -4,7 +4,7 @@ dspzoo list                  # every model config with its parameter count
 dspzoo list --pretrained     # the trained models shipped with the package
 dspzoo info stdit-720M       # names ignore case: stdit-720m works too
 dspzoo plan | bench ...      # cost model, benchmark (docs/cost_model.md, docs/benchmark.md)
-dspzoo train <domain> ...    # video, text, protein, weather (see zoo/run_cli.py)
+dspzoo train <domain> ...    # video, text, protein, weather, mamba (see zoo/run_cli.py)
 dspzoo sample|generate|predict|forecast <shipped-name-or-folder> ...
 dspzoo convert --from diffusers <folder> <out>
 

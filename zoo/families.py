@@ -32,6 +32,7 @@ BUILTIN_MODULES = (
     "dspzoo.domains.text",
     "dspzoo.domains.protein",
     "dspzoo.domains.weather",
+    "dspzoo.domains.mamba",
     "dspzoo.examples.axial3d",
 )
 ENTRY_POINT_GROUP = "dspzoo.families"

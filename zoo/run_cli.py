@@ -5,6 +5,7 @@ dspzoo sample stdit-mini-shapes --out shapes.gif                  # shipped name
 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
     --dynamo_backend no -m dspzoo train text --sp 2 --steps 100     # under accelerate launch
 dspzoo convert --from diffusers <diffusers-folder> <zoo-folder>
+dspzoo convert --from transformers <mamba-folder> <zoo-folder>     # MambaForCausalLM, Mamba2…
 
 Every flag after the domain (or the model) goes to the domain's script, so ``dspzoo train video
 --help`` shows that script's flags. Errors in the input print one line and exit with status 2.
@@ -43,6 +44,7 @@ COMMANDS: dict[str, Command] = {
             "text": "train_text",
             "protein": "train_protein",
             "weather": "train_weather",
+            "mamba": "train_mamba",
             "axial3d": "train_axial3d",  # the worked example of docs/new_architecture.md
         },
         by_family=False,
@@ -148,9 +150,10 @@ def add_convert(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--from",
         dest="source",
         required=True,
-        choices=["diffusers"],
+        choices=["diffusers", "transformers"],
         help="format of the input: diffusers (a LatteTransformer3DModel folder with "
-        "config.json and safetensors weights)",
+        "config.json and safetensors weights) or transformers (a MambaForCausalLM / "
+        "Mamba2ForCausalLM folder)",
     )
     parser.add_argument("src", help="the folder to convert")
     parser.add_argument("dst", help="the zoo folder to write (replaced atomically)")
@@ -159,7 +162,10 @@ def add_convert(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run_convert(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        from .convert.diffusers_latte import convert_folder
+        if args.source == "transformers":
+            from dspzoo.domains.mamba.convert import convert_folder
+        else:
+            from .convert.diffusers_latte import convert_folder
     except ModuleNotFoundError as exc:
         parser.error(f"the {args.source} converter is not available: {exc}")
     try:

@@ -1,0 +1,122 @@
+"""Mamba domain: multi-dimensional Mamba models and Mamba LMs under DSP.
+
+Registers the zoo families
+
+* ``mambalm`` (Mamba-1) and ``mamba2lm`` (Mamba-2): transformers' ``MambaForCausalLM`` /
+  ``Mamba2ForCausalLM`` (:mod:`.lm`, checkpoints via :mod:`.convert`), configs ``tiny`` (tests),
+  ``small`` (byte-level, CPU training) and ``130m`` (mamba-130m / mamba2-130m shapes);
+* ``weathermamba``: the weather transformer with axial scans (circular in longitude),
+  configs ``tiny`` and ``small`` (:mod:`.weather`);
+* ``videomamba``: a video Mamba DiT with configurable scan orders (:mod:`.video`), configs
+  ``tiny``, ``small``, and the order variants ``tiny-raster``, ``tiny-cross``, ``tiny-zigzag``;
+
+with their cost-model workloads (:mod:`.workload`). Scan orders: :mod:`.orders`.
+"""
+
+from dspzoo.core.costmodel.workload import register_workload
+from dspzoo.zoo import register_config, register_family
+
+from .layers import SCAN_OP, OrderedScan, run_scan, scan_stage
+from .lm import Mamba2LM, MambaLM, MambaLMConfig, lm_class
+from .orders import ScanOrder, parse_order
+from .video import VideoMamba, VideoMambaConfig
+from .weather import WeatherMamba, WeatherMambaConfig
+from .workload import mamba_lm_workload, video_mamba_workload, weather_mamba_workload
+
+LM_CONFIGS = {
+    "mambalm": {
+        "tiny": MambaLMConfig(version=1, hidden_size=32, num_hidden_layers=2, state_size=4),
+        "small": MambaLMConfig(version=1, hidden_size=128, num_hidden_layers=4, state_size=16),
+        "130m": MambaLMConfig(version=1, vocab_size=50280, hidden_size=768, num_hidden_layers=24),
+    },
+    "mamba2lm": {
+        "tiny": MambaLMConfig(
+            version=2,
+            hidden_size=32,
+            num_hidden_layers=2,
+            state_size=8,
+            num_heads=4,
+            head_dim=16,
+            chunk_size=16,
+        ),  # fmt: skip
+        "small": MambaLMConfig(
+            version=2,
+            hidden_size=128,
+            num_hidden_layers=4,
+            state_size=32,
+            num_heads=8,
+            head_dim=32,
+            chunk_size=64,
+        ),  # fmt: skip
+        "130m": MambaLMConfig(
+            version=2,
+            vocab_size=50288,
+            hidden_size=768,
+            num_hidden_layers=24,
+            state_size=128,
+            num_heads=24,
+            head_dim=64,
+            chunk_size=256,
+            tie_word_embeddings=True,
+        ),  # fmt: skip
+    },
+}
+for _family, _cls in (("mambalm", MambaLM), ("mamba2lm", Mamba2LM)):
+    register_family(_family, _cls, MambaLMConfig)
+    for _name, _config in LM_CONFIGS[_family].items():
+        register_config(_family, _name, _config)
+    register_workload(_family, mamba_lm_workload)
+
+_TINY = dict(hidden=32, depth=2, state_size=4, head_dim=16, chunk_size=16, num_classes=8)
+VIDEO_CONFIGS = {
+    "tiny": VideoMambaConfig(**_TINY),
+    "tiny-raster": VideoMambaConfig(**_TINY, orders=("raster(t,h,w)",)),
+    "tiny-cross": VideoMambaConfig(**_TINY, orders=("axial(t)", "cross(h,w)")),
+    "tiny-zigzag": VideoMambaConfig(**_TINY, orders=("zigzag(t,h,w)",)),
+    "small": VideoMambaConfig(hidden=128, depth=6, state_size=16, head_dim=32, num_classes=8),
+}
+register_family("videomamba", VideoMamba, VideoMambaConfig)
+for _name, _config in VIDEO_CONFIGS.items():
+    register_config("videomamba", _name, _config)
+register_workload("videomamba", video_mamba_workload)
+
+WEATHER_CONFIGS = {
+    "tiny": WeatherMambaConfig(
+        grid=(16, 32),
+        patch=2,
+        hidden=32,
+        depth=2,
+        heads=2,
+        state_size=4,
+        head_dim=16,
+        chunk_size=16,
+        mlp_ratio=2.0,
+    ),  # fmt: skip
+    "small": WeatherMambaConfig(
+        grid=(32, 64), patch=2, hidden=96, depth=4, heads=4, state_size=16, head_dim=32
+    ),  # fmt: skip
+}
+register_family("weathermamba", WeatherMamba, WeatherMambaConfig)
+for _name, _config in WEATHER_CONFIGS.items():
+    register_config("weathermamba", _name, _config)
+register_workload("weathermamba", weather_mamba_workload)
+
+__all__ = [
+    "LM_CONFIGS",
+    "SCAN_OP",
+    "VIDEO_CONFIGS",
+    "Mamba2LM",
+    "MambaLM",
+    "MambaLMConfig",
+    "OrderedScan",
+    "ScanOrder",
+    "VideoMamba",
+    "VideoMambaConfig",
+    "WEATHER_CONFIGS",
+    "WeatherMamba",
+    "WeatherMambaConfig",
+    "lm_class",
+    "parse_order",
+    "run_scan",
+    "scan_stage",
+]

@@ -1,0 +1,123 @@
+"""Scan stages: a Mamba mixer run over a grid of tokens in a :mod:`.orders` scan order.
+
+:func:`scan_stage` declares the stage (the dims it mixes, op kind ``scan`` once that kind is
+registered, ``generic`` before: either way a stage whose scanned dims are whole runs locally,
+DSP's axial case). :func:`run_scan` is the one place a mixer meets the grid; it calls ``sp.scan``
+(the scan op kind's runtime entry: state passing, head all-to-all over a sharded scanned dim)
+when that kind is registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dspzoo.core.layers.mamba import Mamba1Config, Mamba1Mixer, Mamba2Config, Mamba2Mixer
+from dspzoo.core.parallel import context
+from dspzoo.core.parallel.methods.registry import OP_KINDS
+from dspzoo.core.parallel.plan import Stage
+
+from .orders import ScanOrder, along_route, fold, from_route, parse_order, unfold
+
+#: The op kind of a segmentable scan stage: ``scan`` where the parallel layer registers it (its
+#: methods may then run the scan over a sharded dim through ``sp.scan``), else ``generic`` (the
+#: scanned dims always whole: exact under every strategy, DSP's axial order with no extra traffic).
+SCAN_OP = "scan" if "scan" in OP_KINDS else "generic"
+
+
+def scan_stage(name: str, order: str | ScanOrder, segmentable: bool = True) -> Stage:
+    """The :class:`Stage` of a scan in ``order``: it mixes the order's dims.
+
+    Only ``axial`` and ``raster`` scans of a ``segmentable`` op (one sequence read in order, so
+    a shard of its outermost dim is a segment) get op kind :data:`SCAN_OP`; ``cross`` and
+    ``zigzag`` routes, and circular scans (``segmentable=False``), need their dims whole:
+    ``generic``.
+    """
+    order = parse_order(order)
+    in_order = segmentable and order.kind in ("axial", "raster")
+    return Stage(name, order.mixes, op=SCAN_OP if in_order else "generic")
+
+
+def _nonempty(mixer: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """``mixer`` that also takes an empty batch: a rank whose shard of a batch-folded dim is
+    empty (more ranks than rows) runs it on one row of zeros and keeps none of it, so its
+    parameters still get (zero) gradients (the Mamba-1 kernel cannot reduce an empty batch)."""
+
+    def run(seq: torch.Tensor) -> torch.Tensor:
+        if seq.shape[0] == 0:
+            return mixer(seq.new_zeros(1, *seq.shape[1:]))[:0]
+        return mixer(seq)
+
+    return run
+
+
+def run_scan(
+    mixer: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    grid_dims: tuple[str, ...],
+    over: tuple[str, ...],
+    sp=None,
+    spec=None,
+) -> torch.Tensor:
+    """``mixer`` (``[B', L, C]`` → ``[B', L, C']``) over ``x`` ``[B, *grid_local, C]``: the
+    ``over`` dims flattened (the first outermost) into the scanned sequence, the other dims in
+    the batch. Returns ``[B, *grid_local, C']``.
+
+    The one place a scan meets the parallel layer. With op kind ``scan`` registered
+    (:data:`SCAN_OP`) it goes through the runtime's ``sp.scan`` — ``sp``/``spec`` for blocks on
+    the explicit API, the open region's runtime and layout for blocks on plain tensors — which
+    runs locally when the scanned dims are whole and with the stage's scan method when one is
+    sharded. Without it (and outside any region) the scanned dims are whole on this rank (the
+    stage declares them) and the fold is local.
+    """
+    op = _nonempty(mixer)
+    if SCAN_OP == "scan":
+        if sp is not None and spec is not None:
+            return sp.scan(op, x, spec, over)
+        if context.active() is not None:
+            return context.runtime().scan(op, x, context.layout(), over)
+    seq, sizes = fold(x, grid_dims, over)
+    return unfold(op(seq), grid_dims, over, sizes)
+
+
+def build_mixer(kind: str, hidden: int, **options) -> nn.Module:
+    """A ``mamba1`` or ``mamba2`` mixer of width ``hidden`` (``options``: its config fields)."""
+    if kind == "mamba1":
+        return Mamba1Mixer(Mamba1Config(hidden_size=hidden, **options))
+    if kind == "mamba2":
+        return Mamba2Mixer(Mamba2Config(hidden_size=hidden, **options))
+    raise ValueError(f"mixer must be 'mamba1' or 'mamba2', got {kind!r}")
+
+
+class OrderedScan(nn.Module):
+    """One scan of a grid in a scan order: ``[B, *grid, C]`` → ``[B, *grid, C]``.
+
+    One mixer per route of the order (four for ``cross``, whose outputs are averaged, as
+    VMamba's cross-merge sums them); ``layer`` picks ``zigzag``'s scheme.
+    """
+
+    def __init__(
+        self,
+        order: str | ScanOrder,
+        grid_dims: tuple[str, ...],
+        make_mixer: Callable[[], nn.Module],
+        layer: int = 0,
+    ) -> None:
+        super().__init__()
+        self.order = parse_order(order, grid_dims)
+        self.grid_dims, self.layer = tuple(grid_dims), layer
+        self.mixers = nn.ModuleList(make_mixer() for _ in range(self.order.route_count()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, *grid_local, C]`` with the order's dims whole → same shape."""
+        over = self.order.dims
+        lengths = tuple(x.shape[1 + self.grid_dims.index(d)] for d in over)
+        routes = self.order.routes(lengths, self.layer)
+        outs = [
+            run_scan(lambda seq, m=mixer, p=perm: from_route(m(along_route(seq, p)), p),
+                     x, self.grid_dims, over)
+            for mixer, perm in zip(self.mixers, routes, strict=True)
+        ]  # fmt: skip
+        return outs[0] if len(outs) == 1 else torch.stack(outs).mean(0)

@@ -1,0 +1,150 @@
+"""The cost model's view of a Mamba step (``dspzoo plan``, the harness's bytes), registered with
+:func:`~dspzoo.core.costmodel.workload.register_workload` by the package.
+
+A scan stage is described by its :class:`~dspzoo.core.parallel.plan.Stage` (the dims it mixes,
+its op kind): the switches and gathers the plan makes around it are what the cost model counts.
+The scan's own compute and the bytes of the scan methods over a sharded dim (state passing,
+head all-to-all) belong to the scan op kind's formulas; ``extra["scan"]`` carries the mixer's
+shape (inner width, state size, heads, conv width) for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dspzoo.core.costmodel.workload import StageSpec, Workload
+
+from .lm import STAGES as LM_STAGES
+from .lm import MambaLMConfig
+from .video import SEQ_DIMS as VIDEO_DIMS
+from .video import VideoMambaConfig, layer_stages
+from .weather import SEQ_DIMS as WEATHER_DIMS
+from .weather import WeatherMambaConfig, weather_mamba_stages
+
+
+def _scan_shape(hidden: int, state: int, expand: int, conv: int, heads: int, routes: int) -> dict:
+    return {"inner": expand * hidden, "state": state, "heads": heads, "conv": conv,
+            "routes": routes}  # fmt: skip
+
+
+def mamba_lm_workload(
+    name: str,
+    config: MambaLMConfig,
+    *,
+    batch: int = 1,
+    seq_len: int | None = None,
+    itemsize: int = 4,
+    params: int = 0,
+    **unused: Any,
+) -> Workload:
+    """One step of a Mamba LM on ``batch`` sequences of ``seq_len`` tokens."""
+    if seq_len is None:
+        raise ValueError(f"{name} is a language model: give seq_len (--seq-len)")
+    heads = config.num_heads if config.version == 2 else 1
+    layer = (StageSpec(LM_STAGES[0], adaln=False),)
+    return Workload(
+        name=name,
+        family="mambalm" if config.version == 1 else "mamba2lm",
+        batch=batch,
+        dims=("l",),
+        lengths=(seq_len,),
+        hidden=config.hidden_size,
+        heads=heads,
+        kv_heads=heads,
+        mlp_hidden=0,
+        layers=(layer,) * config.num_hidden_layers,
+        period=LM_STAGES,
+        in_width=1,
+        exit_width=config.vocab_size,
+        causal=True,
+        params=params,
+        itemsize=itemsize,
+        extra={
+            "checkpoint": config.checkpoint,
+            "vocab": config.vocab_size,
+            "scan": _scan_shape(
+                config.hidden_size, config.state_size, config.expand, config.conv_kernel, heads, 1
+            ),
+        },  # fmt: skip
+    )
+
+
+def video_mamba_workload(
+    name: str,
+    config: VideoMambaConfig,
+    *,
+    batch: int = 1,
+    frames: int | None = None,
+    spatial: int | tuple[int, int] | None = None,
+    itemsize: int = 4,
+    params: int = 0,
+    **unused: Any,
+) -> Workload:
+    """One step on ``frames`` latent frames of a ``spatial`` latent ``(H, W)`` (or square)."""
+    if frames is None or spatial is None:
+        raise ValueError(f"{name} is a video model: give frames and spatial (latent size)")
+    h, w = (spatial, spatial) if isinstance(spatial, int) else spatial
+    pt, ph, pw = config.patch
+    stages = layer_stages(config)
+    layer = tuple(StageSpec(s, mlp=s.name == "mlp") for s in stages)
+    heads = config.expand * config.hidden // config.head_dim if config.mixer == "mamba2" else 1
+    return Workload(
+        name=name,
+        family="videomamba",
+        batch=batch,
+        dims=VIDEO_DIMS,
+        lengths=(frames // pt, h // ph, w // pw),
+        hidden=config.hidden,
+        heads=heads,
+        kv_heads=heads,
+        mlp_hidden=int(config.hidden * config.mlp_ratio),
+        layers=(layer,) * config.depth,
+        period=stages,
+        in_width=config.in_channels * pt * ph * pw,
+        exit_width=config.out_channels * pt * ph * pw,
+        params=params,
+        itemsize=itemsize,
+        extra={
+            "scan": _scan_shape(
+                config.hidden, config.state_size, config.expand, config.conv_kernel, heads, 1
+            )
+        },  # fmt: skip
+    )
+
+
+def weather_mamba_workload(
+    name: str,
+    config: WeatherMambaConfig,
+    *,
+    batch: int = 1,
+    itemsize: int = 4,
+    params: int = 0,
+    **unused: Any,
+) -> Workload:
+    """One step of a weather Mamba on its configured grid and history."""
+    stages = weather_mamba_stages(config)
+    rows, cols = config.patch_grid
+    heads = config.expand * config.hidden // config.head_dim if config.mixer == "mamba2" else 1
+    pixels = config.patch * config.patch
+    return Workload(
+        name=name,
+        family="weathermamba",
+        batch=batch,
+        dims=WEATHER_DIMS,
+        lengths=(config.history, rows, cols),
+        hidden=config.hidden,
+        heads=heads,
+        kv_heads=heads,
+        mlp_hidden=int(config.hidden * config.mlp_ratio),
+        layers=(tuple(StageSpec(s, mlp=s.name == "mlp") for s in stages),) * config.depth,
+        period=stages,
+        in_width=len(config.variables) * pixels,
+        exit_width=len(config.variables) * pixels,
+        params=params,
+        itemsize=itemsize,
+        extra={
+            "scan": _scan_shape(
+                config.hidden, config.state_size, config.expand, config.conv_kernel, heads, 1
+            )
+        },  # fmt: skip
+    )
