@@ -12,7 +12,7 @@ history to <output-dir>/losses.json.
 
 from __future__ import annotations
 
-from dspzoo.core.configflags import TrainingCLI
+from dspzoo.core.train.flags import TrainingCLI
 from dspzoo.examples.axial3d_training import Axial3DTrainConfig, train
 
 CLI = TrainingCLI(Axial3DTrainConfig, train, __doc__, "dspzoo.axial3d.train", "mse")

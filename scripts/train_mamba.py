@@ -10,7 +10,7 @@ The data, losses (bits per byte), evaluation, checkpoints and --resume are the t
 
 from __future__ import annotations
 
-from dspzoo.core.configflags import TrainingCLI
+from dspzoo.core.train.flags import TrainingCLI
 from dspzoo.domains.mamba.training import MambaTrainConfig, train
 
 CLI = TrainingCLI(MambaTrainConfig, train, __doc__, "dspzoo.mamba.train", "bits/byte")

@@ -16,7 +16,7 @@ scripts/predict_protein.py needs).
 
 from __future__ import annotations
 
-from dspzoo.core.configflags import TrainingCLI
+from dspzoo.core.train.flags import TrainingCLI
 from dspzoo.domains.protein.training import ProteinTrainConfig, train
 
 CLI = TrainingCLI(ProteinTrainConfig, train, __doc__, "dspzoo.protein.train", "distogram loss")

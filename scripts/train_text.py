@@ -14,7 +14,7 @@ layout.
 
 from __future__ import annotations
 
-from dspzoo.core.configflags import TrainingCLI
+from dspzoo.core.train.flags import TrainingCLI
 from dspzoo.domains.text.training import TextTrainConfig, train
 
 CLI = TrainingCLI(TextTrainConfig, train, __doc__, "dspzoo.text.train", "bits/byte")

@@ -12,7 +12,7 @@ continues it exactly, at any layout.
 
 from __future__ import annotations
 
-from dspzoo.core.configflags import TrainingCLI
+from dspzoo.core.train.flags import TrainingCLI
 from dspzoo.domains.video.training import VideoTrainConfig, train
 
 CLI = TrainingCLI(VideoTrainConfig, train, __doc__, "dspzoo.video.train", "losses")

@@ -17,7 +17,7 @@ any layout.
 
 from __future__ import annotations
 
-from dspzoo.core.configflags import TrainingCLI
+from dspzoo.core.train.flags import TrainingCLI
 from dspzoo.domains.weather.training import WeatherTrainConfig, train
 
 CLI = TrainingCLI(WeatherTrainConfig, train, __doc__, "dspzoo.weather.train", "mse")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspzoo.core.ema import EMA
+from dspzoo.core.train.ema import EMA
 
 
 def test_ema_tracks_and_restores() -> None:

@@ -24,9 +24,9 @@ from dspzoo.core.parallel.methods.megatron import (
 from dspzoo.core.parallel.plan import plan_stages
 from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.core.parallel.validate import InputValidationError
-from dspzoo.core.runconfig import NOT_WIRED
-from dspzoo.core.tensor_parallel_training import clip_sharded_grad_norm_
 from dspzoo.core.testing import run_distributed
+from dspzoo.core.train.config import NOT_WIRED
+from dspzoo.core.train.tensor_parallel import clip_sharded_grad_norm_
 from dspzoo.domains.text.data import ByteWindows, stdlib_corpus
 from dspzoo.domains.text.model import apply_rotary, rotary_table
 from dspzoo.domains.text.training import TextTrainConfig, train

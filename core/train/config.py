@@ -2,7 +2,7 @@
 
 Domain configs subclass :class:`RunConfig`, add their own fields and redeclare a shared one to
 change its default (a redeclared field keeps its place). Every field is a command-line flag
-(:mod:`dspzoo.core.configflags`).
+(:mod:`dspzoo.core.train.flags`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..parallel.strategies import STRATEGIES
 from .flags import check_values, flag
 
 # strategies the training scripts cannot drive yet (every one can: megatron_sp, which shards
-# the weights, runs through core/tensor_parallel_training.py)
+# the weights, runs through core/train/tensor_parallel.py)
 NOT_WIRED: tuple[str, ...] = ()
 
 

@@ -51,7 +51,7 @@ class LoopSettings:
     def of_run(
         cls, cfg: Any, start_step: int, tokens_per_step: int, loss_name: str = "loss"
     ) -> LoopSettings:
-        """The settings a training config (a :class:`~dspzoo.core.runconfig.RunConfig`) asks
+        """The settings a training config (a :class:`~dspzoo.core.train.config.RunConfig`) asks
         for: its ``steps``, ``stop_after``, ``log_every`` and ``save_every``."""
         return cls(
             steps=cfg.steps,

@@ -1,7 +1,7 @@
 """Gradient synchronisation: one policy for every domain, chosen by the strategy.
 
 * A strategy that shards the weights (``megatron_sp``) takes the tensor-parallel path
-  (:class:`~dspzoo.core.tensor_parallel_training.TensorParallelTraining`): no DDP, replicated
+  (:class:`~dspzoo.core.train.tensor_parallel.TensorParallelTraining`): no DDP, replicated
   gradients averaged and sharded ones reduced after the backward pass, full-tensor
   checkpoints.
 * ``--fsdp`` (any strategy but ``megatron_sp``): FSDP2 ``fully_shard`` over the dp × sp world
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..tensor_parallel_training import TensorParallelTraining
 from .fsdp import FullyShardedTraining, ShardingSettings
+from .tensor_parallel import TensorParallelTraining
 
 
 def gradient_group(mesh: Any) -> Any:

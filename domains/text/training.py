@@ -5,7 +5,7 @@ splits every window's bytes over the group; the strategy (``--sp-strategy``: ``l
 ``ring``, ``ulysses``, ...) decides what causal attention over the sharded sequence
 communicates; each rank takes the cross-entropy of its own bytes (:func:`lm_loss`, the
 gradient contract), and DDP averages gradients over dp × sp (under ``megatron_sp``, which
-shards the weights: :class:`~dspzoo.core.tensor_parallel_training.TensorParallelTraining`).
+shards the weights: :class:`~dspzoo.core.train.tensor_parallel.TensorParallelTraining`).
 
 The only randomness of a run is the data order, a function of ``(seed, epoch)``
 (:class:`dspzoo.core.data.SPBatchSampler`), and the initial weights, a function of ``seed``:

@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .parallel.comm import all_reduce_sum, group_size
-from .parallel.methods.megatron import (
+from ..parallel.comm import all_reduce_sum, group_size
+from ..parallel.methods.megatron import (
     METHOD,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -69,7 +69,7 @@ from .parallel.methods.megatron import (
     parallelize_megatron,
     sharded_parameters,
 )
-from .parallel.tp_contract import check_tp_contract
+from ..parallel.tp_contract import check_tp_contract
 
 # strategies whose models hold shards of the weights (parallelize_megatron)
 WEIGHT_SHARDING = (METHOD,)
@@ -277,7 +277,7 @@ def _is_moment(v: Any, owner: tuple[nn.Module, str]) -> bool:
 
 
 class _FullStateEMA:
-    """Checkpoints an :class:`~dspzoo.core.ema.EMA` of a sharded model with full averages."""
+    """Checkpoints an :class:`~dspzoo.core.train.ema.EMA` of a sharded model with full averages."""
 
     def __init__(self, ema: Any, tp: TensorParallelTraining) -> None:
         self.ema, self.tp = ema, tp
