@@ -271,6 +271,11 @@ def _sp_worker(rank: int, world: int) -> dict[str, float]:
         fast = make_model().eval()(batch, sp=sp, num_recycles=1, chunk_size=4)
     for k in plain:
         report[f"chunked {k}"] = rel(fast[k], plain[k])
+    one_row = make_batch(s=1)  # fewer MSA rows than ranks: some hold none, row 0 on one
+    with torch.no_grad():
+        alone, sharded = make_model().eval()(one_row), make_model().eval()(one_row, sp=sp)
+    for k in alone:
+        report[f"one MSA row {k}"] = rel(sharded[k], alone[k])
 
     # 3. traced bytes per block (the iteration with gradients) == the plan's formula
     plan = model.plan(R, S, world)

@@ -328,15 +328,19 @@ def _recycled_row(m: SeqTensor, entry: SeqSpec, mp: MultiParallel) -> torch.Tens
             f"Evoformer plan leaves m sharded on {m.spec.sharded!r} but enters it on "
             f"{entry.sharded!r}; recycling needs the plan to end where it starts"
         )
-    row = m.tensor.select(m.axis("s"), 0)
-    return row if mp.local_range(m.spec, "s")[0] == 0 else torch.zeros_like(row)
+    s_axis = m.axis("s")
+    if mp.local_range(m.spec, "s")[0] == 0 and m.tensor.shape[s_axis] > 0:
+        return m.tensor.select(s_axis, 0)
+    shape = list(m.tensor.shape)
+    del shape[s_axis]
+    return m.tensor.new_zeros(shape)  # a rank with other MSA rows, or none (S < SP size)
 
 
 def _msa_first_row(m: SeqTensor, mp: MultiParallel) -> torch.Tensor:
     """Row 0 of the MSA ``m`` full on every rank ``[B, R, c_m]``, gathering only that row: from
     the rank that holds it when ``m`` is sharded on ``s``, its residues from each when on ``r``."""
     spec, s_axis = m.spec, m.axis("s")
-    holds_row0 = mp.local_range(spec, "s")[0] == 0
+    holds_row0 = mp.local_range(spec, "s")[0] == 0 and m.tensor.shape[s_axis] > 0
     rows = m.tensor.narrow(s_axis, 0, 1 if holds_row0 else 0)
     lengths = tuple(1 if n == "s" else n_len for n, n_len in zip(spec.names, spec.lengths))
     return mp.sp.exit(SeqTensor(rows, replace(spec, lengths=lengths))).select(s_axis, 0)
