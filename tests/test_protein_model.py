@@ -25,6 +25,7 @@ from dspzoo.domains.protein.convert_openfold import (
     openfold_to_ours_key,
     to_openfold,
 )
+from dspzoo.domains.protein.model import OUTPUTS
 from dspzoo.zoo import count_parameters, create_model
 
 R, S, B = 13, 7, 2
@@ -230,6 +231,11 @@ def test_converter_openfold3_block_by_hand():
 
 
 # -- SP 2, 3, 4 -------------------------------------------------------------------------------
+def _exit_bytes(tracer) -> int:
+    """Forward bytes this rank sent gathering the outputs (after the last recycle's blocks)."""
+    return sum(r.bytes_sent for r in tracer.filter(phase="forward", region_prefix="recycle1/exit"))
+
+
 def _sp_worker(rank: int, world: int) -> dict[str, float]:
     mesh = build_mesh(sp_size=world)
     sp = SeqParallel(mesh)
@@ -238,10 +244,10 @@ def _sp_worker(rank: int, world: int) -> dict[str, float]:
 
     # 1. whole trunk, recycling, dropout on: outputs and every parameter gradient; traced bytes
     ref_model, model = make_model().train(), make_model().train()
-    ref = ref_model(batch, num_recycles=1, rng_key=KEY)
+    ref = ref_model(batch, num_recycles=1, rng_key=KEY, outputs=OUTPUTS)
     loss_of(ref, batch["seq_mask"]).backward()
     with trace_comm() as tracer:
-        out = model(batch, sp=sp, num_recycles=1, rng_key=KEY)
+        out = model(batch, sp=sp, num_recycles=1, rng_key=KEY, outputs=OUTPUTS)
         loss_of(out, batch["seq_mask"]).backward()
     for k in ref:
         report[f"out {k}"] = rel(out[k], ref[k])
@@ -265,6 +271,11 @@ def _sp_worker(rank: int, world: int) -> dict[str, float]:
         fast = make_model().eval()(batch, sp=sp, num_recycles=1, chunk_size=4)
     for k in plain:
         report[f"chunked {k}"] = rel(fast[k], plain[k])
+    one_row = make_batch(s=1)  # fewer MSA rows than ranks: some hold none, row 0 on one
+    with torch.no_grad():
+        alone, sharded = make_model().eval()(one_row), make_model().eval()(one_row, sp=sp)
+    for k in alone:
+        report[f"one MSA row {k}"] = rel(sharded[k], alone[k])
 
     # 3. traced bytes per block (the iteration with gradients) == the plan's formula
     plan = model.plan(R, S, world)
@@ -284,6 +295,27 @@ def _sp_worker(rank: int, world: int) -> dict[str, float]:
         assert len(asyncs) == 1 and "tri_mul_out" in asyncs[0].region  # overlaps the pair stack
     report["bytes per block"] = float(sum(want.values()))
 
+    # 3b. outside the blocks only the outputs asked for are gathered, each only what it uses:
+    # recycling sends nothing; the MSA's row 0 alone, not the whole MSA
+    outside = [
+        r
+        for r in tracer.filter(phase="forward")
+        if r.op != "validate"  # the inputs' shape agreement, before anything is sharded
+        and not r.region.startswith(("recycle0/block", "recycle1/block", "recycle1/exit"))
+    ]
+    assert not outside, outside
+    r_rows, item, cfg = -(-R // world), 4, model.config
+    one_row = (world - 1) * B * R * cfg.c_m * item
+    logits = (world - 1) * B * r_rows * R * cfg.distogram_bins * item
+    pair = (world - 1) * B * r_rows * R * cfg.c_z * item
+    assert _exit_bytes(tracer) == logits + pair + one_row
+    with trace_comm() as train_tracer:  # training's default: the distogram logits alone
+        assert set(make_model().train()(batch, sp=sp, num_recycles=1, rng_key=KEY)) == {
+            "distogram_logits"
+        }
+    assert _exit_bytes(train_tracer) == logits
+    report["exit bytes, training default"] = float(logits)
+
     # 4. bad inputs fail on every rank with the feature named
     for key, value in (("seq_mask", torch.ones(B, R + 1)), ("target_feat", torch.zeros(B, R, 20))):
         try:
@@ -301,6 +333,6 @@ def _sp_worker(rank: int, world: int) -> dict[str, float]:
 def test_sharded_trunk_equals_one_process(world):
     reports = run_distributed(_sp_worker, world, timeout=240)
     for rank, report in enumerate(reports):
-        bad = {k: v for k, v in report.items() if k != "bytes per block" and v > 1e-5}
+        bad = {k: v for k, v in report.items() if "bytes" not in k and v > 1e-5}
         assert not bad, (world, rank, bad)
     assert reports[0]["bytes per block"] > 0

@@ -49,8 +49,9 @@ def test_corrupt_video_raise_or_skip(tmp_path) -> None:
     write_video(shapes[0]["video"], tmp_path / "good.gif")
     (tmp_path / "bad.mp4").write_bytes(b"\x00not a video" * 50)
     strict = VideoFolderDataset(tmp_path, frames=4, height=16, width=16)
-    with pytest.raises(VideoDecodeError, match="bad.mp4"):
+    with pytest.raises(VideoDecodeError, match="bad.mp4") as caught:
         strict[0]  # sorted: bad.mp4 first
+    assert "--on-bad-video skip" in str(caught.value)  # the message says how to go on
     lenient = VideoFolderDataset(tmp_path, frames=4, height=16, width=16, on_error="skip")
     with pytest.warns(UserWarning, match="bad.mp4"):
         sample = lenient[0]

@@ -130,10 +130,16 @@ def _check(case: tuple, ref: dict, sp: SeqParallel) -> dict:
         - comm_bytes(wl[1], strategy, sp.size, r).bytes()
     )
     plan = sp.plan(("t", "y", "x"), wl[2].lengths, model.STAGES)
+    # the exit gathers the last state's outputs alone: what it sends, and what it no longer does
+    no_exit = comm_bytes(wl[2], strategy, sp.size, r, exit_gather=False).bytes()
+    all_steps = comm_bytes(wl[2].with_(exit_last=()), strategy, sp.size, r).bytes()
     return {
         "error": worst,
         "traced": _traced(tracer),
         "formula": formula,
+        "exit_traced": tracer.total_bytes("all_gather", "forward", region_prefix="exit"),
+        "exit_formula": want.bytes() - no_exit,
+        "exit_all_steps": all_steps - no_exit,
         "layer_traced": tracer.total_bytes(region_prefix="block1"),
         "layer_formula": layer,
         "methods": plan.methods,
@@ -187,8 +193,8 @@ def _worker(rank: int, world: int) -> dict:
 def test_weather_model_under_sp() -> None:
     """SP 2, 3, 4 × {axial, full} × {dsp, ulysses, ring} (+ a hybrid plan, + keyed dropout):
     output and every gradient equal one process (fp32, relative ≤ 1e-5); the bytes each rank
-    sends, per op and phase and per layer, equal the cost model's; bad input fails on every
-    rank."""
+    sends, per op and phase and per layer, equal the cost model's; the exit gathers the last
+    state alone (fewer bytes than all T states); bad input fails on every rank."""
     results = run_distributed(_worker, WORLD, timeout=240)
     for rank, res in enumerate(results):
         checks = res["checks"]
@@ -198,6 +204,12 @@ def test_weather_model_under_sp() -> None:
             case = CASES[i]
             assert got["error"] <= 1e-5
             assert got["traced"] == got["formula"], (rank, size, case)
+            assert got["exit_traced"] == got["exit_formula"] > 0, (rank, size, case)
+            # all T states were gathered before, padded to the longest shard: now one state
+            # (the same bytes only when t is sharded with at most one state per rank)
+            assert got["exit_traced"] <= got["exit_all_steps"], (rank, size, case)
+            if case[2] > size:
+                assert got["exit_traced"] < got["exit_all_steps"], (rank, size, case)
             assert got["layer_traced"] == got["layer_formula"] > 0, (rank, size, case)
             spatial, strategy, history, _ = case
             if strategy == "dsp" and history == 5:  # pure DSP: 2 switches per layer

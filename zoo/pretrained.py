@@ -255,6 +255,11 @@ def from_pretrained(
 
     ``expected_family`` (e.g. ``"bytelm"``) refuses another family's checkpoint with a
     :class:`CheckpointMismatchError` before anything is built.
+
+    The model is returned in **eval mode** (this is an inference entry point: dropout off,
+    whatever the family); call ``model.train()`` to train it further (the Trainer does, e.g.
+    for ``--init-from``). :func:`~dspzoo.zoo.create_model` returns a fresh model in training
+    mode.
     """
     path = resolve_pretrained(path)
     saved = _read_meta(path)["family"]
@@ -265,7 +270,7 @@ def from_pretrained(
     family, config = load_config(path)
     model = family_info(family).model_cls(config)
     load_weights(model, path, strict=strict)
-    return model.to(device)
+    return model.to(device).eval()
 
 
 def ship_pretrained(

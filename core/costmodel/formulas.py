@@ -21,7 +21,8 @@ plan's entry dim, and adds every collective the runtime issues, with the tracer'
 * Megatron-SP: per linear pair an all-gather and a reduce-scatter of the stage's input, forward
   and backward (``N−1`` padded chunks each);
 * ``validate``: the 4-byte input-validation all-reduce (``2·(N−1)·4 // N``), once per forward;
-* the exit all-gather of the output (``exit_width`` per token, padded chunk).
+* the exit all-gather of the output (``exit_width`` per token, padded chunk; one row of each
+  ``exit_last`` dim).
 
 The result is keyed ``(op, phase)`` like ``CommTracer.total_bytes(op, phase)``; the tests
 compare it with the tracer on every rank, exactly.
@@ -125,10 +126,10 @@ def comm_bytes(
             elif spec.scan is not None and cur in spec.scan_over and method.name != "local":
                 scan_bytes(out, workload, spec, step.method, sizes(cur), rank)
     if exit_gather:
-        z = sizes(cur)
-        out.add(
-            "all_gather", "forward", (n - 1) * max(z) * rest((cur,)) * workload.exit_width * isz
-        )
+        kept = {d: 1 if d in workload.exit_last else v for d, v in lengths.items()}
+        z = _sizes(kept[cur], n, layout)
+        others = b * math.prod(v for d, v in kept.items() if d != cur)
+        out.add("all_gather", "forward", (n - 1) * max(z) * others * workload.exit_width * isz)
     return out
 
 
@@ -242,8 +243,8 @@ def stage_flops(workload: Workload, spec: StageSpec) -> Flops:
 
 
 def _ends_flops(workload: Workload) -> float:
-    bt = workload.batch * workload.tokens
-    return 2.0 * bt * workload.in_width * workload.hidden + 2.0 * bt * workload.hidden * (
+    bt, head = workload.batch * workload.tokens, workload.batch * workload.exit_tokens
+    return 2.0 * bt * workload.in_width * workload.hidden + 2.0 * head * workload.hidden * (
         workload.exit_width
     )
 
@@ -390,10 +391,12 @@ def activation_bytes(
             elements += workload.batch * (local * per_local + workload.tokens * per_full)
             if spec.cross and workload.context:
                 elements += workload.batch * workload.context * 2 * c  # its K and V
+    head_local = workload.exit_tokens  # the tokens the head runs on (one process)
     if plan is not None:
         last = plan.step_for(workload.layers[-1][-1].name).sharded
         sizes = _sizes(workload.length(last), n, plan.layout)
-        local = workload.tokens // workload.length(last) * sizes[rank]
+        if last not in workload.exit_last:  # else one (candidate) row on every rank
+            head_local = workload.exit_tokens // workload.length(last) * sizes[rank]
         first = _sizes(workload.length(plan.entry), n, plan.layout)[rank]
         first_local = workload.tokens // workload.length(plan.entry) * first
     else:
@@ -401,7 +404,7 @@ def activation_bytes(
     ends = 2 * c + 2  # final LayerNorm input + statistics, output linear input
     if workload.family != "bytelm":
         ends += c  # the modulated input of the final linear
-    elements += workload.batch * local * ends
+    elements += workload.batch * head_local * ends
     if workload.extra.get("checkpoint"):
         elements += workload.batch * first_local * c * workload.depth  # block inputs
     start = workload.in_width

@@ -71,6 +71,8 @@ class Workload:
     elements per token entering the model and gathered at its exit (patch dims for video,
     1 byte id and ``vocab`` logits for text). ``context`` conditioning tokens feed every
     cross-attention. ``itemsize`` is the activation dtype's bytes (2 for bf16 training).
+    ``exit_last``: dims of which the head runs on, and the exit gathers, the last row alone
+    (weather: ``t``, the forecast reads the last state's outputs only).
     """
 
     name: str
@@ -91,6 +93,7 @@ class Workload:
     cond_dim: int = 0
     params: int = 0
     itemsize: int = 4
+    exit_last: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -101,6 +104,11 @@ class Workload:
     def tokens(self) -> int:
         """Tokens per sample (the product of the sequence lengths)."""
         return math.prod(self.lengths)
+
+    @property
+    def exit_tokens(self) -> int:
+        """Tokens per sample the head runs on and the exit gathers (see ``exit_last``)."""
+        return math.prod(1 if d in self.exit_last else n for d, n in zip(self.dims, self.lengths))
 
     @property
     def depth(self) -> int:

@@ -46,7 +46,12 @@ def find_checkpoint(
             barrier()
         ckpt = latest_checkpoint(ckpt_dir, recover=False)
     if ckpt is None or not ckpt.exists():
-        raise FileNotFoundError(f"--resume {resume}: no checkpoint found (looked in {ckpt_dir})")
+        raise FileNotFoundError(
+            f"--resume latest: no checkpoint in {ckpt_dir}"
+            if resume == "latest"
+            else f"--resume {resume}: no checkpoint folder {Path(resume).resolve()} (give an "
+            f"existing step_N folder, or --resume latest for the newest in {ckpt_dir})"
+        )
     return ckpt
 
 

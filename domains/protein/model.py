@@ -10,9 +10,13 @@ the incoming update and ending-node attention — six switches per block, the MS
 ``s`` overlapping the pair stack (``switch_async``). The model is written as if on one device;
 with one process every collective is the identity.
 
-Forward: ``model(batch, sp=None, num_recycles=None, rng_key=None, batch_offset=0)`` with the
-features of the protein contract; returns ``distogram_logits`` ``[B, R, R, bins]`` (symmetrised
-as AF2), ``pair`` ``[B, R, R, c_z]`` and ``msa_first_row`` ``[B, R, c_m]``, full on every rank.
+Forward: ``model(batch, sp=None, num_recycles=None, rng_key=None, batch_offset=0,
+outputs=None)`` with the features of the protein contract; returns, full on every rank, the
+``outputs`` asked for (:data:`OUTPUTS`): ``distogram_logits`` ``[B, R, R, bins]`` (symmetrised as
+AF2), ``pair`` ``[B, R, R, c_z]`` and ``msa_first_row`` ``[B, R, c_m]``. By default all three in
+eval mode and only ``distogram_logits`` (the loss's input) in training mode: each output is one
+all-gather, so training does not gather a pair it never uses. Recycling sends nothing: the MSA's
+row 0 stays on the ranks that hold it (the plan leaves ``m`` and ``z`` in their entry layouts).
 Dropout (training mode, AF2's row-/column-shared masks) is keyed: pass ``rng_key`` (e.g.
 ``mix_key(seed, step)``) and ``batch_offset`` (the global index of the batch's first sample);
 the masks are then the one-process masks bit for bit on any sharding.
@@ -20,13 +24,15 @@ the masks are then the one-process masks bit for bit on any sharding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dspzoo.core.parallel.context import current_stage, dropout, stage
+from dspzoo.core.parallel.layout import SeqSpec
 from dspzoo.core.parallel.multiplan import ActShape, Gather, MultiParallel, MultiStage, plan_multi
 from dspzoo.core.parallel.rng import mix_key
 from dspzoo.core.parallel.runtime import SeqParallel, SeqTensor
@@ -46,6 +52,8 @@ MSA_DIMS = ("s", "r")
 PAIR_DIMS = ("i", "j")
 SAME_AXIS = (("m.r", "z.i", "z.j"),)
 FEATURES = ("aatype", "target_feat", "msa_feat", "residue_index", "seq_mask", "msa_mask")
+OUTPUTS = ("distogram_logits", "pair", "msa_first_row")
+TRAINING_OUTPUTS = ("distogram_logits",)
 
 
 @dataclass(frozen=True)
@@ -310,6 +318,34 @@ def _check_features(batch: dict[str, torch.Tensor], config: EvoformerConfig) -> 
             raise ValueError(f"{key} must be an integer tensor, got {batch[key].dtype}")
 
 
+def _recycled_row(m: SeqTensor, entry: SeqSpec, mp: MultiParallel) -> torch.Tensor:
+    """Row 0 of the MSA ``m`` as the next pass's embedding reads it, without communication:
+    this rank's residues of the entry layout where it holds MSA row 0, zeros elsewhere (where
+    the embedding does not add it) ``[B, R_local, c_m]``. The plan is periodic, so ``m`` leaves
+    the blocks in its entry layout."""
+    if m.spec.sharded != entry.sharded:
+        raise RuntimeError(
+            f"Evoformer plan leaves m sharded on {m.spec.sharded!r} but enters it on "
+            f"{entry.sharded!r}; recycling needs the plan to end where it starts"
+        )
+    s_axis = m.axis("s")
+    if mp.local_range(m.spec, "s")[0] == 0 and m.tensor.shape[s_axis] > 0:
+        return m.tensor.select(s_axis, 0)
+    shape = list(m.tensor.shape)
+    del shape[s_axis]
+    return m.tensor.new_zeros(shape)  # a rank with other MSA rows, or none (S < SP size)
+
+
+def _msa_first_row(m: SeqTensor, mp: MultiParallel) -> torch.Tensor:
+    """Row 0 of the MSA ``m`` full on every rank ``[B, R, c_m]``, gathering only that row: from
+    the rank that holds it when ``m`` is sharded on ``s``, its residues from each when on ``r``."""
+    spec, s_axis = m.spec, m.axis("s")
+    holds_row0 = mp.local_range(spec, "s")[0] == 0 and m.tensor.shape[s_axis] > 0
+    rows = m.tensor.narrow(s_axis, 0, 1 if holds_row0 else 0)
+    lengths = tuple(1 if n == "s" else n_len for n, n_len in zip(spec.names, spec.lengths))
+    return mp.sp.exit(SeqTensor(rows, replace(spec, lengths=lengths))).select(s_axis, 0)
+
+
 def _check_strategy(sp: SeqParallel) -> None:
     if sp.size > 1 and sp.strategy.name != "dsp":
         raise ValueError(
@@ -349,6 +385,7 @@ class Evoformer(nn.Module):
         rng_key: int | None = None,
         batch_offset: int = 0,
         chunk_size: int | None = None,
+        outputs: Collection[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         sp = sp or SeqParallel()
         cfg = self.config
@@ -367,12 +404,14 @@ class Evoformer(nn.Module):
         recycles = cfg.num_recycles if num_recycles is None else int(num_recycles)
         if recycles < 0:
             raise ValueError(f"num_recycles must be >= 0, got {recycles}")
+        wanted = self._outputs(outputs)
         b, s, r, _ = batch["msa_feat"].shape
         mp = MultiParallel(sp, self.plan(r, s, sp.size), switch_chunk=cfg.c_z // 4 or None)
         msa_mask, pair_mask = _masks(batch["msa_mask"], batch["seq_mask"])
         chunk = cfg.chunk_size if chunk_size is None else chunk_size
         add = Residual(chunk, self.training, rng_key, batch_offset)
-        prev_row = batch["msa_feat"].new_zeros(b, r, cfg.c_m)
+        m_entry = mp.spec("m", mp.plan.entry("m"))
+        prev_row = batch["msa_feat"].new_zeros(b, mp.local_range(m_entry, "r")[1], cfg.c_m)
         prev_z: SeqTensor | None = None
         out: dict[str, torch.Tensor] = {}
         for it in range(recycles + 1):
@@ -387,20 +426,38 @@ class Evoformer(nn.Module):
                         with comm_region(f"block{k}"):
                             add.prefix = (it, k)
                             m, z = block(m, z, msa_mask, pair_mask, add)
-                    with comm_region("exit"):
-                        m_full = sp.exit(region.seq("m", m))
-                    z_act = region.seq("z", z)
-                prev_row = m_full[:, 0].detach()
+                    m_act, z_act = region.seq("m", m), region.seq("z", z)
+                prev_row = _recycled_row(m_act, m_entry, mp).detach()
                 prev_z = SeqTensor(z_act.tensor.detach(), z_act.spec)
                 if last:
                     with comm_region("exit"):
-                        logits = sp.exit(z_act.with_tensor(self.distogram_head.linear(z_act.tensor)))
-                        pair = sp.exit(z_act)
-                    out = {
-                        "distogram_logits": logits + logits.transpose(1, 2),
-                        "pair": pair,
-                        "msa_first_row": m_full[:, 0],
-                    }
+                        out = self._gather_outputs(wanted, m_act, z_act, mp)
+        return out
+
+    def _outputs(self, outputs: Collection[str] | None) -> tuple[str, ...]:
+        """The outputs to gather: ``outputs``, or the mode's default (see the module docstring)."""
+        if outputs is None:
+            return TRAINING_OUTPUTS if self.training else OUTPUTS
+        unknown = sorted(set(outputs) - set(OUTPUTS))
+        if unknown or not outputs:
+            raise ValueError(
+                f"Evoformer outputs must be a non-empty subset of {list(OUTPUTS)}, got "
+                f"{list(outputs)}" + (f" ({unknown} unknown)" if unknown else "")
+            )
+        return tuple(k for k in OUTPUTS if k in outputs)
+
+    def _gather_outputs(
+        self, wanted: tuple[str, ...], m: SeqTensor, z: SeqTensor, mp: MultiParallel
+    ) -> dict[str, torch.Tensor]:
+        """The ``wanted`` outputs, full on every rank: one all-gather each, of what they use."""
+        sp, out = mp.sp, {}
+        if "distogram_logits" in wanted:
+            logits = sp.exit(z.with_tensor(self.distogram_head.linear(z.tensor)))
+            out["distogram_logits"] = logits + logits.transpose(1, 2)
+        if "pair" in wanted:
+            out["pair"] = sp.exit(z)
+        if "msa_first_row" in wanted:
+            out["msa_first_row"] = _msa_first_row(m, mp)
         return out
 
     def trunk(
@@ -441,7 +498,8 @@ class Evoformer(nn.Module):
         prev_row: torch.Tensor,
         prev_z: SeqTensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's shards of the embedded ``m`` and ``z`` (plus recycling)."""
+        """This rank's shards of the embedded ``m`` and ``z`` (plus recycling); ``prev_row``:
+        the last pass's MSA row 0 as :func:`_recycled_row` keeps it ``[B, R_local, c_m]``."""
         emb, rec = self.input_embedder, self.recycling_embedder
         m_spec = mp.spec("m", mp.plan.entry("m"))
         z_spec = mp.spec("z", mp.plan.entry("z"))
@@ -449,7 +507,7 @@ class Evoformer(nn.Module):
         r0, rn = mp.local_range(m_spec, "r")
         tf = batch["target_feat"].float()
         m = emb.msa(tf[:, r0 : r0 + rn], batch["msa_feat"][:, s0 : s0 + sn, r0 : r0 + rn].float())
-        row = rec.layer_norm_m(prev_row[:, r0 : r0 + rn])
+        row = rec.layer_norm_m(prev_row)
         # row 0 of the MSA only, written so that every rank uses the layer (DDP sees a gradient)
         first = (torch.arange(s0, s0 + sn, device=m.device) == 0).to(m.dtype)
         m = m + first[None, :, None, None] * row[:, None]

@@ -186,7 +186,7 @@ def evaluate_samples(
         cropped = crop_and_sample(sample, max_length, 10**9, key=None)
         batch = {k: v.to(device) for k, v in collate([cropped]).items()}
         with autocast() if autocast is not None else contextlib.nullcontext():
-            out = model(batch, sp=sp, num_recycles=num_recycles)
+            out = model(batch, sp=sp, num_recycles=num_recycles, outputs=("distogram_logits",))
         logits = out["distogram_logits"].float().cpu()
         pb, pbm = batch["pseudo_beta"].cpu(), batch["pseudo_beta_mask"].cpu()
         ri, sm = batch["residue_index"].cpu(), batch["seq_mask"].cpu()

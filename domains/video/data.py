@@ -120,7 +120,8 @@ class VideoFolderDataset(Dataset):
     and centre-cropped to ``height × width``.
 
     Args:
-        on_error: ``"raise"`` raises :class:`VideoDecodeError` naming the file;
+        on_error: ``"raise"`` raises :class:`VideoDecodeError` naming the file and the
+            ``--on-bad-video skip`` flag;
             ``"skip"`` warns, records the file in ``bad_files`` and serves the next good one.
     """
 
@@ -172,7 +173,10 @@ class VideoFolderDataset(Dataset):
                 video = self._load(path)
             except VideoDecodeError as exc:
                 if self.on_error == "raise":
-                    raise
+                    raise VideoDecodeError(
+                        f"{exc}; to train on the other videos, skipping undecodable ones with "
+                        f"a warning, pass --on-bad-video skip (on_error='skip' in Python)"
+                    ) from exc
                 self.bad_files.add(path)
                 warnings.warn(
                     f"skipping undecodable video {path}: {exc.__cause__ or exc}", stacklevel=2

@@ -20,8 +20,9 @@ ahead of the last input state, ``[B, V, H, W]`` (the last state plus a predicted
    (:func:`~.layers.periodic_rope_tables`). ``periodic_lon=False`` (regional grids) uses an
    absolute sin-cos table along ``x`` instead.
 4. **Head**: adaLN LayerNorm + linear to ``V·p·p`` per token (zero at init: the initial
-   forecast is persistence), applied to every time step's tokens; the gathered last time step
-   is unpatchified, cropped and added to the last input state.
+   forecast is persistence), applied to the last time step's tokens only (the forecast reads
+   nothing else; the exit gathers that step alone), unpatchified, cropped and added to the last
+   input state.
 
 Under DSP the plan shards a dim the current stage does not attend over and switches between
 stages (axial: 2 switches per layer); a full-spatial stage whose free dim ``t`` is shorter than
@@ -30,7 +31,7 @@ the SP size (e.g. a 2-state window at SP 8) runs an embedded method instead (hyb
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -39,6 +40,8 @@ from torch import nn
 from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d
 from dspzoo.core.layers.mlp import FinalLayer, Mlp, gated, modulate
+from dspzoo.core.parallel.layout import SeqSpec, shard_offset
+from dspzoo.core.parallel.methods.ring import zigzag_positions
 from dspzoo.core.parallel.rng import mix_key
 from dspzoo.core.parallel.validate import validate_collectively
 
@@ -173,6 +176,19 @@ class WeatherBlock(nn.Module):
         shift, scale, gate = mods[-3:]
         branch = self.mlp(modulate(self.norm(act.tensor), shift, scale), act.spec, sp)
         return self._residual(act, branch, gate, sp, key("mlp"))
+
+
+def _with_length(spec: SeqSpec, dim: str, length: int) -> tuple[int, ...]:
+    """``spec``'s lengths with ``dim``'s replaced by ``length``."""
+    return tuple(length if n == dim else v for n, v in zip(spec.names, spec.lengths))
+
+
+def _t_positions(spec: SeqSpec, n: int, rank: int) -> torch.Tensor:
+    """Global time steps ``rank`` holds when ``spec`` is sharded on ``t`` (either layout)."""
+    length = spec.length("t")
+    if spec.layout == "zigzag":
+        return zigzag_positions(length, n, rank)
+    return torch.arange(shard_offset(length, n, rank), shard_offset(length, n, rank + 1))
 
 
 class WeatherTransformer(nn.Module):
@@ -361,5 +377,38 @@ class WeatherTransformer(nn.Module):
         for i, block in enumerate(self.blocks):
             with comm_region(f"block{i}"):
                 act = block(act, cond, rope, sp, key)
-        out = sp.exit(act.with_tensor(self.final(act.tensor, cond)))  # [B, T, Y, X, V·p·p]
-        return x[:, -1] + unpatchify(out[:, -1], c.patch, c.grid)
+        out = self._last_state_outputs(act, cond, sp)  # [B, Y, X, V·p·p]
+        return x[:, -1] + unpatchify(out, c.patch, c.grid)
+
+    def _last_state_outputs(
+        self, act: SeqTensor, cond: torch.Tensor, sp: SeqParallel
+    ) -> torch.Tensor:
+        """The head's outputs for the last input state's tokens ``[B, Y, X, V·p·p]``, full on
+        every rank: the head runs on, and the exit gathers, that state alone.
+
+        Sharded on ``t``, one rank holds the state: every rank sends one candidate row through
+        the head (the holder that state, the others a row of their own, or zeros when they
+        hold no step, so that every rank's layers and head stay in the graph with a zero
+        gradient) and the holder's is kept: the bytes of a one-row gather. Otherwise every
+        rank holds its share of the state and the exit gathers that share.
+        """
+        spec, t_axis = act.spec, act.axis("t")
+        last = spec.length("t") - 1
+        if spec.sharded != "t" or sp.size == 1:
+            rows = self.final(act.tensor.narrow(t_axis, last, 1), cond)
+            one_step = replace(spec, lengths=_with_length(spec, "t", 1))
+            return sp.exit(SeqTensor(rows, one_step)).select(t_axis, 0)
+        held = [_t_positions(spec, sp.size, r) for r in range(sp.size)]
+        holder = next(r for r, pos in enumerate(held) if last in pos.tolist())
+        local_steps = act.tensor.shape[t_axis]
+        if sp.rank == holder:
+            mine = act.tensor.narrow(t_axis, held[holder].tolist().index(last), 1)
+        else:  # any row of its own (discarded), so that its blocks stay in the graph
+            mine = act.tensor.narrow(t_axis, 0, min(1, local_steps))
+        if mine.shape[t_axis] == 0:  # a rank with no time step: a zero row
+            shape = list(mine.shape)
+            shape[t_axis] = 1
+            mine = torch.cat([mine, mine.new_zeros(shape)], dim=t_axis)
+        one_per_rank = replace(spec, lengths=_with_length(spec, "t", sp.size), layout="contiguous")
+        candidates = sp.exit(SeqTensor(self.final(mine, cond), one_per_rank))
+        return candidates.select(t_axis, holder)

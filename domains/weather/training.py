@@ -55,6 +55,7 @@ from .data import (
     describe,
     fit_normalizer,
     load_fields,
+    resolve_sources,
     train_time_index,
 )
 from .metrics import Climatology, fit_climatology, latitude_weights, markdown_table, score_table
@@ -151,6 +152,7 @@ class WeatherTrainConfig(RunConfig):
     def channel_variables(self) -> tuple[str, ...]:
         chosen = parse_list(self.variables) or default_variables(self.data)
         if not chosen:
+            resolve_sources(self.data)  # a missing file is the first thing to fix: name it
             raise WeatherDataError(f"--data {self.data}: name the variables to use (--variables)")
         return chosen
 

@@ -31,8 +31,9 @@ def weather_workload(
 
     Token dims ``(t, y, x)`` = states and lat/lon patches; every layer is the model's own
     stages (:func:`~.model.layer_stages`: attention along ``t``, over ``y`` and ``x`` or
-    ``y·x`` jointly, MLP); the exit gathers the ``V·p·p`` outputs of every token (all time
-    steps, see :class:`~.model.WeatherTransformer`). The variable tokenisation before the first
+    ``y·x`` jointly, MLP); the head runs on, and the exit gathers, the ``V·p·p`` outputs of
+    the last time step's tokens alone (``exit_last``, see :class:`~.model.WeatherTransformer`).
+    The variable tokenisation before the first
     layer communicates nothing; its activations are not in :func:`activation_bytes` (measured
     in docs/weather_model.md).
     """
@@ -67,5 +68,6 @@ def weather_workload(
         exit_width=len(config.variables) * pixels,
         params=params,
         itemsize=itemsize,
+        exit_last=("t",),
         extra={"grid": grid},
     )
