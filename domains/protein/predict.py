@@ -56,7 +56,8 @@ def predict(
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
     model.eval()
-    logits = model(batch, sp=sp, num_recycles=num_recycles)["distogram_logits"].float().cpu()
+    out = model(batch, sp=sp, num_recycles=num_recycles, outputs=("distogram_logits",))
+    logits = out["distogram_logits"].float().cpu()
     return {
         "distogram": torch.softmax(logits, -1)[0].numpy(),
         "contact_probs": contact_probabilities(logits, model.config)[0].numpy(),
