@@ -28,6 +28,11 @@ DOMAINS = {
     "weathertx": "weather (docs/weather.md)",
     "axial3d": "worked example (docs/new_architecture.md)",
     "toy2d": "minimal example (domains/toy)",
+    "mambalm": "Mamba-1 LM, transformers' layout (docs/mamba.md)",
+    "mamba2lm": "Mamba-2 LM, transformers' layout (docs/mamba.md)",
+    "videomamba": "video, scan orders (docs/mamba.md)",
+    "weathermamba": "weather, axial scans (docs/mamba.md)",
+    "spectro2d": "guide's second walk (examples/spectro2d.py)",
 }
 
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..parallel.strategies import STRATEGIES
 from .flags import check_values, flag
@@ -25,6 +25,10 @@ NOT_WIRED: tuple[str, ...] = ()
 @dataclass
 class RunConfig:
     """Shared training flags; see the module docstring."""
+
+    #: the domain's model recomputes its blocks itself (``create_model(..., checkpoint=True)``):
+    #: ``--activation-checkpointing`` then works without ``--fsdp``, and FSDP does not wrap again
+    MODEL_CHECKPOINTING: ClassVar[bool] = False
 
     model: str = flag("", "zoo model name (see `dspzoo list`)")
     sp: int = flag(2, "ranks per sequence-parallel group; must divide the number of processes")
@@ -96,7 +100,7 @@ class RunConfig:
         )
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
-        if self.activation_checkpointing and not self.fsdp:
+        if self.activation_checkpointing and not (self.fsdp or self.MODEL_CHECKPOINTING):
             raise ValueError("--activation-checkpointing applies to --fsdp runs; add --fsdp")
         if self.fsdp and self.sp_strategy == "megatron_sp":
             raise ValueError(

@@ -56,7 +56,11 @@ class Trainer:
         task.attach(accelerator, mesh, sp, output_dir)
         dataset = task.build_data()
         sharding = (
-            ShardingSettings(cfg.mixed_precision, cfg.activation_checkpointing, task.fsdp_units)
+            ShardingSettings(
+                cfg.mixed_precision,
+                cfg.activation_checkpointing and not getattr(cfg, "MODEL_CHECKPOINTING", False),
+                task.fsdp_units,
+            )
             if getattr(cfg, "fsdp", False)
             else None
         )

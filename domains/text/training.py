@@ -45,6 +45,8 @@ LN2 = math.log(2.0)
 class TextTrainConfig(RunConfig):
     """Everything a training run needs; every field is a command-line flag."""
 
+    MODEL_CHECKPOINTING = True  # ByteLM recomputes its blocks (create_model(checkpoint=...))
+
     model: str = flag("bytelm-small", "zoo model name (see `dspzoo list`)")
     sp_strategy: str = flag(
         "lss",
