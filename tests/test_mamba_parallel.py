@@ -114,12 +114,9 @@ def test_video_mamba_cross_under_dsp_equals_one_process():
 
 @pytest.mark.timeout(600)
 def test_mamba_lm_under_dsp_equals_one_process():
-    """Until the scan op kind's methods land, DSP gathers the 1-D sequence for the scan stage.
-
-    No byte check: the cost model counts an exit all-gather after a gather stage, which the
-    runtime (its activation already whole) does not send.
-    """
-    check_model(make_lm, lm_inputs, strategies=["dsp"], timeout=560)
+    """DSP plans the 1-D scan stage with a scan method (the sequence stays sharded)."""
+    check_model(make_lm, lm_inputs, strategies=["dsp"], timeout=560,
+                workload=mamba_lm_workload("mamba2lm", LM, batch=2, seq_len=13))  # fmt: skip
 
 
 def test_mamba_lm_workload_describes_the_model():

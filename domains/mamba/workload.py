@@ -151,6 +151,11 @@ def weather_mamba_workload(
     rows, cols = config.patch_grid
     heads = config.expand * config.hidden // config.head_dim if config.mixer == "mamba2" else 1
     pixels = config.patch * config.patch
+    options = config.mixer_options()
+    layer = tuple(
+        scan_spec(s, config.mixer, config.hidden, options, itemsize, mlp=s.name == "mlp")
+        for s in stages
+    )
     return Workload(
         name=name,
         family="weathermamba",
@@ -161,7 +166,7 @@ def weather_mamba_workload(
         heads=heads,
         kv_heads=heads,
         mlp_hidden=int(config.hidden * config.mlp_ratio),
-        layers=(tuple(StageSpec(s, mlp=s.name == "mlp") for s in stages),) * config.depth,
+        layers=(layer,) * config.depth,
         period=stages,
         in_width=len(config.variables) * pixels,
         exit_width=len(config.variables) * pixels,
