@@ -16,15 +16,13 @@ from torch import nn
 
 from dspzoo.core.layers.mamba import Mamba1Config, Mamba1Mixer, Mamba2Config, Mamba2Mixer
 from dspzoo.core.parallel import context
-from dspzoo.core.parallel.methods.registry import OP_KINDS
 from dspzoo.core.parallel.plan import Stage
 
 from .orders import ScanOrder, along_route, fold, from_route, parse_order, unfold
 
-#: The op kind of a segmentable scan stage: ``scan`` where the parallel layer registers it (its
-#: methods may then run the scan over a sharded dim through ``sp.scan``), else ``generic`` (the
-#: scanned dims always whole: exact under every strategy, DSP's axial order with no extra traffic).
-SCAN_OP = "scan" if "scan" in OP_KINDS else "generic"
+#: The op kind of a segmentable scan stage: local where its dims are whole (DSP's axial order),
+#: a scan method (state passing, head all-to-all) through ``sp.scan`` where one is sharded.
+SCAN_OP = "scan"
 
 
 def scan_stage(name: str, order: str | ScanOrder, segmentable: bool = True) -> Stage:
@@ -52,12 +50,10 @@ def run_scan(
     ``over`` dims flattened (the first outermost) into the scanned sequence, the other dims in
     the batch. Returns ``[B, *grid_local, C']``.
 
-    The one place a scan meets the parallel layer. With op kind ``scan`` registered
-    (:data:`SCAN_OP`) it goes through the runtime's ``sp.scan`` — ``sp``/``spec`` for blocks on
-    the explicit API, the open region's runtime and layout for blocks on plain tensors — which
-    runs locally when the scanned dims are whole and with the stage's scan method when one is
-    sharded. Without it (and outside any region) the scanned dims are whole on this rank (the
-    stage declares them) and the fold is local.
+    The one place a scan meets the parallel layer: the runtime's ``sp.scan`` — ``sp``/``spec``
+    for blocks on the explicit API, the open region's runtime and layout for blocks on plain
+    tensors — which runs locally when the scanned dims are whole and with the stage's scan
+    method when one is sharded. Outside any region the grid is whole and the fold is local.
 
     Over a sharded scanned dim the scan methods call ``mixer.forward_segment`` /
     ``mixer.forward_heads`` (a Mamba mixer, :class:`~dspzoo.core.parallel.methods.scan.ScanOp`);
@@ -65,11 +61,10 @@ def run_scan(
     ``generic`` stage, whose dims are whole. ``B'`` may be 0 (a rank with an empty shard of a
     batch-folded dim): the mixers take an empty batch.
     """
-    if SCAN_OP == "scan":
-        if sp is not None and spec is not None:
-            return sp.scan(mixer, x, spec, over)
-        if context.active() is not None:
-            return context.runtime().scan(mixer, x, context.layout(), over)
+    if sp is not None and spec is not None:
+        return sp.scan(mixer, x, spec, over)
+    if context.active() is not None:
+        return context.runtime().scan(mixer, x, context.layout(), over)
     seq, sizes = fold(x, grid_dims, over)
     return unfold(mixer(seq), grid_dims, over, sizes)
 
