@@ -5,13 +5,15 @@ cost model's plan (core/harness.check_model: gloo workers spawned inside pytest,
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
 
 from dspzoo.core.harness import check_model
+from dspzoo.core.parallel.plan import Stage
 from dspzoo.core.parallel.strategies import get_strategy
-from dspzoo.domains.mamba import LM_CONFIGS, VIDEO_CONFIGS, MambaLM, VideoMamba
+from dspzoo.domains.mamba import LM_CONFIGS, SCAN_OP, VIDEO_CONFIGS, MambaLM, VideoMamba
 from dspzoo.domains.mamba.video import SEQ_DIMS
 from dspzoo.domains.mamba.workload import mamba_lm_workload, video_mamba_workload
 
@@ -22,6 +24,7 @@ CROSS = replace(VIDEO_CONFIGS["tiny-cross"], **VIDEO, bidirectional=False)
 RASTER = replace(VIDEO_CONFIGS["tiny-raster"], **VIDEO, bidirectional=False)
 ZIGZAG = replace(VIDEO_CONFIGS["tiny-zigzag"], **VIDEO, bidirectional=False)
 LM = replace(LM_CONFIGS["mamba2lm"]["tiny"], chunk_size=8)
+SCAN_METHODS = ("state_passing", "head_a2a")
 
 
 def _perturb(model: torch.nn.Module) -> torch.nn.Module:
@@ -111,12 +114,9 @@ def test_video_mamba_cross_under_dsp_equals_one_process():
 
 @pytest.mark.timeout(600)
 def test_mamba_lm_under_dsp_equals_one_process():
-    """Until the scan op kind's methods land, DSP gathers the 1-D sequence for the scan stage.
-
-    No byte check: the cost model counts an exit all-gather after a gather stage, which the
-    runtime (its activation already whole) does not send.
-    """
-    check_model(make_lm, lm_inputs, strategies=["dsp"], timeout=560)
+    """DSP plans the 1-D scan stage with a scan method (the sequence stays sharded)."""
+    check_model(make_lm, lm_inputs, strategies=["dsp"], timeout=560,
+                workload=mamba_lm_workload("mamba2lm", LM, batch=2, seq_len=13))  # fmt: skip
 
 
 def test_mamba_lm_workload_describes_the_model():
@@ -131,3 +131,64 @@ def test_mamba_lm_workload_describes_the_model():
 def test_video_mamba_flattened_orders_under_dsp_equal_one_process(factory):
     """raster(t,h,w) / zigzag(t,h,w) mix every dim: the scan stage gets the grid whole."""
     check_model(factory, video_inputs, strategies=["dsp"], timeout=560)
+
+
+# -- scan methods over a sharded scanned dim (issue 18: the models on the scan op kind) ---------
+RASTER2 = replace(RASTER, orders=("raster(t,h,w)", "raster(t,h,w)"), mlp_ratio=0.0)
+
+
+def _forced(stages: tuple[Stage, ...], methods: tuple[str, ...]) -> tuple[Stage, ...]:
+    """``stages`` with the scan stages planned with ``methods`` (in turn): a sharded scan."""
+    scans = iter(methods)
+    return tuple(replace(s, method=next(scans)) if s.op == "scan" else s for s in stages)
+
+
+def _forced_workload(workload, methods: tuple[str, ...]):
+    """``workload`` whose stages are :func:`_forced` (the cost model plans what the model runs)."""
+    period = _forced(workload.period, methods)
+    by_name = {s.name: s for s in period}
+    layers = tuple(
+        tuple(replace(spec, stage=by_name[spec.stage.name]) for spec in layer)
+        for layer in workload.layers
+    )
+    return replace(workload, period=period, layers=layers)
+
+
+def make_lm_forced(method: str) -> MambaLM:
+    model = make_lm()
+    model.STAGES = _forced(model.STAGES, (method,))
+    return model
+
+
+def make_raster_both_methods() -> VideoMamba:
+    """Two raster scans per layer: the first by state passing, the second by head all-to-all."""
+    model = _perturb(VideoMamba(RASTER2))
+    model.STAGES = _forced(model.STAGES, SCAN_METHODS)
+    return model
+
+
+def test_scan_stages_get_the_scan_op_kind():
+    """Axial and raster stages are ``scan`` stages; cross, zigzag routes stay ``generic``."""
+    assert SCAN_OP == "scan"
+    ops = {o: VideoMamba(replace(RASTER, orders=(o,))).STAGES[0].op for o in
+           ("axial(t)", "raster(t,h,w)", "cross(h,w)", "zigzag(t,h,w)")}  # fmt: skip
+    assert ops == {"axial(t)": "scan", "raster(t,h,w)": "scan", "cross(h,w)": "generic",
+                   "zigzag(t,h,w)": "generic"}  # fmt: skip
+    assert make_lm().STAGES[0].op == "scan"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("method", SCAN_METHODS)
+def test_mamba_lm_under_scan_methods_equals_one_process(method):
+    """The 1-D LM with its scan over the sharded sequence: state passing / head all-to-all."""
+    workload = _forced_workload(mamba_lm_workload("mamba2lm", LM, batch=2, seq_len=13), (method,))
+    check_model(partial(make_lm_forced, method), lm_inputs, strategies=["dsp"],
+                workload=workload, timeout=560)  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_video_mamba_raster_under_scan_methods_equals_one_process():
+    """raster(t,h,w) over the sharded ``t`` (outermost): one stage per method, one spawn."""
+    workload = _forced_workload(_video_workload(RASTER2), SCAN_METHODS)
+    check_model(make_raster_both_methods, video_inputs, strategies=["dsp"], workload=workload,
+                timeout=560)  # fmt: skip

@@ -186,6 +186,24 @@ def test_selective_scan_steep_decays_fall_back_exactly():
     assert_same_grads(out, ref, {"u": inp["u"], "delta": delta, "B": inp["B"]}, torch.float32)
 
 
+@pytest.mark.parametrize("bc", ["fixed", "input"])
+def test_selective_scan_takes_an_empty_batch(bc):
+    """A rank whose shard of a batch-folded dim is empty scans zero lines: empty outputs and
+    final states, and zero (not missing) gradients for the parameters."""
+    inp = mamba1_inputs(torch.float64, batch=0, bc=bc)
+    args = (inp["u"], inp["delta"], inp["A"], inp["B"], inp["C"])
+    out, final = selective_scan(
+        *args, D=inp["D"], z=inp["z"], delta_bias=inp["delta_bias"], delta_softplus=True,
+        initial_state=inp["h0"], return_final_state=True,
+    )  # fmt: skip
+    assert out.shape == (0, 6, 29) and final.shape == (0, 6, 4)
+    grads = torch.autograd.grad(out.sum() + final.sum(), (inp["A"], inp["D"], inp["delta_bias"]))
+    assert all(
+        g.shape == p.shape and not g.any()
+        for g, p in zip(grads, (inp["A"], inp["D"], inp["delta_bias"]))
+    )
+
+
 def test_selective_scan_half_inputs_accumulate_in_fp32():
     inp = mamba1_inputs(torch.float32, length=33)
     args = [inp[k].detach() for k in ("u", "delta", "A", "B", "C")]

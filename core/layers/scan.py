@@ -84,9 +84,12 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 def _chunk_length(delta: torch.Tensor, a_max: torch.Tensor, limit: float) -> int:
     """Longest power-of-two chunk (≤ ``_MAX_CHUNK``) whose summed ``|δ| · max|A|`` stays ≤ ``limit``.
 
-    ``delta``: ``[B, L, D]``; ``a_max``: ``[D]``. Returns 1 when single steps are already too steep.
+    ``delta``: ``[B, L, D]``; ``a_max``: ``[D]``. Returns 1 when single steps are already too steep,
+    ``_MAX_CHUNK`` when ``delta`` is empty (no step to bound: an empty batch).
     """
     rate = delta.detach().abs() * a_max.detach()
+    if rate.numel() == 0:
+        return _MAX_CHUNK
     length = rate.shape[1]
     chunk = _MAX_CHUNK
     while chunk > 1:

@@ -1,10 +1,10 @@
 """Scan stages: a Mamba mixer run over a grid of tokens in a :mod:`.orders` scan order.
 
-:func:`scan_stage` declares the stage (the dims it mixes, op kind ``scan`` once that kind is
-registered, ``generic`` before: either way a stage whose scanned dims are whole runs locally,
-DSP's axial case). :func:`run_scan` is the one place a mixer meets the grid; it calls ``sp.scan``
-(the scan op kind's runtime entry: state passing, head all-to-all over a sharded scanned dim)
-when that kind is registered.
+:func:`scan_stage` declares the stage (the dims it mixes, op kind ``scan`` for axial and raster
+orders: a stage whose scanned dims are whole runs locally, DSP's axial case; one whose outermost
+scanned dim is sharded runs a scan method). :func:`run_scan` is the one place a mixer meets the
+grid; it calls ``sp.scan`` (the scan op kind's runtime entry: state passing, head all-to-all over
+a sharded scanned dim).
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ from torch import nn
 
 from dspzoo.core.layers.mamba import Mamba1Config, Mamba1Mixer, Mamba2Config, Mamba2Mixer
 from dspzoo.core.parallel import context
-from dspzoo.core.parallel.methods.registry import OP_KINDS
 from dspzoo.core.parallel.plan import Stage
 
 from .orders import ScanOrder, along_route, fold, from_route, parse_order, unfold
 
-#: The op kind of a segmentable scan stage: ``scan`` where the parallel layer registers it (its
-#: methods may then run the scan over a sharded dim through ``sp.scan``), else ``generic`` (the
-#: scanned dims always whole: exact under every strategy, DSP's axial order with no extra traffic).
-SCAN_OP = "scan" if "scan" in OP_KINDS else "generic"
+#: The op kind of a segmentable scan stage: local where its dims are whole (DSP's axial order),
+#: a scan method (state passing, head all-to-all) through ``sp.scan`` where one is sharded.
+SCAN_OP = "scan"
 
 
 def scan_stage(name: str, order: str | ScanOrder, segmentable: bool = True) -> Stage:
@@ -40,19 +38,6 @@ def scan_stage(name: str, order: str | ScanOrder, segmentable: bool = True) -> S
     return Stage(name, order.mixes, op=SCAN_OP if in_order else "generic")
 
 
-def _nonempty(mixer: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """``mixer`` that also takes an empty batch: a rank whose shard of a batch-folded dim is
-    empty (more ranks than rows) runs it on one row of zeros and keeps none of it, so its
-    parameters still get (zero) gradients (the Mamba-1 kernel cannot reduce an empty batch)."""
-
-    def run(seq: torch.Tensor) -> torch.Tensor:
-        if seq.shape[0] == 0:
-            return mixer(seq.new_zeros(1, *seq.shape[1:]))[:0]
-        return mixer(seq)
-
-    return run
-
-
 def run_scan(
     mixer: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,
@@ -65,21 +50,23 @@ def run_scan(
     ``over`` dims flattened (the first outermost) into the scanned sequence, the other dims in
     the batch. Returns ``[B, *grid_local, C']``.
 
-    The one place a scan meets the parallel layer. With op kind ``scan`` registered
-    (:data:`SCAN_OP`) it goes through the runtime's ``sp.scan`` — ``sp``/``spec`` for blocks on
-    the explicit API, the open region's runtime and layout for blocks on plain tensors — which
-    runs locally when the scanned dims are whole and with the stage's scan method when one is
-    sharded. Without it (and outside any region) the scanned dims are whole on this rank (the
-    stage declares them) and the fold is local.
+    The one place a scan meets the parallel layer: the runtime's ``sp.scan`` — ``sp``/``spec``
+    for blocks on the explicit API, the open region's runtime and layout for blocks on plain
+    tensors — which runs locally when the scanned dims are whole and with the stage's scan
+    method when one is sharded. Outside any region the grid is whole and the fold is local.
+
+    Over a sharded scanned dim the scan methods call ``mixer.forward_segment`` /
+    ``mixer.forward_heads`` (a Mamba mixer, :class:`~dspzoo.core.parallel.methods.scan.ScanOp`);
+    a plain function (a route permutation around a mixer, a circular scan) can only run on a
+    ``generic`` stage, whose dims are whole. ``B'`` may be 0 (a rank with an empty shard of a
+    batch-folded dim): the mixers take an empty batch.
     """
-    op = _nonempty(mixer)
-    if SCAN_OP == "scan":
-        if sp is not None and spec is not None:
-            return sp.scan(op, x, spec, over)
-        if context.active() is not None:
-            return context.runtime().scan(op, x, context.layout(), over)
+    if sp is not None and spec is not None:
+        return sp.scan(mixer, x, spec, over)
+    if context.active() is not None:
+        return context.runtime().scan(mixer, x, context.layout(), over)
     seq, sizes = fold(x, grid_dims, over)
-    return unfold(op(seq), grid_dims, over, sizes)
+    return unfold(mixer(seq), grid_dims, over, sizes)
 
 
 def build_mixer(kind: str, hidden: int, **options) -> nn.Module:
@@ -116,8 +103,16 @@ class OrderedScan(nn.Module):
         lengths = tuple(x.shape[1 + self.grid_dims.index(d)] for d in over)
         routes = self.order.routes(lengths, self.layer)
         outs = [
-            run_scan(lambda seq, m=mixer, p=perm: from_route(m(along_route(seq, p)), p),
-                     x, self.grid_dims, over)
+            run_scan(_along(mixer, perm), x, self.grid_dims, over)
             for mixer, perm in zip(self.mixers, routes, strict=True)
-        ]  # fmt: skip
+        ]
         return outs[0] if len(outs) == 1 else torch.stack(outs).mean(0)
+
+
+def _along(mixer: nn.Module, perm: torch.Tensor | None) -> Callable:
+    """``mixer`` read along route ``perm``: the mixer itself for the identity route (so a scan
+    method can run it over a sharded dim), else a function of ``[B', L, C]`` that permutes the
+    sequence in and its outputs back (``generic`` stages only: the route needs the dims whole)."""
+    if perm is None:
+        return mixer
+    return lambda seq: from_route(mixer(along_route(seq, perm)), perm)

@@ -196,7 +196,7 @@ class MambaLM(nn.Module):
         validate_collectively(
             lambda: self.check_tokens(tokens), sp.group, "MambaLM inputs", tokens.device
         )
-        act = sp.enter(tokens.long(), SEQ_DIMS, STAGES)  # [B, L_local] ids of this rank
+        act = sp.enter(tokens.long(), SEQ_DIMS, self.STAGES)  # [B, L_local] ids of this rank
         with sp.region(act) as region:
             x = self.backbone.embeddings(act.tensor)
             for i, layer in enumerate(self.backbone.layers):

@@ -3,17 +3,22 @@
 
 A scan stage is described by its :class:`~dspzoo.core.parallel.plan.Stage` (the dims it mixes,
 its op kind): the switches and gathers the plan makes around it are what the cost model counts.
-The scan's own compute and the bytes of the scan methods over a sharded dim (state passing,
-head all-to-all) belong to the scan op kind's formulas; ``extra["scan"]`` carries the mixer's
-shape (inner width, state size, heads, conv width) for them.
+A ``scan`` stage's :class:`StageSpec` also carries the dims it scans (``scan_over``) and its
+mixer's :class:`~dspzoo.core.parallel.methods.scan.ScanShape` (``scan``, from a mixer built on
+the meta device: no memory), so the scan methods' bytes over a sharded dim (state passing, head
+all-to-all) are priced by the scan op kind's formulas; ``extra["scan"]`` summarises the shape.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dspzoo.core.costmodel.workload import StageSpec, Workload
+import torch
 
+from dspzoo.core.costmodel.workload import StageSpec, Workload
+from dspzoo.core.parallel.plan import Stage
+
+from .layers import build_mixer
 from .lm import STAGES as LM_STAGES
 from .lm import MambaLMConfig
 from .video import SEQ_DIMS as VIDEO_DIMS
@@ -25,6 +30,19 @@ from .weather import WeatherMambaConfig, weather_mamba_stages
 def _scan_shape(hidden: int, state: int, expand: int, conv: int, heads: int, routes: int) -> dict:
     return {"inner": expand * hidden, "state": state, "heads": heads, "conv": conv,
             "routes": routes}  # fmt: skip
+
+
+def scan_spec(
+    stage: Stage, kind: str, hidden: int, options: dict, itemsize: int, **fields: Any
+) -> StageSpec:
+    """``stage``'s :class:`StageSpec`; a ``scan`` stage scans its dims in order with a ``kind``
+    mixer of width ``hidden`` (``options``: its config fields), whose shape the formulas need."""
+    if stage.op != "scan":
+        return StageSpec(stage, **fields)
+    with torch.device("meta"):
+        mixer = build_mixer(kind, hidden, **options)
+    shape = mixer.scan_shape(1, (), itemsize)
+    return StageSpec(stage, scan_over=stage.mixes, scan=shape, **fields)
 
 
 def mamba_lm_workload(
@@ -41,7 +59,10 @@ def mamba_lm_workload(
     if seq_len is None:
         raise ValueError(f"{name} is a language model: give seq_len (--seq-len)")
     heads = config.num_heads if config.version == 2 else 1
-    layer = (StageSpec(LM_STAGES[0], adaln=False),)
+    layer = (
+        scan_spec(LM_STAGES[0], f"mamba{config.version}", config.hidden_size,
+                  config.mixer_options(), itemsize, adaln=False),
+    )  # fmt: skip
     return Workload(
         name=name,
         family="mambalm" if config.version == 1 else "mamba2lm",
@@ -86,7 +107,11 @@ def video_mamba_workload(
     h, w = (spatial, spatial) if isinstance(spatial, int) else spatial
     pt, ph, pw = config.patch
     stages = layer_stages(config)
-    layer = tuple(StageSpec(s, mlp=s.name == "mlp") for s in stages)
+    options = config.mixer_options()
+    layer = tuple(
+        scan_spec(s, config.mixer, config.hidden, options, itemsize, mlp=s.name == "mlp")
+        for s in stages
+    )
     heads = config.expand * config.hidden // config.head_dim if config.mixer == "mamba2" else 1
     return Workload(
         name=name,
@@ -126,6 +151,11 @@ def weather_mamba_workload(
     rows, cols = config.patch_grid
     heads = config.expand * config.hidden // config.head_dim if config.mixer == "mamba2" else 1
     pixels = config.patch * config.patch
+    options = config.mixer_options()
+    layer = tuple(
+        scan_spec(s, config.mixer, config.hidden, options, itemsize, mlp=s.name == "mlp")
+        for s in stages
+    )
     return Workload(
         name=name,
         family="weathermamba",
@@ -136,7 +166,7 @@ def weather_mamba_workload(
         heads=heads,
         kv_heads=heads,
         mlp_hidden=int(config.hidden * config.mlp_ratio),
-        layers=(tuple(StageSpec(s, mlp=s.name == "mlp") for s in stages),) * config.depth,
+        layers=(layer,) * config.depth,
         period=stages,
         in_width=len(config.variables) * pixels,
         exit_width=len(config.variables) * pixels,

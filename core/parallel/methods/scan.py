@@ -35,10 +35,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import comm
 from ..comm.agreement import Signature, agree
+from ..comm.replicate import all_gather_along, reduce_scatter_along
 from ..layout import SeqSpec, shard_sizes
+from ..trace import current_region
 
 if TYPE_CHECKING:
     from ..runtime import SeqParallel
@@ -188,8 +191,26 @@ class HeadLink(SegmentLink):
         return comm.switch(y, 2, 1, self.group, heads, dst_sizes=self.seq_lengths)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, L_r, W]`` → ``[B, L, W]`` for local use (backward: reduce-scatter)."""
-        return comm.gather_for_local_use(x, 1, self.group, sum(self.seq_lengths))
+        """``[B, L_r, W]`` → ``[B, L, W]`` for local use (backward: reduce-scatter).
+
+        The segments are ``seq_lengths`` (agreed by :func:`agree_segments`), which need not be
+        a balanced split of ``L``: a raster scan's segments are the sharded dim's shards times
+        the tokens per row of it (``t`` = 5 over 2 ranks with 15 per row: 45 and 30)."""
+        return _GatherSegments.apply(x, self.group, tuple(self.seq_lengths), current_region())
+
+
+class _GatherSegments(torch.autograd.Function):
+    """All-gather of axis 1 in segments of given sizes; backward reduce-scatters them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, sizes: tuple[int, ...], region: str):
+        ctx.group, ctx.sizes, ctx.region = group, list(sizes), region
+        return all_gather_along(x, 1, ctx.sizes, group, region)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return reduce_scatter_along(grad, 1, ctx.sizes, ctx.group, ctx.region), None, None, None
 
 
 def agree_segments(x: torch.Tensor, group: Any, seq_lengths: list[int], method: str) -> None:
