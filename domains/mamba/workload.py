@@ -170,6 +170,7 @@ def weather_mamba_workload(
         period=stages,
         in_width=len(config.variables) * pixels,
         exit_width=len(config.variables) * pixels,
+        exit_last=("t",),  # the weather transformer's head: the last history step only
         params=params,
         itemsize=itemsize,
         extra={
