@@ -374,7 +374,8 @@ def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
 
 
-def _sees_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+def visible_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether any query sees any key (CPU positions, no device sync)."""
     if q_pos.numel() == 0 or k_pos.numel() == 0:
         return False
     return not causal or bool(k_pos.min() <= q_pos.max())
@@ -399,7 +400,7 @@ class _KernelAttention(torch.autograd.Function):
         for q0, q1 in _chunks(lq, chunk):
             part = LseAccumulator(bf, q1 - q0, h, v.shape[-1], q.dtype, q.device)
             for k0, k1 in _chunks(k.shape[1], chunk):
-                if _sees_any(causal, q_pos[q0:q1], k_pos[k0:k1]):
+                if visible_any(causal, q_pos[q0:q1], k_pos[k0:k1]):
                     impl.forward(
                         part,
                         q[:, q0:q1],
@@ -432,7 +433,7 @@ class _KernelAttention(torch.autograd.Function):
         grads = tuple(torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
         for q0, q1 in _chunks(q.shape[1], ctx.chunk):
             for k0, k1 in _chunks(k.shape[1], ctx.chunk):
-                if not _sees_any(ctx.causal, q_pos[q0:q1], k_pos[k0:k1]):
+                if not visible_any(ctx.causal, q_pos[q0:q1], k_pos[k0:k1]):
                     continue
                 part = tuple(g[:, a:b] for g, (a, b) in zip(grads, ((q0, q1), (k0, k1), (k0, k1))))
                 ctx.impl.backward(

@@ -47,7 +47,7 @@ from ..comm.replicate import agree_replicated, gather_agreed
 from ..layout import shard_sizes
 from ..trace import current_region
 from .blockwise import stats_dtype
-from .kernels import BlockwiseKernel, FusedKernel, LseAccumulator, select_kernel
+from .kernels import BlockwiseKernel, FusedKernel, LseAccumulator, select_kernel, visible_any
 
 __all__ = [
     "ring_attention",
@@ -236,13 +236,6 @@ def ring_attention_agreed(
     )
 
 
-def _visible_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """Whether any query sees any key (CPU positions, no device sync)."""
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return False
-    return not causal or bool(k_pos.min() <= q_pos.max())
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -273,7 +266,7 @@ class _RingAttention(torch.autograd.Function):
                     phase="forward",
                     region=region,
                 )
-            if _visible_any(causal, positions[r], positions[src]):
+            if visible_any(causal, positions[r], positions[src]):
                 impl.forward(acc, q, kb, vb, positions[r], positions[src], causal, scale)
             if transfer is not None:
                 kb, vb = transfer.wait()
@@ -319,7 +312,7 @@ class _RingAttention(torch.autograd.Function):
                     region=region,
                 )
             part = None  # this block's dK/dV, computed while the accumulators travel
-            if _visible_any(causal, positions[r], positions[src]):
+            if visible_any(causal, positions[r], positions[src]):
                 part = (
                     torch.zeros(kb.shape, dtype=dt, device=q.device),
                     torch.zeros(vb.shape, dtype=dt, device=q.device),
