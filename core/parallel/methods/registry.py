@@ -286,8 +286,21 @@ class Gather(Method):
         return 2.0 * sp_size
 
 
+class HeadSharded(Method):
+    """A method that all-to-alls the sequence to heads: runnable with at least as many heads as
+    ranks, priced as two switches each way."""
+
+    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+        return float("inf") if self.unsupported(sp_size, heads) else 8.0
+
+    def unsupported(self, sp_size: int, heads: int | None = None) -> str | None:
+        if heads is not None and heads < sp_size:
+            return f"{self.name} needs at least as many heads as ranks ({heads} < {sp_size})"
+        return None
+
+
 @register_method
-class Ulysses(Method):
+class Ulysses(HeadSharded):
     """DeepSpeed-Ulysses: all-to-all the sequence to heads for q, k, v and back for the output."""
 
     name = "ulysses"
@@ -295,14 +308,6 @@ class Ulysses(Method):
     hybrid = True
     entry = "sp.attention"
     formula = "4·(M/N)(N−1)/N per attention stage over the sharded dim (GQA: 2+2·Hkv/H)"
-
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
-        return float("inf") if self.unsupported(sp_size, heads) else 8.0
-
-    def unsupported(self, sp_size: int, heads: int | None = None) -> str | None:
-        if heads is not None and heads < sp_size:
-            return f"ulysses needs at least as many heads as ranks ({heads} < {sp_size})"
-        return None
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         seq, r = list(shape.seq), rank
@@ -448,7 +453,7 @@ class StatePassing(Method):
 
 
 @register_method
-class HeadAllToAll(Method):
+class HeadAllToAll(HeadSharded):
     """A scan over the sharded dim with whole sequences per head (Megatron-Core's Mamba
     context parallelism): after the conv (its halo by p2p) one all-to-all from sequence to head
     (channel) shards, ``B``/``C`` gathered for local use, one all-to-all back (:mod:`.scan`)."""
@@ -458,14 +463,6 @@ class HeadAllToAll(Method):
     hybrid = True
     entry = "sp.scan"
     formula = "all-to-all of the scan inputs to heads and of the output back, B/C all-gather"
-
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
-        return float("inf") if self.unsupported(sp_size, heads) else 8.0
-
-    def unsupported(self, sp_size: int, heads: int | None = None) -> str | None:
-        if heads is not None and heads < sp_size:
-            return f"head_a2a needs at least as many heads as ranks ({heads} < {sp_size})"
-        return None
 
     def scan_bytes(self, out: CommCount, shape: ScanShape, rank: int) -> None:
         seq, n = list(shape.seq), len(shape.seq)
