@@ -110,6 +110,10 @@ def markdown(result: dict[str, Any]) -> str:
     if result["skipped"]:
         lines += ["", "not run:"]
         lines += [f"- {k}: {why}" for k, why in result["skipped"].items()]
+    if "auto" in result:
+        from .auto_choice import auto_line
+
+        lines += ["", auto_line(result["auto"])]
     if "prediction_error" in result:
         e, cl = result["prediction_error"], result["cluster"]
         lines += [
