@@ -15,6 +15,7 @@ import statistics
 from typing import Any
 
 from .case import PEER, Case
+from .stats import paired_ratios, spread
 
 AUTO = "auto"
 
@@ -56,10 +57,13 @@ def auto_choice(result: dict[str, Any], case: Case) -> dict[str, Any] | None:
         return None
     names = [r["strategy"] for r in rows]
     same = [AUTO] if AUTO in names else twins(case, names, sp, dp)
-    pooled = [t for r in rows if r["strategy"] in same for t in r["times"]]
-    measured = statistics.median(pooled)
+    mine = [r["times"] for r in rows if r["strategy"] in same]
+    measured = statistics.median(t for times in mine for t in times)
     fixed = [r for r in rows if r["strategy"] != AUTO]
     best = min(fixed, key=lambda r: r["time"]["median"])
+    # per interleaved round: auto's plan (the mean of its rows) over the best row's time
+    rounds = [statistics.mean(ts) for ts in zip(*mine)]
+    paired = spread(paired_ratios(rounds, best["times"]))
     plan = plan_of(case, AUTO, sp, dp)
     return {
         "runs_as": same,
@@ -69,14 +73,17 @@ def auto_choice(result: dict[str, Any], case: Case) -> dict[str, Any] | None:
         "best": best["strategy"],
         "best_s": best["time"]["median"],
         "vs_best": measured / best["time"]["median"],
+        "vs_best_paired": paired,
     }
 
 
 def auto_line(choice: dict[str, Any]) -> str:
     """One line of the report."""
+    pair = choice["vs_best_paired"]
     runs = "its own row" if choice["runs_as"] == [AUTO] else "= " + ", ".join(choice["runs_as"])
     return (
         f"auto's choice: {'+'.join(choice['methods'])} with {choice['switches_per_layer']} "
         f"switch(es) per layer ({runs}); measured {choice['measured_s']:.3f} s; best measured "
-        f"{choice['best']} {choice['best_s']:.3f} s; auto / best = {choice['vs_best']:.2f}"
+        f"{choice['best']} {choice['best_s']:.3f} s; auto / best = {choice['vs_best']:.2f} "
+        f"(paired per round: median {pair['median']:.2f}, IQR {pair['q1']:.2f}–{pair['q3']:.2f})"
     )
