@@ -4,8 +4,13 @@ a printable table, and the per-stage choice behind ``strategy="auto"``.
 Step time = compute + exposed communication::
 
     compute = FLOPs of the busiest rank / (peak · MFU)
-    comm    = Σ over collectives (α per collective + bytes / bandwidth), intra- or inter-node
-    step    = compute + (1 − overlap) · comm
+    memory  = (element-wise bytes [+ unfused score bytes]) / HBM bandwidth
+    copies  = layout-copy bytes around the all-to-alls / HBM bandwidth
+    comm    = Σ over collectives NCCL latency(op, N) + bytes / bandwidth, intra- or inter-node
+    step    = compute + memory + copies + (1 − overlap) · comm
+
+(``memory`` and ``copies`` are zero on a cluster without ``hbm_bw``; the latency is
+``intra_lat``/``inter_lat`` per collective on one without NCCL's constants.)
 
 Bytes are the exact per-rank formulas (:func:`~.formulas.comm_bytes`, the busiest rank), so
 the only modelled quantities are the cluster's rates. ``ulysses_flat`` is a prediction-only
@@ -26,11 +31,14 @@ from .formulas import (
     CommCount,
     activation_bytes,
     comm_bytes,
+    elementwise_bytes,
     flops_per_rank,
     forward_flops,
+    layout_copy_bytes,
     make_plan,
     model_state_bytes,
     ulysses_flat_bytes,
+    unfused_score_bytes,
 )
 from .workload import Workload
 
@@ -54,18 +62,23 @@ class Prediction:
     step_s: float
     fits: bool
     note: str = ""
+    memory_s: float = 0.0
+    copy_s: float = 0.0
+    latency_s: float = 0.0
 
     @property
     def memory(self) -> float:
         return self.activation + self.states
 
 
-def _busiest(counts: list[CommCount], phases: tuple[str, ...]) -> tuple[float, int]:
+def _busiest(counts: list[CommCount], phases: tuple[str, ...]) -> CommCount:
+    """The busiest rank's counts, restricted to ``phases``."""
     best = max(counts, key=lambda c: sum(c.bytes(phase=p) for p in phases))
-    return (
-        sum(best.bytes(phase=p) for p in phases),
-        sum(sum(best.collectives(p).values()) for p in phases),
-    )
+    out = CommCount()
+    for (op, phase), (count, nbytes) in best.items():
+        if phase in phases:
+            out.add(op, phase, nbytes, count)
+    return out
 
 
 def predict(
@@ -95,11 +108,14 @@ def predict(
     phases = ("forward", "backward") if training else ("forward",)
     note = ""
     plan: Plan | None = None
+    busiest = CommCount()
     if strategy == "ulysses_flat":
         plan = make_plan(workload, "ulysses", n) if n > 1 else None
-        nbytes = ulysses_flat_bytes(workload, n) / (1 if training else 2)
         attentions = sum(1 for layer in workload.layers for s in layer if s.attention)
-        collectives = 4 * attentions * len(phases) if n > 1 else 0
+        if n > 1:
+            flat = ulysses_flat_bytes(workload, n) / 2  # per phase
+            for phase in phases:
+                busiest.add("all_to_all", phase, flat, 4 * attentions)
     else:
         if n > 1:
             plan = make_plan(workload, strategy, n)
@@ -110,7 +126,7 @@ def predict(
             comm_bytes(workload, plan or strategy, n, r, ulysses_size=ulysses_size or 1)
             for r in ranks
         ]
-        nbytes, collectives = _busiest(counts, phases)
+        busiest = _busiest(counts, phases)
         method = METHODS.get(strategy)  # the registry's reason, as the harness reports it
         why = method.unsupported(n, workload.heads) if method is not None else None
         if why:
@@ -123,11 +139,22 @@ def predict(
         flops *= 1 + forward_flops(workload).attention / forward_flops(workload).forward * (
             (2 * n - 1) / n - 1
         )
+    nbytes, collectives = busiest.bytes(), busiest.count()
     compute = flops / cl.flops
-    comm = cl.transfer_time(nbytes, n, collectives)
-    hidden = cl.overlap if overlap is None else overlap
-    step = compute + (1 - hidden) * comm
+    latency = sum(c * cl.collective_latency(op, n) for op, c in busiest.collectives().items())
+    comm = cl.transfer_time(nbytes, n, 0) + latency
     act_strategy = "ulysses" if strategy == "ulysses_flat" else strategy
+    memory = copies = 0.0
+    if cl.hbm_bw:
+        traffic = elementwise_bytes(
+            workload, plan or act_strategy, n, training=training, recompute=recompute
+        )
+        if not cl.fused_attention:
+            traffic += unfused_score_bytes(workload, n, training=training, recompute=recompute)
+        memory = traffic / cl.hbm_bw
+        copies = layout_copy_bytes(busiest.bytes(op="all_to_all"), n) / cl.hbm_bw
+    hidden = cl.overlap if overlap is None else overlap
+    step = compute + memory + copies + (1 - hidden) * comm
     act = activation_bytes(_recompute(workload, recompute), act_strategy, n) if training else 0.0
     if not training:
         states = workload.params * workload.itemsize / (n if strategy == "megatron_sp" else 1)
@@ -142,7 +169,21 @@ def predict(
         )
     fits = act + states <= cl.memory_gib * GIB * 0.9
     return Prediction(
-        strategy, n, flops, nbytes, collectives, act, states, compute, comm, step, fits, note
+        strategy,
+        n,
+        flops,
+        nbytes,
+        collectives,
+        act,
+        states,
+        compute,
+        comm,
+        step,
+        fits,
+        note,
+        memory_s=memory,
+        copy_s=copies,
+        latency_s=latency,
     )
 
 
