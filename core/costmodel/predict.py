@@ -94,6 +94,7 @@ def predict(
     overlap: float | None = None,
     ulysses_size: int | None = None,
     exact_ranks: bool = True,
+    micro_batching: bool = False,
 ) -> Prediction:
     """Predict one step of ``workload`` under ``strategy`` at SP size ``sp_size``.
 
@@ -102,6 +103,9 @@ def predict(
     ``recompute``: activation checkpointing (one extra forward, block inputs kept).
     ``ulysses_size``: USP's Ulysses degree (default: the most square grid, Ulysses larger).
     ``exact_ranks``: evaluate the byte formulas on every rank (else rank 0 only: faster).
+    ``micro_batching``: a training step that does not fit runs its batch in the fewest
+    micro-batches that fit (:func:`micro_batches`): the same FLOPs and bytes, every
+    collective's latency paid once per micro-batch (the row's note says how many).
     """
     cl = get_cluster(cluster)
     n = sp_size
@@ -153,8 +157,6 @@ def predict(
             traffic += unfused_score_bytes(workload, n, training=training, recompute=recompute)
         memory = traffic / cl.hbm_bw
         copies = layout_copy_bytes(busiest.bytes(op="all_to_all"), n) / cl.hbm_bw
-    hidden = cl.overlap if overlap is None else overlap
-    step = compute + memory + copies + (1 - hidden) * comm
     act = activation_bytes(_recompute(workload, recompute), act_strategy, n) if training else 0.0
     if not training:
         states = workload.params * workload.itemsize / (n if strategy == "megatron_sp" else 1)
@@ -167,7 +169,17 @@ def predict(
             zero=zero,
             tp=n if strategy == "megatron_sp" else 1,
         )
-    fits = act + states <= cl.memory_gib * GIB * 0.9
+    budget = cl.memory_gib * GIB * 0.9
+    micro = micro_batches(act, states, budget, workload.batch) if training and micro_batching else 1
+    if micro > 1:  # the same bytes and FLOPs in `micro` passes: every collective `micro` times
+        act /= micro
+        comm += (micro - 1) * latency
+        latency *= micro
+        collectives *= micro
+        note = note or f"{micro} micro-batches"
+    fits = act + states <= budget
+    hidden = cl.overlap if overlap is None else overlap
+    step = compute + memory + copies + (1 - hidden) * comm
     return Prediction(
         strategy,
         n,
@@ -185,6 +197,18 @@ def predict(
         copy_s=copies,
         latency_s=latency,
     )
+
+
+def micro_batches(activation: float, states: float, budget: float, batch: int) -> int:
+    """The fewest micro-batches (a divisor of ``batch``) whose activations fit ``budget``
+    beside the model states — how a baseline that does not fit runs its batch (gradient
+    accumulation); 1 when it fits or when no split fits (then the prediction says so)."""
+    if activation + states <= budget:
+        return 1
+    for m in range(2, batch + 1):
+        if batch % m == 0 and activation / m + states <= budget:
+            return m
+    return 1
 
 
 def _recompute(workload: Workload, recompute: bool) -> Workload:
