@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     sp_size, batch, layout = choose_layout(args, world)
     case = build_case(args, batch)
     names, skipped = select_strategies(args.strategies, case, sp_size)
-    if needs_own_row(case, names, sp_size, world // sp_size):  # auto's plan is none of theirs
+    if args.reps and needs_own_row(case, names, sp_size, world // sp_size):  # none runs auto's
         names.append(AUTO)
     why_not = peer_status(args, case, sp_size)
     if why_not is None:
