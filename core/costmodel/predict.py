@@ -274,10 +274,12 @@ def _fmt(x: float, unit: str) -> str:
 
 
 def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
-    """The table ``dspzoo plan`` prints."""
+    """The table ``dspzoo plan`` prints (``memory``: the memory-bound element-wise work and the
+    layout copies around the all-to-alls)."""
     head = (
         f"{'SP':>3} {'strategy':<13} {'FLOPs/rank':>11} {'bytes/rank':>11} {'coll.':>6} "
-        f"{'act/GPU':>10} {'states/GPU':>10} {'compute':>10} {'comm':>10} {'step':>10} "
+        f"{'act/GPU':>10} {'states/GPU':>10} {'compute':>10} {'memory':>10} {'comm':>10} "
+        f"{'step':>10} "
         f"{'vs dsp':>7} fits"
     )
     lines = [head, "-" * len(head)]
@@ -292,7 +294,8 @@ def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
         lines.append(
             f"{p.sp:>3} {p.strategy:<13} {_fmt(p.flops, 'F'):>11} {_fmt(p.bytes, 'B'):>11} "
             f"{p.collectives:>6} {_fmt(p.activation, 'B'):>10} {_fmt(p.states, 'B'):>10} "
-            f"{_fmt(p.compute_s, 's'):>10} {_fmt(p.comm_s, 's'):>10} {_fmt(p.step_s, 's'):>10} "
+            f"{_fmt(p.compute_s, 's'):>10} {_fmt(p.memory_s + p.copy_s, 's'):>10} "
+            f"{_fmt(p.comm_s, 's'):>10} {_fmt(p.step_s, 's'):>10} "
             f"{ratio:>7} {mark}"
         )
     if best is not None:
