@@ -321,6 +321,9 @@ def run(args: argparse.Namespace) -> int:
                     "compute_s": p.compute_s * args.steps,
                     "comm_s": p.comm_s * args.steps,
                     "step_s": p.step_s * args.steps,
+                    "memory_s": p.memory_s * args.steps,
+                    "copy_s": p.copy_s * args.steps,
+                    "latency_s": p.latency_s * args.steps,
                 }
             )
             for p in rows

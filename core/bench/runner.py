@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..parallel.methods.registry import METHODS
 from ..parallel.strategies import STRATEGIES
+from .auto_choice import AUTO, auto_choice, needs_own_row
 from .case import PEER, Case, build_case, select_strategies
 from .check import RTOL, Reference, compare, one_process_reference
 from .meshes import MeshCache, ulysses_size_for
@@ -307,6 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     sp_size, batch, layout = choose_layout(args, world)
     case = build_case(args, batch)
     names, skipped = select_strategies(args.strategies, case, sp_size)
+    if args.reps and needs_own_row(case, names, sp_size, world // sp_size):  # none runs auto's
+        names.append(AUTO)
     why_not = peer_status(args, case, sp_size)
     if why_not is None:
         from .peer import init_deepspeed
@@ -450,6 +453,9 @@ def summarise(args, case, gathered, names, skipped, sp, world, layout) -> dict[s
     }
     if args.cluster != "none" and args.reps:
         add_prediction(result, case, args.cluster)
+    choice = auto_choice(result, case)
+    if choice is not None:
+        result["auto"] = choice
     return result
 
 
