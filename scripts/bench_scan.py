@@ -11,7 +11,8 @@ backward, inputs excluded; CPU tensors have no allocator statistics)::
     python scripts/bench_scan.py --kernels mamba1 --lengths 4096 --rounds 5 --threads 1
 
 Mamba-1: batch 1, d_inner 256, state 16, input-dependent B/C, D, z, softplus(Δ + bias).
-Variants: ``ours`` (:func:`selective_scan`), and when installed ``transformers``
+Variants: ``ours`` (:func:`selective_scan`), ``ours-before`` (its chunked scan as before the
+speed-up: ``x · exp(−S)`` instead of ``x / exp(S)``), and when installed ``transformers``
 (``modeling_mamba.mamba_selective_scan``'s slow path: the sequential loop of
 ``MambaMixer.slow_forward``) and ``pscan`` (mambapy's parallel scan on the discretised tensors,
 as transformers' ``use_mambapy`` path does); ``sequential`` (the same loop written here) only
@@ -80,6 +81,31 @@ def mamba1_inputs(length: int, dim: int = 256, nstate: int = 16, seed: int = 0) 
 def mamba1_ours(t: Inputs) -> torch.Tensor:
     return selective_scan(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"],
                           t["delta_bias"], delta_softplus=True)  # fmt: skip
+
+
+def _chunked_states_before(
+    delta: torch.Tensor, A: torch.Tensor, x: torch.Tensor, h0: torch.Tensor
+) -> torch.Tensor:
+    """``scan._chunked_states`` before the speed-up: ``x · exp(−S)`` (a second exponential and a
+    negation of the ``[B, L, D, N]`` log-decays) instead of ``x / exp(S)``."""
+    length = x.shape[1]
+    chunk = scan_module._chunk_length(delta, A.abs().amax(-1), scan_module._SAFE_LOG_DECAY[x.dtype])
+    if chunk == 1:
+        return scan_module._log_step_scan(delta, A, x, h0)
+    chunk = min(chunk, length)
+    pad = (-length) % chunk
+    delta = F.pad(delta, (0, 0, 0, pad)).unflatten(1, (-1, chunk))
+    x = F.pad(x, (0, 0, 0, 0, 0, pad)).unflatten(1, (-1, chunk))
+    log_growth = delta.cumsum(2).unsqueeze(-1) * A
+    weighted = torch.cumsum(x * torch.exp(-log_growth), dim=2)
+    growth = torch.exp(log_growth)
+    if weighted.shape[1] == 1:
+        incoming = h0.unsqueeze(1)
+    else:
+        ends = _chunked_states_before(delta.sum(2), A, growth[:, :, -1] * weighted[:, :, -1], h0)
+        incoming = torch.cat([h0.unsqueeze(1), ends[:, :-1]], dim=1)
+    states = growth.mul_(weighted.add_(incoming.unsqueeze(2)))
+    return states.flatten(1, 2)[:, :length]
 
 
 def _discretise(t: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,6 +195,11 @@ def _patched(module: object, name: str, value: object) -> Iterator[None]:
         yield
     finally:
         setattr(module, name, saved)
+
+
+def mamba1_ours_before(t: Inputs) -> torch.Tensor:
+    with _patched(scan_module, "_chunked_states", _chunked_states_before):
+        return mamba1_ours(t)
 
 
 def ssd_ours_before(t: Inputs) -> torch.Tensor:
@@ -350,7 +381,7 @@ def main() -> None:
     has = peers()
     if "mamba1" in args.kernels:
         for length in args.lengths:
-            variants: dict[str, Callable] = {"ours": mamba1_ours}
+            variants: dict[str, Callable] = {"ours": mamba1_ours, "ours-before": mamba1_ours_before}
             if length <= args.skip_sequential_above:
                 if has["transformers"]:
                     variants["transformers"] = mamba1_transformers
