@@ -311,11 +311,18 @@ def load_average() -> str:
         return "n/a"
 
 
-def bench(title: str, variants: dict[str, Callable], t: Inputs, rounds: int) -> dict[str, dict]:
+SEQUENTIAL = ("transformers", "sequential")  # the step-by-step loops (slowest by far)
+
+
+def bench(
+    title: str, variants: dict[str, Callable], t: Inputs, rounds: int, sequential_rounds: int
+) -> dict[str, dict]:
     """One warm-up round (memory), then ``rounds`` interleaved timed rounds; prints a table.
 
     Times are medians over the rounds of this process's CPU time (one thread: the work done,
-    whatever else the shared machine runs) and, for reference, of wall time.
+    whatever else the shared machine runs) and, for reference, of wall time. The step-by-step
+    loops (:data:`SEQUENTIAL`) run only in the first ``sequential_rounds`` rounds. Every run's
+    times go to stderr as they come (a run stopped by a time limit keeps what it measured).
     """
     times: dict[str, list[list[float]]] = {name: [] for name in variants}
     memory: dict[str, tuple[int, int]] = {}
@@ -323,11 +330,18 @@ def bench(title: str, variants: dict[str, Callable], t: Inputs, rounds: int) -> 
     load_before = load_average()
     for name, fn in variants.items():  # warm-up round: imports, allocator, memory
         memory[name] = measure_memory(fn, t)
-    for _ in range(rounds):  # interleaved: each round runs every variant once
+        print(
+            f"  warm-up {name}: peak {format_bytes(memory[name][1])}", file=sys.stderr, flush=True
+        )
+    for i in range(rounds):  # interleaved: each round runs every variant once
         for name, fn in variants.items():
+            if name in SEQUENTIAL and i >= sequential_rounds:
+                continue
             measured, out = run_once(fn, t)
             times[name].append(measured)
             outputs[name] = out
+            print(f"  round {i} {name}: fwd+bwd {measured[1]:.3f} CPU s, {measured[3]:.2f} wall s",
+                  file=sys.stderr, flush=True)  # fmt: skip
     medians = {n: [statistics.median(col) for col in zip(*ts)] for n, ts in times.items()}
     ours = medians["ours"]
     print(f"\n{title}  (load average {load_before} before, {load_average()} after)")
@@ -368,6 +382,8 @@ def main() -> None:
     parser.add_argument("--ssd-lengths", type=int, nargs="+", default=None,
                         help="lengths for the SSD scan (default: --lengths)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sequential-rounds", type=int, default=None,
+                        help="timed rounds of the step-by-step loops (default: --rounds)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--skip-sequential-above", type=int, default=1 << 30,
                         help="drop the sequential loops for longer sequences")  # fmt: skip
@@ -379,6 +395,7 @@ def main() -> None:
           f"threads {args.threads}, rounds {args.rounds}")  # fmt: skip
     print("command: python scripts/bench_scan.py " + shlex.join(sys.argv[1:]))
     has = peers()
+    seq_rounds = args.rounds if args.sequential_rounds is None else args.sequential_rounds
     if "mamba1" in args.kernels:
         for length in args.lengths:
             variants: dict[str, Callable] = {"ours": mamba1_ours, "ours-before": mamba1_ours_before}
@@ -390,7 +407,7 @@ def main() -> None:
             if has["mambapy"]:
                 variants["pscan"] = mamba1_pscan
             bench(f"Mamba-1 selective scan, L={length}, d_inner 256, state 16, batch 1",
-                  variants, mamba1_inputs(length), args.rounds)  # fmt: skip
+                  variants, mamba1_inputs(length), args.rounds, seq_rounds)  # fmt: skip
     if "ssd" in args.kernels:
         for length in args.ssd_lengths or args.lengths:
             variants = {"ours": ssd_ours, "ours-before": ssd_ours_before}
@@ -399,7 +416,7 @@ def main() -> None:
             if length <= args.skip_sequential_above:
                 variants["sequential"] = ssd_sequential
             bench(f"Mamba-2 SSD scan, L={length}, mamba2-130m heads (24 × 64, state 128), batch 1",
-                  variants, ssd_inputs(length), args.rounds)  # fmt: skip
+                  variants, ssd_inputs(length), args.rounds, seq_rounds)  # fmt: skip
 
 
 if __name__ == "__main__":
