@@ -387,6 +387,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--skip-sequential-above", type=int, default=1 << 30,
                         help="drop the sequential loops for longer sequences")  # fmt: skip
+    parser.add_argument("--no-before", action="store_true",
+                        help="drop the ours-before variants (the speed-ups' baselines)")  # fmt: skip
     parser.add_argument("--own-sequential", action="store_true",
                         help="Mamba-1: also run this script's own loop beside transformers'")  # fmt: skip
     args = parser.parse_args()
@@ -398,7 +400,9 @@ def main() -> None:
     seq_rounds = args.rounds if args.sequential_rounds is None else args.sequential_rounds
     if "mamba1" in args.kernels:
         for length in args.lengths:
-            variants: dict[str, Callable] = {"ours": mamba1_ours, "ours-before": mamba1_ours_before}
+            variants: dict[str, Callable] = {"ours": mamba1_ours}
+            if not args.no_before:
+                variants["ours-before"] = mamba1_ours_before
             if length <= args.skip_sequential_above:
                 if has["transformers"]:
                     variants["transformers"] = mamba1_transformers
@@ -410,7 +414,9 @@ def main() -> None:
                   variants, mamba1_inputs(length), args.rounds, seq_rounds)  # fmt: skip
     if "ssd" in args.kernels:
         for length in args.ssd_lengths or args.lengths:
-            variants = {"ours": ssd_ours, "ours-before": ssd_ours_before}
+            variants = {"ours": ssd_ours}
+            if not args.no_before:
+                variants["ours-before"] = ssd_ours_before
             if has["transformers"]:
                 variants["transformers"] = ssd_transformers
             if length <= args.skip_sequential_above:
