@@ -71,7 +71,7 @@ class Runner:
 
             self.sp: Any = DeepSpeedUlysses(self.mesh)
         else:
-            self.sp = SeqParallel(self.mesh, name)
+            self.sp = SeqParallel(self.mesh, case.strategy(name))
         self.tensor_parallel = name in METHODS and METHODS[name].tensor_parallel
         self.optimisation_step: Any = None
         if train_step and name != PEER:
@@ -192,17 +192,24 @@ class Runner:
         per_group = self.case.batch // self.mesh.dp_size
         wl = self.case.workload(per_group)
         n = self.mesh.sp_size
+        strategy = self.case.strategy(name)
+        plan = None
+        if n > 1:  # the plan the runtime makes (a scan method: its embedded strategy's)
+            plan = (
+                make_plan(wl, strategy, n)
+                if isinstance(strategy, str)
+                else strategy.plan(wl.dims, wl.lengths, wl.period, n)
+            )
         counts = comm_bytes(
-            wl, name, n, rank_in_sp, ulysses_size=self.ulysses or 1, exit_gather=False
+            wl, plan or name, n, rank_in_sp, ulysses_size=self.ulysses or 1, exit_gather=False
         )
         by_op = {f"{op}/{ph}": b for (op, ph), (_, b) in counts.items() if b}
-        plan = make_plan(wl, name, n) if n > 1 else None
         methods = sorted({s.method for s in plan.steps} - {"local"}) if plan else []
         return {
             "fwd": counts.bytes(phase="forward"),
             "bwd": counts.bytes(phase="backward"),
             "bytes_by_op": by_op,
-            "activation": activation_bytes(wl, name, n, rank_in_sp),
+            "activation": activation_bytes(wl, plan or name, n, rank_in_sp),
             "plan": str(plan) if plan else "SP 1: no plan",
             "methods": methods or ["local"],
         }
@@ -269,6 +276,8 @@ def peer_status(args: argparse.Namespace, case: Case, sp: int) -> str | None:
 
     if args.peer == "off":
         return "--peer off"
+    if case.mamba:
+        return "DeepSpeed-Ulysses is an attention method; a Mamba model's stages are scans"
     if not deepspeed_available():
         if args.peer == "on":
             raise SystemExit("--peer on: deepspeed does not import (pip install '.[peers]')")
