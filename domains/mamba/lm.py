@@ -104,7 +104,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., hidden]`` → same shape."""
         dtype = x.dtype
-        h = x.float()
+        h = x.to(torch.promote_types(dtype, torch.float32))  # fp32 (fp64 stays fp64)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(dtype)
 
@@ -127,7 +127,8 @@ class MambaLMBlock(nn.Module):
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's computation on ``x`` already in the stage's layout (what activation
         checkpointing recomputes: the stage's switch stays outside it)."""
-        residual = x.float() if self.residual_in_fp32 else x
+        # fp32 residuals (fp64 stays fp64)
+        residual = x.to(torch.promote_types(x.dtype, torch.float32)) if self.residual_in_fp32 else x
         return residual + run_scan(
             self.mixer, self.norm(x.to(self.norm.weight.dtype)), SEQ_DIMS, ("l",)
         )
@@ -206,7 +207,8 @@ class MambaLM(nn.Module):
                     else:
                         x = layer(x)
             x = self.backbone.norm_f(x.to(self.backbone.norm_f.weight.dtype))
-            act = region.seq(self.lm_head(x.to(self.lm_head.weight.dtype)).float())
+            logits = self.lm_head(x.to(self.lm_head.weight.dtype))
+            act = region.seq(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         return sp.exit(act) if gather_output else act
 
 

@@ -18,6 +18,7 @@ import torch
 from dspzoo.core.costmodel.workload import StageSpec, Workload
 from dspzoo.core.parallel.plan import Stage
 
+from .hybrid import HybridLMConfig, hybrid_stages
 from .layers import build_mixer
 from .lm import STAGES as LM_STAGES
 from .lm import MambaLMConfig
@@ -177,5 +178,67 @@ def weather_mamba_workload(
             "scan": _scan_shape(
                 config.hidden, config.state_size, config.expand, config.conv_kernel, heads, 1
             )
+        },  # fmt: skip
+    )
+
+
+def hybrid_lm_workload(
+    name: str,
+    config: HybridLMConfig,
+    *,
+    batch: int = 1,
+    seq_len: int | None = None,
+    itemsize: int = 4,
+    params: int = 0,
+    **unused: Any,
+) -> Workload:
+    """One step of a hybrid LM on ``batch`` sequences of ``seq_len`` tokens: per layer a scan
+    stage (Mamba layers) or an attention and an MLP stage (attention layers)."""
+    if seq_len is None:
+        raise ValueError(f"{name} is a language model: give seq_len (--seq-len)")
+    stages = {s.name: s for s in hybrid_stages(config)}
+    attention = config.attention_config()
+    scan_heads = config.num_heads if config.version == 2 else 1
+    layers = []
+    for i in range(config.num_hidden_layers):
+        if config.is_attention(i):
+            layers.append(
+                (StageSpec(stages["attn"], attention=("l",), adaln=False),
+                 StageSpec(stages["mlp"], mlp=True, adaln=False))
+            )  # fmt: skip
+        else:
+            layers.append(
+                (scan_spec(stages["scan"], f"mamba{config.version}", config.hidden_size,
+                           config.mixer_options(), itemsize, adaln=False),)
+            )  # fmt: skip
+    return Workload(
+        name=name,
+        family="hybridlm",
+        batch=batch,
+        dims=("l",),
+        lengths=(seq_len,),
+        hidden=config.hidden_size,
+        heads=attention.heads,
+        kv_heads=attention.num_kv_heads,
+        mlp_hidden=int(config.hidden_size * config.mlp_ratio),
+        layers=tuple(layers),
+        period=tuple(stages.values()),
+        in_width=1,
+        exit_width=config.vocab_size,
+        causal=True,
+        params=params,
+        itemsize=itemsize,
+        extra={
+            "checkpoint": config.checkpoint,
+            "vocab": config.vocab_size,
+            "attention_layers": config.attention_layers,
+            "scan": _scan_shape(
+                config.hidden_size,
+                config.state_size,
+                config.expand,
+                config.conv_kernel,
+                scan_heads,
+                1,
+            ),
         },  # fmt: skip
     )
