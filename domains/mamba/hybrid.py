@@ -97,11 +97,6 @@ class HybridLMConfig(MambaLMConfig):
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if self.is_attention(i))
 
-    @property
-    def scan_heads(self) -> int:
-        """What the head all-to-all shards in a scan: Mamba-2's heads, Mamba-1's channels."""
-        return self.num_heads if self.version == 2 else self.expand * self.hidden_size
-
     def attention_config(self) -> ByteLMConfig:
         """The text domain's config of the attention layers (``Block``'s shape)."""
         return ByteLMConfig(

@@ -14,7 +14,7 @@ passing, head all-to-all) are wired into :func:`~.layers.run_scan`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -22,12 +22,13 @@ from torch.utils.checkpoint import checkpoint
 
 from dspzoo.core import SeqParallel, SeqTensor, comm_region
 from dspzoo.core.parallel.context import stage
+from dspzoo.core.parallel.plan import Stage
 from dspzoo.core.parallel.validate import validate_collectively
 
 from .layers import build_mixer, run_scan, scan_stage
 
 SEQ_DIMS = ("l",)
-STAGES = (scan_stage("scan", "axial(l)"),)
+STAGES = (scan_stage("scan", "axial(l)"),)  # lm_stages(config) adds the scan's head count
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class MambaLMConfig:
                 f"expand × hidden_size ({self.expand} × {self.hidden_size})"
             )
 
+    @property
+    def scan_heads(self) -> int:
+        """What the head all-to-all shards in a scan: Mamba-2's heads, Mamba-1's channels."""
+        return self.num_heads if self.version == 2 else self.expand * self.hidden_size
+
     def mixer_options(self) -> dict:
         """The mixer config fields (:class:`~dspzoo.core.layers.mamba.Mamba1Config` / ``Mamba2Config``)."""
         common = dict(
@@ -91,6 +97,12 @@ class MambaLMConfig:
             layer_norm_epsilon=self.layer_norm_epsilon,
             time_step_limit=tuple(self.time_step_limit),
         )
+
+
+def lm_stages(config: MambaLMConfig) -> tuple[Stage, ...]:
+    """The stages of a Mamba LM: one ``scan`` per layer, with what its head all-to-all shards
+    (so the planner rules the method out where there are fewer heads than ranks)."""
+    return (replace(STAGES[0], heads=config.scan_heads),)
 
 
 class RMSNorm(nn.Module):
@@ -160,6 +172,7 @@ class MambaLM(nn.Module):
                 f"(family {('mambalm', 'mamba2lm')[config.version - 1]!r}) for it"
             )
         self.config = config
+        self.STAGES = lm_stages(config)
         self.backbone = MambaBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         nn.init.normal_(self.backbone.embeddings.weight, std=0.02)

@@ -20,8 +20,7 @@ from dspzoo.core.parallel.plan import Stage
 
 from .hybrid import HybridLMConfig, hybrid_stages
 from .layers import build_mixer
-from .lm import STAGES as LM_STAGES
-from .lm import MambaLMConfig
+from .lm import MambaLMConfig, lm_stages
 from .video import SEQ_DIMS as VIDEO_DIMS
 from .video import VideoMambaConfig, layer_stages
 from .weather import SEQ_DIMS as WEATHER_DIMS
@@ -60,8 +59,9 @@ def mamba_lm_workload(
     if seq_len is None:
         raise ValueError(f"{name} is a language model: give seq_len (--seq-len)")
     heads = config.num_heads if config.version == 2 else 1
+    stages = lm_stages(config)
     layer = (
-        scan_spec(LM_STAGES[0], f"mamba{config.version}", config.hidden_size,
+        scan_spec(stages[0], f"mamba{config.version}", config.hidden_size,
                   config.mixer_options(), itemsize, adaln=False),
     )  # fmt: skip
     return Workload(
@@ -75,7 +75,7 @@ def mamba_lm_workload(
         kv_heads=heads,
         mlp_hidden=0,
         layers=(layer,) * config.num_hidden_layers,
-        period=LM_STAGES,
+        period=stages,
         in_width=1,
         exit_width=config.vocab_size,
         causal=True,
@@ -84,6 +84,7 @@ def mamba_lm_workload(
         extra={
             "checkpoint": config.checkpoint,
             "vocab": config.vocab_size,
+            "mixer": f"mamba{config.version}",
             "scan": _scan_shape(
                 config.hidden_size, config.state_size, config.expand, config.conv_kernel, heads, 1
             ),
@@ -131,9 +132,10 @@ def video_mamba_workload(
         params=params,
         itemsize=itemsize,
         extra={
+            "mixer": config.mixer,
             "scan": _scan_shape(
                 config.hidden, config.state_size, config.expand, config.conv_kernel, heads, 1
-            )
+            ),
         },  # fmt: skip
     )
 
@@ -175,9 +177,10 @@ def weather_mamba_workload(
         params=params,
         itemsize=itemsize,
         extra={
+            "mixer": config.mixer,
             "scan": _scan_shape(
                 config.hidden, config.state_size, config.expand, config.conv_kernel, heads, 1
-            )
+            ),
         },  # fmt: skip
     )
 
@@ -203,8 +206,8 @@ def hybrid_lm_workload(
     for i in range(config.num_hidden_layers):
         if config.is_attention(i):
             layers.append(
-                (StageSpec(stages["attn"], attention=("l",), adaln=False),
-                 StageSpec(stages["mlp"], mlp=True, adaln=False))
+                (StageSpec(stages["attn"], attention=("l",), tp_pairs=1, adaln=False),
+                 StageSpec(stages["mlp"], mlp=True, tp_pairs=1, adaln=False))
             )  # fmt: skip
         else:
             layers.append(
@@ -231,6 +234,7 @@ def hybrid_lm_workload(
         extra={
             "checkpoint": config.checkpoint,
             "vocab": config.vocab_size,
+            "mixer": f"mamba{config.version}",
             "attention_layers": config.attention_layers,
             "scan": _scan_shape(
                 config.hidden_size,
