@@ -11,6 +11,8 @@ all-to-all) are priced by the scan op kind's formulas; ``extra["scan"]`` summari
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +34,44 @@ def _scan_shape(hidden: int, state: int, expand: int, conv: int, heads: int, rou
             "routes": routes}  # fmt: skip
 
 
+def mixer_flops_per_token(kind: str, hidden: int, options: dict) -> dict[str, float]:
+    """Forward FLOPs of one Mamba mixer per token of a line, by part (``2·m·n`` per matmul):
+
+    * ``projections``: ``in_proj`` and ``out_proj`` (Mamba-1 also ``x_proj`` and ``dt_proj``
+      per direction);
+    * ``conv``: the depthwise causal conv, ``2·K`` per channel per direction;
+    * ``scan``: Mamba-1's selective scan, ``9·D·N`` per direction (mamba-ssm's count: the
+      discretisation, the recurrence and the ``C`` readout); Mamba-2's SSD in chunks of ``Q``
+      per direction: ``C·Bᵀ`` within a chunk ``2·Q·G·N``, its scores times ``x``
+      ``2·Q·D``, the chunk states ``2·D·N`` and the output from the states ``2·D·N``.
+
+    ``D`` = expand·hidden, ``N`` the state size, ``G`` the B/C groups. Elementwise work (gates,
+    norms, softplus) is left out, as the cost model leaves it out everywhere.
+    """
+    inner = options.get("expand", 2) * hidden
+    state, conv = options.get("state_size", 16), options.get("conv_kernel", 4)
+    directions = 2 if options.get("bidirectional") else 1
+    if kind == "mamba1":
+        rank = options.get("time_step_rank", "auto")
+        rank = math.ceil(hidden / 16) if rank == "auto" else int(rank)
+        per_direction = 2 * inner * (rank + 2 * state) + 2 * rank * inner
+        projections = 2 * hidden * 2 * inner + 2 * inner * hidden + directions * per_direction
+        return {
+            "projections": float(projections),
+            "conv": float(directions * 2 * conv * inner),
+            "scan": float(directions * 9 * inner * state),
+        }
+    groups, heads, chunk = options["n_groups"], options["num_heads"], options["chunk_size"]
+    conv_dim = inner + 2 * groups * state
+    in_width = 2 * inner + 2 * groups * state + heads
+    ssd = 2 * chunk * groups * state + 2 * chunk * inner + 4 * inner * state
+    return {
+        "projections": float(2 * hidden * in_width + 2 * inner * hidden),
+        "conv": float(directions * 2 * conv * conv_dim),
+        "scan": float(directions * ssd),
+    }
+
+
 def scan_spec(
     stage: Stage, kind: str, hidden: int, options: dict, itemsize: int, **fields: Any
 ) -> StageSpec:
@@ -41,7 +81,8 @@ def scan_spec(
         return StageSpec(stage, **fields)
     with torch.device("meta"):
         mixer = build_mixer(kind, hidden, **options)
-    shape = mixer.scan_shape(1, (), itemsize)
+    flops = sum(mixer_flops_per_token(kind, hidden, options).values())
+    shape = replace(mixer.scan_shape(1, (), itemsize), flops_per_token=flops)
     return StageSpec(stage, scan_over=stage.mixes, scan=shape, **fields)
 
 
