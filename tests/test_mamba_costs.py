@@ -35,8 +35,8 @@ def _counted(mixer: torch.nn.Module) -> dict[str, float]:
 
 
 def test_mamba1_flops_equal_torch_counter_and_the_hand_count() -> None:
-    counted = _counted(Mamba1Mixer(Mamba1Config(hidden_size=HIDDEN, **MAMBA1)))
-    ours = mixer_flops_per_token("mamba1", HIDDEN, MAMBA1)
+    mixer = Mamba1Mixer(Mamba1Config(hidden_size=HIDDEN, **MAMBA1))
+    counted, ours = _counted(mixer), mixer_flops_per_token(mixer.config)
     # by hand: D = 32, N = 4, dt rank 1, K = 4, two directions
     in_proj, out_proj = 2 * 16 * 64, 2 * 32 * 16
     x_proj, dt_proj = 2 * 32 * (1 + 2 * 4), 2 * 1 * 32
@@ -52,8 +52,8 @@ def test_mamba1_flops_equal_torch_counter_and_the_hand_count() -> None:
 
 
 def test_mamba2_flops_against_torch_counter_and_the_hand_count() -> None:
-    counted = _counted(Mamba2Mixer(Mamba2Config(hidden_size=HIDDEN, **MAMBA2)))
-    ours = mixer_flops_per_token("mamba2", HIDDEN, MAMBA2)
+    mixer = Mamba2Mixer(Mamba2Config(hidden_size=HIDDEN, **MAMBA2))
+    counted, ours = _counted(mixer), mixer_flops_per_token(mixer.config)
     # by hand: D = 32, N = 4, G = 2, H = 4, Q = 8, conv over D + 2GN = 48 channels
     in_proj, out_proj = 2 * 16 * (2 * 32 + 2 * 2 * 4 + 4), 2 * 32 * 16
     ssd = 2 * 8 * 2 * 4 + 2 * 8 * 32 + 4 * 32 * 4
@@ -71,7 +71,8 @@ def test_the_cost_model_counts_the_scan_stages() -> None:
     wl = hybrid_lm_workload("hybridlm-tiny", HYBRID_CONFIGS["tiny"], batch=2, seq_len=100)
     scan = next(spec for layer in wl.layers for spec in layer if spec.scan is not None)
     cfg = HYBRID_CONFIGS["tiny"]
-    per_token = sum(mixer_flops_per_token("mamba2", cfg.hidden_size, cfg.mixer_options()).values())
+    mixer_config = Mamba2Config(hidden_size=cfg.hidden_size, **cfg.mixer_options())
+    per_token = sum(mixer_flops_per_token(mixer_config).values())
     assert scan.scan.flops_per_token == per_token > 0
     assert stage_flops(wl, scan).forward == 2 * 100 * per_token
 

@@ -11,13 +11,13 @@ all-to-all) are priced by the scan op kind's formulas; ``extra["scan"]`` summari
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from dspzoo.core.costmodel.workload import StageSpec, Workload
+from dspzoo.core.layers.mamba import Mamba1Config, Mamba2Config
 from dspzoo.core.parallel.plan import Stage
 
 from .hybrid import HybridLMConfig, hybrid_stages
@@ -34,7 +34,7 @@ def _scan_shape(hidden: int, state: int, expand: int, conv: int, heads: int, rou
             "routes": routes}  # fmt: skip
 
 
-def mixer_flops_per_token(kind: str, hidden: int, options: dict) -> dict[str, float]:
+def mixer_flops_per_token(config: Mamba1Config | Mamba2Config) -> dict[str, float]:
     """Forward FLOPs of one Mamba mixer per token of a line, by part (``2·m·n`` per matmul):
 
     * ``projections``: ``in_proj`` and ``out_proj`` (Mamba-1 also ``x_proj`` and ``dt_proj``
@@ -48,26 +48,22 @@ def mixer_flops_per_token(kind: str, hidden: int, options: dict) -> dict[str, fl
     ``D`` = expand·hidden, ``N`` the state size, ``G`` the B/C groups. Elementwise work (gates,
     norms, softplus) is left out, as the cost model leaves it out everywhere.
     """
-    inner = options.get("expand", 2) * hidden
-    state, conv = options.get("state_size", 16), options.get("conv_kernel", 4)
-    directions = 2 if options.get("bidirectional") else 1
-    if kind == "mamba1":
-        rank = options.get("time_step_rank", "auto")
-        rank = math.ceil(hidden / 16) if rank == "auto" else int(rank)
+    c, inner, state = config.hidden_size, config.intermediate_size, config.state_size
+    directions = 2 if config.bidirectional else 1
+    if isinstance(config, Mamba1Config):
+        rank = config.dt_rank
         per_direction = 2 * inner * (rank + 2 * state) + 2 * rank * inner
-        projections = 2 * hidden * 2 * inner + 2 * inner * hidden + directions * per_direction
         return {
-            "projections": float(projections),
-            "conv": float(directions * 2 * conv * inner),
+            "projections": float(2 * c * 2 * inner + 2 * inner * c + directions * per_direction),
+            "conv": float(directions * 2 * config.conv_kernel * inner),
             "scan": float(directions * 9 * inner * state),
         }
-    groups, heads, chunk = options["n_groups"], options["num_heads"], options["chunk_size"]
-    conv_dim = inner + 2 * groups * state
+    groups, heads, chunk = config.n_groups, config.num_heads, config.chunk_size
     in_width = 2 * inner + 2 * groups * state + heads
     ssd = 2 * chunk * groups * state + 2 * chunk * inner + 4 * inner * state
     return {
-        "projections": float(2 * hidden * in_width + 2 * inner * hidden),
-        "conv": float(directions * 2 * conv * conv_dim),
+        "projections": float(2 * c * in_width + 2 * inner * c),
+        "conv": float(directions * 2 * config.conv_kernel * (inner + 2 * groups * state)),
         "scan": float(directions * ssd),
     }
 
@@ -81,7 +77,7 @@ def scan_spec(
         return StageSpec(stage, **fields)
     with torch.device("meta"):
         mixer = build_mixer(kind, hidden, **options)
-    flops = sum(mixer_flops_per_token(kind, hidden, options).values())
+    flops = sum(mixer_flops_per_token(mixer.config).values())
     shape = replace(mixer.scan_shape(1, (), itemsize), flops_per_token=flops)
     return StageSpec(stage, scan_over=stage.mixes, scan=shape, **fields)
 
