@@ -239,6 +239,8 @@ def stage_flops(workload: Workload, spec: StageSpec) -> Flops:
         attention += 4.0 * bt * wl.context * c
     if spec.mlp:
         linear += 2.0 * bt * c * wl.mlp_hidden * 2
+    if spec.scan is not None:  # a Mamba mixer: its projections, conv and scan
+        linear += bt * spec.scan.flops_per_token
     return Flops(linear, attention)  # per-sample modulation (adaLN): negligible
 
 

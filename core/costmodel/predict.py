@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.methods.registry import METHODS
+from ..parallel.methods.registry import METHODS, get_method
 from ..parallel.plan import Plan
 from ..parallel.strategies.auto import auto_plan  # noqa: F401  (re-exported: strategy="auto")
 from .cluster import Cluster, get_cluster
@@ -131,8 +131,7 @@ def predict(
             for r in ranks
         ]
         busiest = _busiest(counts, phases)
-        method = METHODS.get(strategy)  # the registry's reason, as the harness reports it
-        why = method.unsupported(n, workload.heads) if method is not None else None
+        why = plan_unsupported(plan, workload, strategy) if plan is not None else None
         if why:
             note = f"not runnable: {why}"
     flops = flops_per_rank(workload, plan, recompute)
@@ -211,6 +210,33 @@ def micro_batches(activation: float, states: float, budget: float, batch: int) -
     return 1
 
 
+def plan_unsupported(plan: Plan, workload: Workload, strategy: str = "") -> str | None:
+    """Why the runtime cannot run ``plan``: a tensor-parallel plan over a stage without
+    tensor-parallel linears, or the registry's reason for the first stage whose method cannot
+    run it over its sharded dim (too few heads, an op kind it has no path for); ``None`` when
+    every stage runs. A stage without declared heads is checked with the
+    workload's attention heads."""
+    methods = {step.method for step in plan.steps} | ({strategy} & set(METHODS))
+    if any(get_method(m).tensor_parallel for m in methods):
+        for spec in (spec for layer in workload.layers for spec in layer):
+            if not spec.tp_pairs and (spec.attention or spec.mlp or spec.scan is not None):
+                return f"stage {spec.name!r} has no tensor-parallel linears (no TP_PLAN)"
+    stages = {s.name: s for s in workload.period}
+    for step in plan.steps:
+        stage, method = stages[step.stage], get_method(step.method)
+        if step.sharded not in step.mixes or method.name == "gather":
+            continue
+        heads = stage.heads
+        if heads is None and stage.op == "attention":
+            heads = workload.heads
+        why = method.unsupported(plan.sp_size, heads)
+        if why is None and not method.runs(stage.op):
+            why = f"{method.name} has no path for the {stage.op} stage {stage.name!r}"
+        if why:
+            return why
+    return None
+
+
 def _recompute(workload: Workload, recompute: bool) -> Workload:
     if not recompute:
         return workload
@@ -241,7 +267,8 @@ def predict_table(
             rows.append(Prediction(**{**p.__dict__, "strategy": "none"}))
             continue
         for s in strategies:
-            if workload.dims == ("l",) and s == "ulysses_flat":
+            attends = any(spec.attention for layer in workload.layers for spec in layer)
+            if s == "ulysses_flat" and (workload.dims == ("l",) or not attends):
                 continue
             rows.append(predict(workload, s, n, cluster, **kwargs))
     return rows
@@ -287,8 +314,8 @@ def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
     for p in rows:
         ratio = f"{p.step_s / dsp[p.sp]:.2f}x" if p.sp in dsp and dsp[p.sp] else ""
         mark = "yes" if p.fits else "no"
-        if p.note:
-            mark += f" ({p.note})"
+        if p.note:  # no fit to speak of: the strategy does not run this model
+            mark = f"- ({p.note})"
         if best is not None and p is best:
             mark += "  <- recommended"
         lines.append(
