@@ -344,7 +344,10 @@ def test_build_mesh_on_two_simulated_nodes() -> None:
         assert found["nodes"] == ((0, 1), (2, 3)) and found["node_rank"] == rank // 2
         assert found["sp_local"] is True and found["sp_per_node"] == 2
         assert "sp 2 on 2 node(s) × 2 processes" in found["summary"]
-        assert "SP groups node-local, DP groups across nodes" in found["summary"]
+        assert (
+            "SP groups node-local ([0, 1] on node 0, [2, 3] on node 1), DP groups across nodes"
+            in found["summary"]
+        )
         assert "sp=4 is larger than the 2 processes of a node" in found["error"]  # every rank
         assert found["across"] == (False, 2)
         assert len(found["warned"]) == (1 if rank == 0 else 0)  # said once, by rank 0

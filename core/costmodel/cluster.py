@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 GB = 1e9
 
@@ -32,6 +33,9 @@ class Cluster:
             node while it fits).
         memory_gib: memory per device.
         overlap: fraction of communication hidden under compute (0: none).
+        sp_layout: ``(sp size, ranks of an SP group per node)`` as a real mesh placed them
+            (:meth:`placed`); an SP group of that size is priced by it instead of by
+            ``gpus_per_node``. ``None``: consecutive ranks, ``gpus_per_node`` to a node.
     """
 
     name: str
@@ -44,6 +48,7 @@ class Cluster:
     gpus_per_node: int
     memory_gib: float
     overlap: float = 0.0
+    sp_layout: tuple[int, int] | None = None
 
     @property
     def flops(self) -> float:
@@ -53,12 +58,26 @@ class Cluster:
     def with_(self, **changes) -> Cluster:
         return replace(self, **changes)
 
+    def placed(self, mesh: Any) -> Cluster:
+        """This cluster with the SP groups where ``mesh`` (a
+        :class:`~dspzoo.core.parallel.mesh.SPMesh`) put them: a node-local SP group is priced
+        on the intra-node link, one spanning nodes (``DSPZOO_SP_ACROSS_NODES``) partly or
+        wholly on the inter-node link."""
+        return replace(self, sp_layout=(mesh.sp_size, mesh.sp_ranks_per_node))
+
     def link(self, group: int) -> tuple[float, float, float]:
-        """``(fraction of peers off-node, intra bw, inter bw)`` for an SP group of ``group``."""
-        g = self.gpus_per_node
-        if group <= g or group <= 1:
+        """``(fraction of peers off-node, intra bw, inter bw)`` for an SP group of ``group``.
+
+        A rank's peers on its own node are ``sp_layout``'s ranks per node (minus itself) when
+        the group has ``sp_layout``'s size, else ``min(group, gpus_per_node)`` (consecutive
+        ranks filling nodes)."""
+        if group <= 1:
             return 0.0, self.intra_bw, self.inter_bw
-        return (group - g) / (group - 1), self.intra_bw, self.inter_bw
+        if self.sp_layout is not None and self.sp_layout[0] == group:
+            local = max(1, min(self.sp_layout[1], group))
+        else:
+            local = min(group, self.gpus_per_node)
+        return (group - local) / (group - 1), self.intra_bw, self.inter_bw
 
     def transfer_time(self, nbytes: float, group: int, collectives: int = 0) -> float:
         """α-β time of ``nbytes`` sent per rank in ``collectives`` collectives over ``group``.

@@ -115,9 +115,18 @@ class SPMesh:
         layout = self.node_layout.describe() if self.node_layout else "1 node (single process)"
         sp = "node-local" if self.sp_is_node_local else "ACROSS NODES"
         dp = "across nodes" if self.dp_size > 1 and len(nodes) > 1 else f"on {where}"
+        node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
+        groups = [
+            f"{list(block)} on node{'s' if len({node_of[r] for r in block}) > 1 else ''} "
+            + "+".join(str(n) for n in sorted({node_of[r] for r in block}))
+            for block in (
+                range(d * self.sp_size, (d + 1) * self.sp_size) for d in range(self.dp_size)
+            )
+        ]
+        shown = ", ".join(groups[:8]) + (f", … ({len(groups)} groups)" if len(groups) > 8 else "")
         return (
-            f"mesh dp {self.dp_size} × sp {self.sp_size} on {layout}; SP groups {sp}, "
-            f"DP groups {dp}"
+            f"mesh dp {self.dp_size} × sp {self.sp_size} on {layout}; SP groups {sp} "
+            f"({shown}), DP groups {dp}"
         )
 
     @property
