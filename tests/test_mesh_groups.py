@@ -30,6 +30,7 @@ from dspzoo.core.parallel.nodes import (
     NodeLayout,
     RankPlace,
     check_sp_placement,
+    code_fingerprint,
     node_layout,
     sp_across_nodes_requested,
     this_place,
@@ -302,6 +303,18 @@ def test_disagreeing_launchers_raise() -> None:
     local_ranks = [RankPlace(r, "a", "GROUP_RANK", "0", 0, 2) for r in range(2)]
     with pytest.raises(ValueError, match="LOCAL_RANK values \\[0, 0\\]"):
         node_layout(local_ranks)
+
+
+def test_machines_running_different_code_raise() -> None:
+    places = _places(2, 2)
+    assert {p.code for p in places} == {code_fingerprint()} and "torch" in code_fingerprint()
+    places[2:] = [
+        RankPlace(**{**vars(p), "code": "dspzoo 000000000000, torch 2.0"}) for p in places[2:]
+    ]
+    with pytest.raises(ValueError, match="run different code") as err:
+        node_layout(places)
+    assert "on rank(s) [2, 3] (host(s) ['host1'])" in str(err.value)
+    assert "same dspzoo commit and torch version" in str(err.value)
 
 
 def test_sp_across_nodes_setting() -> None:

@@ -11,7 +11,8 @@ The first of :data:`NODE_ENV_VARS` that is set names the node; without any, the 
 does. The processes all-gather what they see (:class:`RankPlace`) and
 :func:`node_layout` turns the records into a :class:`NodeLayout`, checking that they agree:
 ranks one launcher puts on one node run on one host, and each node has as many processes as
-its ``LOCAL_WORLD_SIZE`` says. Several nodes on one host are allowed (two launchers on one
+its ``LOCAL_WORLD_SIZE`` says, and every process runs the same code (:func:`code_fingerprint`: a
+hash of dspzoo's sources and the torch version). Several nodes on one host are allowed (two launchers on one
 machine simulate a 2-node job, as ``tests/test_multinode.py`` does).
 
 SP groups are blocks of ``sp`` consecutive ranks (:mod:`dspzoo.core.parallel.mesh`).
@@ -24,11 +25,14 @@ records, so every rank reaches the same verdict and raises the same error.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 NODE_ENV_VARS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
 SP_ACROSS_NODES_ENV = "DSPZOO_SP_ACROSS_NODES"
@@ -46,6 +50,7 @@ class RankPlace:
         node_var: the variable that named the node (one of :data:`NODE_ENV_VARS`), or ``None``.
         node_id: its value (``None`` without one).
         local_rank, local_world_size: ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` when set.
+        code: :func:`code_fingerprint` (``""``: not compared).
     """
 
     rank: int
@@ -54,6 +59,29 @@ class RankPlace:
     node_id: str | None = None
     local_rank: int | None = None
     local_world_size: int | None = None
+    code: str = ""
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """``"dspzoo <hash>, torch <version>"``: a SHA-256 (12 hex digits) of dspzoo's Python
+    sources (``core``, ``domains``, ``zoo``, the package ``__init__``) and torch's version.
+
+    Machines whose checkouts or installs differ compute different fingerprints; the mesh then
+    refuses to start instead of training with ranks that disagree on the model or the plan.
+    """
+    import torch
+
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    files = [root / "__init__.py"] + [
+        path for sub in ("core", "domains", "zoo") for path in sorted((root / sub).rglob("*.py"))
+    ]
+    for path in files:
+        if path.is_file():
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return f"dspzoo {digest.hexdigest()[:12]}, torch {torch.__version__}"
 
 
 def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
@@ -67,7 +95,8 @@ def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
 
 
 def this_place(rank: int, environ: Mapping[str, str] | None = None) -> RankPlace:
-    """This process's :class:`RankPlace` from ``environ`` (default ``os.environ``)."""
+    """This process's :class:`RankPlace` from ``environ`` (default ``os.environ``) and its
+    :func:`code_fingerprint`."""
     env = os.environ if environ is None else environ
     node_var = next((v for v in NODE_ENV_VARS if env.get(v, "") != ""), None)
     return RankPlace(
@@ -77,6 +106,7 @@ def this_place(rank: int, environ: Mapping[str, str] | None = None) -> RankPlace
         node_id=env[node_var] if node_var else None,
         local_rank=_int_or_none(env, "LOCAL_RANK"),
         local_world_size=_int_or_none(env, "LOCAL_WORLD_SIZE"),
+        code=code_fingerprint(),
     )
 
 
@@ -137,6 +167,17 @@ def node_layout(places: Sequence[RankPlace]) -> NodeLayout:
     if ranks != list(range(len(places))):
         raise ValueError(
             f"node layout: expected one record per rank 0..{len(places) - 1}, got {ranks}"
+        )
+    codes = {p.code for p in places if p.code}
+    if len(codes) > 1:
+        runs = {c: [(p.rank, p.host) for p in places if p.code == c] for c in sorted(codes)}
+        raise ValueError(
+            "the processes run different code: "
+            + "; ".join(
+                f"{code} on rank(s) {[r for r, _ in who]} (host(s) {sorted({h for _, h in who})})"
+                for code, who in runs.items()
+            )
+            + ". Install the same dspzoo commit and torch version on every machine"
         )
     variables = {p.node_var for p in places}
     if len(variables) > 1:
