@@ -114,7 +114,10 @@ class SPMesh:
         where = "one node" if len(nodes) == 1 else f"{len(nodes)} nodes"
         layout = self.node_layout.describe() if self.node_layout else "1 node (single process)"
         sp = "node-local" if self.sp_is_node_local else "ACROSS NODES"
-        dp = "across nodes" if self.dp_size > 1 and len(nodes) > 1 else f"on {where}"
+        if self.dp_size == 1:
+            dp = "none (dp 1)"
+        else:
+            dp = "across nodes" if len(nodes) > 1 else f"on {where}"
         node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
         groups = [
             f"{list(block)} on node{'s' if len({node_of[r] for r in block}) > 1 else ''} "
