@@ -225,12 +225,6 @@ def build_mesh(
             f"{[d for d in range(1, world + 1) if world % d == 0]}"
         )
     dp_size = world // sp_size
-    layout = gather_node_layout()
-    if sp_across_nodes is None:
-        sp_across_nodes = sp_across_nodes_requested()
-    node_local = check_sp_placement(layout, sp_size, across_nodes=sp_across_nodes)
-    if not node_local and rank == 0:
-        warnings.warn(sp_placement_warning(layout, sp_size), RuntimeWarning, stacklevel=2)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     ulysses = ulysses_size or 1
     if ulysses_size is None:
@@ -242,6 +236,13 @@ def build_mesh(
             mesh_dim_names=("dp", "ring", "ulysses"),
         )
         mesh["ring", "ulysses"]._flatten("sp")
+    # after the DeviceMesh, which selects this process's GPU (the gather's device under NCCL)
+    layout = gather_node_layout()
+    if sp_across_nodes is None:
+        sp_across_nodes = sp_across_nodes_requested()
+    node_local = check_sp_placement(layout, sp_size, across_nodes=sp_across_nodes)
+    if not node_local and rank == 0:
+        warnings.warn(sp_placement_warning(layout, sp_size), RuntimeWarning, stacklevel=2)
     sp_blocks = [list(range(d * sp_size, (d + 1) * sp_size)) for d in range(dp_size)]
     dp_blocks = [list(range(s, world, sp_size)) for s in range(sp_size)]
     ulysses_blocks = [b[i : i + ulysses] for b in sp_blocks for i in range(0, sp_size, ulysses)]

@@ -30,6 +30,7 @@ import hashlib
 import math
 import os
 import socket
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,17 +134,20 @@ class NodeLayout:
         """Processes per node."""
         return tuple(len(n) for n in self.nodes)
 
+    @functools.cached_property
+    def _node_index(self) -> dict[int, int]:
+        return {rank: index for index, ranks in enumerate(self.nodes) for rank in ranks}
+
     def node_of(self, rank: int) -> int:
         """Index of the node running ``rank``."""
-        for index, ranks in enumerate(self.nodes):
-            if rank in ranks:
-                return index
-        raise ValueError(f"rank {rank} is on none of the nodes {self.nodes}")
+        if rank not in self._node_index:
+            raise ValueError(f"rank {rank} is on none of the nodes {self.nodes}")
+        return self._node_index[rank]
 
     def ranks_per_node_of(self, block: Sequence[int]) -> int:
         """The fewest ranks of ``block`` that share a node with one of its ranks."""
-        counts = [sum(1 for r in block if self.node_of(r) == self.node_of(s)) for s in block]
-        return min(counts)
+        counts = Counter(self.node_of(r) for r in block)
+        return min(counts.values())
 
     def describe(self) -> str:
         sizes = set(self.sizes)
