@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 GB = 1e9
 
@@ -41,6 +42,9 @@ class Cluster:
             ``intra_lat``/``inter_lat`` per collective).
         fused_attention: the device runs a fused (flash) attention kernel; without one
             (Volta) the score matrix goes through device memory (written and read twice).
+        sp_layout: ``(sp size, ranks of an SP group per node)`` as a real mesh placed them
+            (:meth:`placed`); an SP group of that size is priced by it instead of by
+            ``gpus_per_node``. ``None``: consecutive ranks, ``gpus_per_node`` to a node.
     """
 
     name: str
@@ -58,6 +62,7 @@ class Cluster:
     coll_step_lat_intra: float = 0.0
     coll_step_lat_inter: float = 0.0
     fused_attention: bool = True
+    sp_layout: tuple[int, int] | None = None
 
     @property
     def flops(self) -> float:
@@ -67,12 +72,26 @@ class Cluster:
     def with_(self, **changes) -> Cluster:
         return replace(self, **changes)
 
+    def placed(self, mesh: Any) -> Cluster:
+        """This cluster with the SP groups where ``mesh`` (a
+        :class:`~dspzoo.core.parallel.mesh.SPMesh`) put them: a node-local SP group is priced
+        on the intra-node link, one spanning nodes (``DSPZOO_SP_ACROSS_NODES``) partly or
+        wholly on the inter-node link."""
+        return replace(self, sp_layout=(mesh.sp_size, mesh.sp_ranks_per_node))
+
     def link(self, group: int) -> tuple[float, float, float]:
-        """``(fraction of peers off-node, intra bw, inter bw)`` for an SP group of ``group``."""
-        g = self.gpus_per_node
-        if group <= g or group <= 1:
+        """``(fraction of peers off-node, intra bw, inter bw)`` for an SP group of ``group``.
+
+        A rank's peers on its own node are ``sp_layout``'s ranks per node (minus itself) when
+        the group has ``sp_layout``'s size, else ``min(group, gpus_per_node)`` (consecutive
+        ranks filling nodes)."""
+        if group <= 1:
             return 0.0, self.intra_bw, self.inter_bw
-        return (group - g) / (group - 1), self.intra_bw, self.inter_bw
+        if self.sp_layout is not None and self.sp_layout[0] == group:
+            local = max(1, min(self.sp_layout[1], group))
+        else:
+            local = min(group, self.gpus_per_node)
+        return (group - local) / (group - 1), self.intra_bw, self.inter_bw
 
     def transfer_time(self, nbytes: float, group: int, collectives: int = 0) -> float:
         """α-β time of ``nbytes`` sent per rank in ``collectives`` collectives over ``group``.
@@ -87,7 +106,8 @@ class Cluster:
         return alpha + beta
 
     def collective_latency(self, op: str, group: int) -> float:
-        """Seconds of latency of one collective ``op`` over ``group`` consecutive ranks.
+        """Seconds of latency of one collective ``op`` over ``group`` ranks (placed as
+        ``sp_layout`` says when it has this size, else consecutive ranks filling nodes).
 
         With the NCCL constants set: ``base + steps_intra · step_intra + steps_inter ·
         step_inter``, as NCCL's tuning model prices a ring collective; all-gather and
@@ -98,7 +118,11 @@ class Cluster:
         """
         if group <= 1:
             return 0.0
-        nodes = -(-group // max(self.gpus_per_node, 1))
+        if self.sp_layout is not None and self.sp_layout[0] == group:
+            per_node = max(1, min(self.sp_layout[1], group))
+        else:
+            per_node = max(self.gpus_per_node, 1)
+        nodes = -(-group // per_node)
         if not self.coll_step_lat_intra:
             return self.inter_lat if nodes > 1 else self.intra_lat
         if op in ("all_gather", "reduce_scatter", "validate"):
