@@ -21,6 +21,9 @@ turn, behind a barrier; the median per variant, the slowest rank's), on the same
   methods use after agreeing once at entry): ``switch / unchecked`` is the agreement's cost in
   a real switch (the target is within 5 %), and ``(switch − unchecked) / bare`` the same cost
   beside the bare all-to-all;
+* ``switch (fresh)`` — ``switch`` as it was before results were recycled: every result in a
+  newly allocated tensor (``SETTINGS.recycle_results`` off, ``DSPZOO_COMM_RECYCLE_RESULTS=0``),
+  timed in the same run for the before/after ratio;
 * ``naive``   — the textbook form: chunk along s, make each chunk contiguous, list
   ``all_to_all``, concatenate along t;
 
@@ -47,28 +50,34 @@ from dspzoo.core.parallel.trace import format_bytes
 
 def timed_interleaved(
     fns: dict[str, Callable[[], object]], iters: int, warmup: int
-) -> torch.Tensor:
-    """Wall times (s) ``[iters, len(fns)]`` of ``fns``, run in turn every repetition (interleaved).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wall and CPU times (s), each ``[iters, len(fns)]``, of ``fns`` run in turn every repetition.
 
-    A barrier precedes each call; each entry is the slowest rank's time of that call. Odd
-    repetitions run the variants in reverse order, so that no variant always follows the same
-    one (what a call leaves behind — freed buffers, a busy peer — falls on each alike).
+    A barrier precedes each call; each wall time is the slowest rank's time of that call, each
+    CPU time the larger of the ranks' process CPU time (all threads, the backend's included)
+    during the call: the work a call does, which the load of other users does not inflate as
+    much as its wall time. Odd repetitions run the variants in reverse order, so that no
+    variant always follows the same one (what a call leaves behind — freed buffers, a busy
+    peer — falls on each alike).
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = torch.zeros(iters, len(fns), dtype=torch.float64)
+    cpu = torch.zeros(iters, len(fns), dtype=torch.float64)
     order = list(enumerate(fns.values()))
     for i in range(iters):
         for j, fn in order if i % 2 == 0 else order[::-1]:
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times[i, j] = time.perf_counter() - start
+            cpu[i, j] = time.process_time() - start_cpu
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return times
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+    return times, cpu
 
 
 def paired(times: torch.Tensor, a: str, b: str) -> str:
@@ -86,7 +95,20 @@ def naive_switch(x: torch.Tensor, src: int, dst: int, n: int) -> torch.Tensor:
     return torch.cat(outputs, dim=src)
 
 
-VARIANTS = ("bare", "agree+bare", "switch", "unchecked", "naive")
+VARIANTS = ("bare", "agree+bare", "switch", "switch (fresh)", "unchecked", "naive")
+
+
+def fresh_results(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with every collective result in a newly allocated tensor (the old path)."""
+
+    def run() -> object:
+        SETTINGS.recycle_results = False
+        try:
+            return fn()
+        finally:
+            SETTINGS.recycle_results = True
+
+    return run
 
 
 def main() -> None:
@@ -112,7 +134,7 @@ def main() -> None:
         )
     device = accelerator.device
     group = dist.group.WORLD  # the mesh above has sp_size 1 (dist starts inside it)
-    rows = []
+    rows, cpu_rows = [], []
     t_local = args.frames // n
     length = t_local * n
     for mib in args.sizes_mib:
@@ -141,6 +163,7 @@ def main() -> None:
             "bare": bare,
             "agree+bare": agree_then_bare,
             "switch": lambda x=x: switch(x, 1, 2, group, src_length=length),
+            "switch (fresh)": fresh_results(lambda x=x: switch(x, 1, 2, group, src_length=length)),
             "unchecked": lambda x=x: switch_agreed(x, 1, 2, group, src_length=length),
             "naive": lambda x=x: naive_switch(x, 1, 2, n),
         }
@@ -148,10 +171,13 @@ def main() -> None:
         switch(x, 1, 2, group, src_length=length)
         rehearsal = SETTINGS.rehearsal(group)
         hits, misses = rehearsal.hits, rehearsal.misses
-        timed = timed_interleaved(variants, args.iters, args.warmup)
+        timed, cpu = timed_interleaved(variants, args.iters, args.warmup)
         folded = (rehearsal.hits - hits, rehearsal.misses - misses)
-        assert folded == (args.iters + args.warmup, 0), f"folded switches (hits, misses): {folded}"
+        assert folded == (2 * (args.iters + args.warmup), 0), (
+            f"folded switches (hits, misses): {folded}"
+        )
         rows.append((x.numel() * x.element_size(), tuple(x.shape), timed, measured, expected))
+        cpu_rows.append(cpu)
 
     if mesh.is_main:
         print(
@@ -162,7 +188,8 @@ def main() -> None:
             f"{'local size':>10} {'shape [1,T/N,S,C]':>22} "
             + " ".join(f"{v + ' ms':>14}" for v in VARIANTS)
             + f" {'switch/unchecked':>17} {'(sw-unch)/bare':>15} {'agree+bare/bare':>16}"
-            f" {'switch/bare':>12} {'naive/switch':>13} {'traced bytes':>13} {'formula':>10}"
+            f" {'switch/bare':>12} {'fresh/bare':>11} {'fresh/switch':>13} {'naive/switch':>13}"
+            f" {'traced bytes':>13} {'formula':>10}"
         )
         for size, shape, times, measured, expected in rows:
             t = dict(zip(VARIANTS, times.median(dim=0).values.tolist()))
@@ -173,14 +200,24 @@ def main() -> None:
                 + f" {t['switch'] / t['unchecked']:16.3f}x"
                 f" {(t['switch'] - t['unchecked']) / t['bare']:+14.3f}x"
                 f" {t['agree+bare'] / t['bare']:15.3f}x"
-                f" {t['switch'] / t['bare']:11.3f}x {t['naive'] / t['switch']:12.3f}x"
+                f" {t['switch'] / t['bare']:11.3f}x {t['switch (fresh)'] / t['bare']:10.3f}x"
+                f" {t['switch (fresh)'] / t['switch']:12.3f}x {t['naive'] / t['switch']:12.3f}x"
                 f" {measured:>13} {ok} {expected}"
+            )
+        print("\nCPU time per call (process, all threads; larger rank), median ms, and / bare")
+        for (size, _, _, _, _), cpu in zip(rows, cpu_rows):
+            c = dict(zip(VARIANTS, cpu.median(dim=0).values.tolist()))
+            print(
+                f"{format_bytes(size):>10}  "
+                + "  ".join(f"{v} {c[v] * 1e3:.3f} ({c[v] / c['bare']:.2f}x)" for v in VARIANTS)
             )
         print("\nratios per repetition (both variants timed back to back): median [25%-75%]")
         for size, _, times, _, _ in rows:
             print(
                 f"{format_bytes(size):>10}  switch/unchecked {paired(times, 'switch', 'unchecked')}"
                 f"   agree+bare/bare {paired(times, 'agree+bare', 'bare')}"
+                f"   switch/bare {paired(times, 'switch', 'bare')}"
+                f"   fresh/switch {paired(times, 'switch (fresh)', 'switch')}"
             )
         print(
             "\nreproduce: accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "

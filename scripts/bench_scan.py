@@ -1,38 +1,55 @@
 """CPU benchmark of the selective-scan kernels against sequential and published torch paths.
 
-One process, interleaved repetitions (every variant once per round, rounds repeated), median
-wall time of forward and of forward + backward, and the activation memory each variant keeps
-for backward (bytes of distinct saved storages, :class:`dspzoo.core.parallel.trace.SavedTensorMeter`)::
+One process, interleaved repetitions (every variant once per round, rounds repeated, after one
+untimed warm-up round that also measures memory), median wall time of forward and of
+forward + backward, the activation memory each variant keeps for backward (bytes of distinct
+saved storages, :class:`dspzoo.core.parallel.trace.SavedTensorMeter`) and its peak memory
+(:class:`PeakMemory`: the most bytes of tensor storage alive at once during forward +
+backward, inputs excluded; CPU tensors have no allocator statistics)::
 
     python scripts/bench_scan.py                       # L = 4096 and 16384, 3 rounds
-    python scripts/bench_scan.py --lengths 4096 --rounds 5 --threads 1
+    python scripts/bench_scan.py --kernels mamba1 --lengths 4096 --rounds 5 --threads 1
 
 Mamba-1: batch 1, d_inner 256, state 16, input-dependent B/C, D, z, softplus(Δ + bias).
-Variants: ``ours`` (:func:`selective_scan`), ``sequential`` (one step at a time, as a plain
-loop), and when installed ``transformers`` (``modeling_mamba.mamba_selective_scan``'s slow path)
-and ``pscan`` (mambapy's parallel scan on the discretised tensors, as transformers'
-``use_mambapy`` path does).
+Variants: ``ours`` (:func:`selective_scan`), ``ours-before`` (its chunked scan as before the
+speed-up: ``x · exp(−S)`` instead of ``x / exp(S)``), and when installed ``transformers``
+(``modeling_mamba.mamba_selective_scan``'s slow path: the sequential loop of
+``MambaMixer.slow_forward``) and ``pscan`` (mambapy's parallel scan on the discretised tensors,
+as transformers' ``use_mambapy`` path does); ``sequential`` (the same loop written here) only
+when transformers is missing or with ``--own-sequential``.
 
 Mamba-2 (SSD) at mamba2-130m's head shape: 24 heads × head_dim 64, state 128, one group, chunk
-256. Variants: ``ours`` (:func:`ssd_scan`), ``sequential`` and, when installed,
-``transformers`` (``modeling_mamba2.mamba2_chunk_scan``'s torch path).
+256. Variants: ``ours`` (:func:`ssd_scan`), ``ours-before`` (the same with the chunk-local
+segment sum as it was before the speed-up: a cumulative sum over every ``[T, T]`` block),
+when installed ``transformers`` (``modeling_mamba2.mamba2_chunk_scan``: ``Mamba2Mixer``'s
+``torch_forward`` scan), and ``sequential`` (one step at a time; up to
+``--skip-sequential-above``).
 
-Ratios are ``variant time / ours`` (> 1: ours is faster).
+A missing peer (transformers, mambapy) is named and skipped. Ratios are ``variant time / ours``
+(> 1: ours is faster), taken on CPU time: on a shared, oversubscribed machine a process's
+CPU time (one thread) measures its work where wall time measures the queue; wall time is shown.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import platform
+import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from dspzoo.core.layers import scan as scan_module
 from dspzoo.core.layers.scan import selective_scan, ssd_scan
 from dspzoo.core.parallel.trace import SavedTensorMeter, format_bytes
 
@@ -64,6 +81,31 @@ def mamba1_inputs(length: int, dim: int = 256, nstate: int = 16, seed: int = 0) 
 def mamba1_ours(t: Inputs) -> torch.Tensor:
     return selective_scan(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"],
                           t["delta_bias"], delta_softplus=True)  # fmt: skip
+
+
+def _chunked_states_before(
+    delta: torch.Tensor, A: torch.Tensor, x: torch.Tensor, h0: torch.Tensor
+) -> torch.Tensor:
+    """``scan._chunked_states`` before the speed-up: ``x · exp(−S)`` (a second exponential and a
+    negation of the ``[B, L, D, N]`` log-decays) instead of ``x / exp(S)``."""
+    length = x.shape[1]
+    chunk = scan_module._chunk_length(delta, A.abs().amax(-1), scan_module._SAFE_LOG_DECAY[x.dtype])
+    if chunk == 1:
+        return scan_module._log_step_scan(delta, A, x, h0)
+    chunk = min(chunk, length)
+    pad = (-length) % chunk
+    delta = F.pad(delta, (0, 0, 0, pad)).unflatten(1, (-1, chunk))
+    x = F.pad(x, (0, 0, 0, 0, 0, pad)).unflatten(1, (-1, chunk))
+    log_growth = delta.cumsum(2).unsqueeze(-1) * A
+    weighted = torch.cumsum(x * torch.exp(-log_growth), dim=2)
+    growth = torch.exp(log_growth)
+    if weighted.shape[1] == 1:
+        incoming = h0.unsqueeze(1)
+    else:
+        ends = _chunked_states_before(delta.sum(2), A, growth[:, :, -1] * weighted[:, :, -1], h0)
+        incoming = torch.cat([h0.unsqueeze(1), ends[:, :-1]], dim=1)
+    states = growth.mul_(weighted.add_(incoming.unsqueeze(2)))
+    return states.flatten(1, 2)[:, :length]
 
 
 def _discretise(t: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,6 +177,36 @@ def ssd_ours(t: Inputs) -> torch.Tensor:
                     dt_bias=t["dt_bias"], dt_softplus=True)  # fmt: skip
 
 
+def _segment_sum_before(log_decay: torch.Tensor) -> torch.Tensor:
+    """``scan._segment_sum`` before the speed-up: a cumulative sum over every ``[T, T]`` block."""
+    length = log_decay.shape[-1]
+    strict = torch.ones(length, length, dtype=torch.bool, device=log_decay.device).tril(-1)
+    sums = log_decay.unsqueeze(-1).expand(*log_decay.shape, length).masked_fill(~strict, 0)
+    sums = sums.cumsum(-2)
+    causal = torch.ones(length, length, dtype=torch.bool, device=log_decay.device).tril()
+    return sums.masked_fill(~causal, float("-inf"))
+
+
+@contextmanager
+def _patched(module: object, name: str, value: object) -> Iterator[None]:
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def mamba1_ours_before(t: Inputs) -> torch.Tensor:
+    with _patched(scan_module, "_chunked_states", _chunked_states_before):
+        return mamba1_ours(t)
+
+
+def ssd_ours_before(t: Inputs) -> torch.Tensor:
+    with _patched(scan_module, "_segment_sum", _segment_sum_before):
+        return ssd_ours(t)
+
+
 def ssd_sequential(t: Inputs) -> torch.Tensor:
     dt = F.softplus(t["dt"] + t["dt_bias"])  # [B, L, H]
     per_group = SSD_SHAPE["heads"] // SSD_SHAPE["groups"]
@@ -163,80 +235,194 @@ def ssd_transformers(t: Inputs) -> torch.Tensor:
 # ----------------------------------------------------------------------------- harness
 
 
-def run_once(
-    fn: Callable[[Inputs], torch.Tensor], t: Inputs
-) -> tuple[float, float, int, torch.Tensor]:
-    """Forward time, forward + backward time, saved-activation bytes, output."""
-    leaves = list(t.values())
-    start = time.perf_counter()
-    with SavedTensorMeter(exclude=leaves) as meter:
-        out = fn(t)
-    forward = time.perf_counter() - start
-    grads = torch.autograd.grad(out.float().pow(2).sum(), leaves, allow_unused=True)
-    total = time.perf_counter() - start
+class PeakMemory(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among storages created inside.
+
+    Every op's outputs are seen at dispatch (backward's too: autograd runs CPU work on the
+    calling thread with the mode active); a storage counts from its creation until it is freed
+    (a weak reference's callback). Tensors created before entering (the inputs) are excluded.
+    The bookkeeping costs Python time per op, so the timed runs go without it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alive: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._alive:
+            return
+        size = storage.nbytes()
+
+        def freed(_: weakref.ref, key: int = key, size: int = size) -> None:
+            if self._alive.pop(key, None) is not None:
+                self.live -= size
+
+        self._alive[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+
+def _forward_backward(fn: Callable[[Inputs], torch.Tensor], t: Inputs) -> torch.Tensor:
+    out = fn(t)
+    grads = torch.autograd.grad(out.float().pow(2).sum(), list(t.values()), allow_unused=True)
     del grads
-    return forward, total, meter.bytes, out.detach()
+    return out.detach()
 
 
-def bench(title: str, variants: dict[str, Callable], t: Inputs, rounds: int) -> None:
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    memory: dict[str, int] = {}
+def measure_memory(fn: Callable[[Inputs], torch.Tensor], t: Inputs) -> tuple[int, int]:
+    """Saved-for-backward bytes and peak bytes of forward + backward (one untimed run)."""
+    leaves = list(t.values())
+    with PeakMemory() as peak:
+        with SavedTensorMeter(exclude=leaves) as meter:
+            out = fn(t)
+        saved = meter.bytes
+        grads = torch.autograd.grad(out.float().pow(2).sum(), leaves, allow_unused=True)
+        del grads, out
+    return saved, peak.peak
+
+
+def run_once(fn: Callable[[Inputs], torch.Tensor], t: Inputs) -> tuple[list[float], torch.Tensor]:
+    """``[forward, forward + backward]`` in CPU seconds of this process, the same in wall
+    seconds, and the output."""
+    leaves = list(t.values())
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn(t)
+    forward = [time.process_time() - cpu, time.perf_counter() - wall]
+    grads = torch.autograd.grad(out.float().pow(2).sum(), leaves, allow_unused=True)
+    total = [time.process_time() - cpu, time.perf_counter() - wall]
+    del grads
+    return [forward[0], total[0], forward[1], total[1]], out.detach()
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+SEQUENTIAL = ("transformers", "sequential")  # the step-by-step loops (slowest by far)
+
+
+def bench(
+    title: str, variants: dict[str, Callable], t: Inputs, rounds: int, sequential_rounds: int
+) -> dict[str, dict]:
+    """One warm-up round (memory), then ``rounds`` interleaved timed rounds; prints a table.
+
+    Times are medians over the rounds of this process's CPU time (one thread: the work done,
+    whatever else the shared machine runs) and, for reference, of wall time. The step-by-step
+    loops (:data:`SEQUENTIAL`) run only in the first ``sequential_rounds`` rounds. Every run's
+    times go to stderr as they come (a run stopped by a time limit keeps what it measured).
+    """
+    times: dict[str, list[list[float]]] = {name: [] for name in variants}
+    memory: dict[str, tuple[int, int]] = {}
     outputs: dict[str, torch.Tensor] = {}
-    for _ in range(rounds):  # interleaved: each round runs every variant once
+    load_before = load_average()
+    for name, fn in variants.items():  # warm-up round: imports, allocator, memory
+        memory[name] = measure_memory(fn, t)
+        print(
+            f"  warm-up {name}: peak {format_bytes(memory[name][1])}", file=sys.stderr, flush=True
+        )
+    for i in range(rounds):  # interleaved: each round runs every variant once
         for name, fn in variants.items():
-            forward, total, saved, out = run_once(fn, t)
-            times[name].append((forward, total))
-            memory[name], outputs[name] = saved, out
-    ref = outputs["ours"]
-    ours_f = statistics.median(f for f, _ in times["ours"])
-    ours_t = statistics.median(t_ for _, t_ in times["ours"])
-    print(f"\n{title}")
+            if name in SEQUENTIAL and i >= sequential_rounds:
+                continue
+            measured, out = run_once(fn, t)
+            times[name].append(measured)
+            outputs[name] = out
+            print(f"  round {i} {name}: fwd+bwd {measured[1]:.3f} CPU s, {measured[3]:.2f} wall s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    medians = {n: [statistics.median(col) for col in zip(*ts)] for n, ts in times.items()}
+    ours = medians["ours"]
+    print(f"\n{title}  (load average {load_before} before, {load_average()} after)")
     print(
-        "| variant | forward s | fwd+bwd s | fwd ratio | fwd+bwd ratio | saved for backward | max |Δ| vs ours |"
+        "| variant | forward CPU s | fwd+bwd CPU s | fwd ratio | fwd+bwd ratio | fwd+bwd wall s "
+        "| saved for backward | peak fwd+bwd | max |Δ| vs ours |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = {}
     for name in variants:
-        f = statistics.median(x for x, _ in times[name])
-        tt = statistics.median(y for _, y in times[name])
-        diff = (outputs[name] - ref).abs().max().item()
-        print(f"| {name} | {f:.3f} | {tt:.3f} | {f / ours_f:.2f}× | {tt / ours_t:.2f}× | "
-              f"{format_bytes(memory[name])} | {diff:.1e} |")  # fmt: skip
+        f, tt, _, wall = medians[name]
+        diff = (
+            (outputs[name] - ref).abs().max().item() if (ref := outputs["ours"]) is not None else 0
+        )
+        saved, peak = memory[name]
+        rows[name] = dict(forward=f, total=tt, wall=wall, saved=saved, peak=peak, diff=diff)
+        print(f"| {name} | {f:.3f} | {tt:.3f} | {f / ours[0]:.2f}× | {tt / ours[1]:.2f}× | "
+              f"{wall:.2f} | {format_bytes(saved)} | {format_bytes(peak)} | {diff:.1e} |")  # fmt: skip
     sys.stdout.flush()
+    return rows
+
+
+def peers() -> dict[str, bool]:
+    """Which optional peers import; a missing one is named (and its variants skipped)."""
+    has = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "mambapy")}
+    for name, present in has.items():
+        if not present:
+            print(f"peer missing: {name} (pip install {name}); its variants are skipped")
+    return has
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--kernels", nargs="+", choices=("mamba1", "ssd"), default=["mamba1", "ssd"]
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--ssd-lengths", type=int, nargs="+", default=None,
                         help="lengths for the SSD scan (default: --lengths)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sequential-rounds", type=int, default=None,
+                        help="timed rounds of the step-by-step loops (default: --rounds)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--skip-sequential-above", type=int, default=1 << 30,
                         help="drop the sequential loops for longer sequences")  # fmt: skip
+    parser.add_argument("--no-before", action="store_true",
+                        help="drop the ours-before variants (the speed-ups' baselines)")  # fmt: skip
+    parser.add_argument("--own-sequential", action="store_true",
+                        help="Mamba-1: also run this script's own loop beside transformers'")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"threads {args.threads}, rounds {args.rounds}")  # fmt: skip
-    print("command: python " + " ".join(sys.argv))
-    has = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "mambapy")}
-    for length in args.lengths:
-        variants: dict[str, Callable] = {"ours": mamba1_ours}
-        if length <= args.skip_sequential_above:
-            variants["sequential"] = mamba1_sequential
+    print("command: python scripts/bench_scan.py " + shlex.join(sys.argv[1:]))
+    has = peers()
+    seq_rounds = args.rounds if args.sequential_rounds is None else args.sequential_rounds
+    if "mamba1" in args.kernels:
+        for length in args.lengths:
+            variants: dict[str, Callable] = {"ours": mamba1_ours}
+            if not args.no_before:
+                variants["ours-before"] = mamba1_ours_before
+            if length <= args.skip_sequential_above:
+                if has["transformers"]:
+                    variants["transformers"] = mamba1_transformers
+                if args.own_sequential or not has["transformers"]:
+                    variants["sequential"] = mamba1_sequential
+            if has["mambapy"]:
+                variants["pscan"] = mamba1_pscan
+            bench(f"Mamba-1 selective scan, L={length}, d_inner 256, state 16, batch 1",
+                  variants, mamba1_inputs(length), args.rounds, seq_rounds)  # fmt: skip
+    if "ssd" in args.kernels:
+        for length in args.ssd_lengths or args.lengths:
+            variants = {"ours": ssd_ours}
+            if not args.no_before:
+                variants["ours-before"] = ssd_ours_before
             if has["transformers"]:
-                variants["transformers"] = mamba1_transformers
-        if has["mambapy"]:
-            variants["pscan"] = mamba1_pscan
-        bench(f"Mamba-1 selective scan, L={length}, d_inner 256, state 16, batch 1",
-              variants, mamba1_inputs(length), args.rounds)  # fmt: skip
-    for length in args.ssd_lengths or args.lengths:
-        variants = {"ours": ssd_ours}
-        if length <= args.skip_sequential_above:
-            variants["sequential"] = ssd_sequential
-        if has["transformers"]:
-            variants["transformers"] = ssd_transformers
-        bench(f"Mamba-2 SSD scan, L={length}, mamba2-130m heads (24 × 64, state 128), batch 1",
-              variants, ssd_inputs(length), args.rounds)  # fmt: skip
+                variants["transformers"] = ssd_transformers
+            if length <= args.skip_sequential_above:
+                variants["sequential"] = ssd_sequential
+            bench(f"Mamba-2 SSD scan, L={length}, mamba2-130m heads (24 × 64, state 128), batch 1",
+                  variants, ssd_inputs(length), args.rounds, seq_rounds)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -105,6 +105,32 @@ def test_traced_bytes_equal_the_formula_and_agree_with_one_process_on_an_uneven_
 
 
 @pytest.mark.timeout(170)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--model", "mambalm-tiny", "--seq-len", "13"),  # Mamba-1 LM, 13 tokens: 7 + 6
+        ("--model", "videomamba-tiny", "--frames", "5", "--latent", "6"),  # Mamba-2, t=5 h=w=3
+    ],
+    ids=["mamba-lm", "video-mamba"],
+)
+def test_mamba_cases_run_the_three_scan_methods_with_traced_bytes_equal_to_the_formula(
+    tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    from dspzoo.core.bench.case import SCAN_STRATEGIES
+
+    result = _launch(tmp_path, *flags, "--reps", "1")
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert list(rows) == list(SCAN_STRATEGIES)  # 'all' means the scan methods for Mamba
+    _assert_exact_and_agrees(rows)
+    assert rows["state_passing"]["methods"] == ["state_passing"]
+    assert rows["head_a2a"]["methods"] == ["head_a2a"]
+    for r in rows.values():  # every method communicates inside the model at SP 2
+        assert r["bytes"] > 0 and len(r["times"]) == 1
+        "deepspeed_ulysses", "DeepSpeed-Ulysses"
+    )
+
+
+@pytest.mark.timeout(170)
 def test_end_to_end_mode_takes_the_trainers_optimisation_steps(tmp_path: Path) -> None:
     """End-to-end at SP 2 (a budget nothing fits): the timed steps are the Trainer's
     optimisation steps (DDP over dp × sp; megatron_sp's tensor-parallel sync), so the loss of

@@ -362,6 +362,39 @@ def _check_workspace(rank: int, world: int) -> int:
     return 1
 
 
+def _check_recycled_results(rank: int, world: int) -> int:
+    """Switch results reuse the group's free storages, never one a tensor still holds.
+
+    Held results (by the caller, or saved by autograd for a backward) stay intact through later
+    switches; a dropped one's storage comes back; results are not views and may be modified
+    in place.
+    """
+    group = dist.group.WORLD
+    full = torch.randn(2, 2 * world, 12, 5, generator=torch.Generator().manual_seed(4))
+    x = _slice(full, 1, world, rank)
+    want = _slice(full, 2, world, rank)
+    held = [comm.switch(x, 1, 2, group) for _ in range(4)]  # more than a shape keeps
+    assert len({h.data_ptr() for h in held}) == 4
+    for h in held:
+        assert torch.equal(h, want) and h._base is None
+    held[0].add_(1.0)  # in place on a result
+    assert torch.equal(held[1], want)
+    del held
+    y = comm.switch(x, 1, 2, group)
+    freed = y.data_ptr()
+    del y
+    y = comm.switch(x, 1, 2, group)
+    assert y.data_ptr() == freed and torch.equal(y, want)
+    # a result saved by autograd is not handed out again before its backward
+    xg = x.clone().requires_grad_(True)
+    loss = comm.switch(xg, 1, 2, group).sin()
+    saved = [comm.switch(x, 1, 2, group) for _ in range(3)]
+    assert all(torch.equal(s, want) for s in saved)
+    loss.sum().backward()
+    assert torch.allclose(xg.grad, _slice(full, 1, world, rank).cos())
+    return 1
+
+
 def _check_mismatched_switch(rank: int, world: int) -> int:
     """Rank 1 has a different channel count or dtype: every rank raises the same error (no hang).
 
@@ -454,6 +487,7 @@ CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_async_out_of_order,
     _check_double_backward,
     _check_workspace,
+    _check_recycled_results,
     _check_mismatched_switch,
     _check_rehearsed_switch,
 )
@@ -502,6 +536,29 @@ def test_pack_unpack_round_trip(sizes: list[int], axis: int) -> None:
         y = unpack_blocks(buf, axis, sizes, shape, pad_to=pad_to)
         assert torch.equal(y, x) and y._base is None
     comm.release_workspace()
+
+
+def test_recycled_output_storage() -> None:
+    """Workspace.output hands out a storage again only once no tensor holds it."""
+    from dspzoo.core.parallel.comm.settings import Workspace
+
+    ws, like = Workspace(), torch.empty(0)
+    a = ws.output([3, 4], like, 2**20)
+    b = ws.output([3, 4], like, 2**20)
+    assert a is not None and b is not None and a.data_ptr() != b.data_ptr()
+    assert a.is_contiguous() and a._base is None and list(a.shape) == [3, 4]
+    assert ws.output([3, 4], like, 2**20) is None  # both held, at most two kept per size
+    ptr = a.data_ptr()
+    view = a[1:]
+    del a
+    assert ws.output([12], like, 2**20) is None  # the view still holds a's storage
+    del view
+    c = ws.output([12], like, 2**20)  # same numel, another shape
+    assert c is not None and c.data_ptr() == ptr
+    assert ws.output([3, 4], like, 10) is None  # above the limit: allocate fresh
+    del b, c
+    ws.shrink(0)
+    assert ws.output_nbytes() == 0
 
 
 def test_workspace_limit() -> None:

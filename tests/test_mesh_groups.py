@@ -8,6 +8,12 @@ in a different order on different ranks must complete with the right values (the
 deadlock or exchange the wrong buffers on one shared communicator). DDP built by
 ``setup_accelerate`` + ``accelerator.prepare`` averages on the gradient group. After
 ``release_communicators`` no communication thread is left.
+
+The mesh's node layout: from fake launcher environments (no processes), the nodes torchrun,
+accelerate, SLURM or the host name describe, every disagreement and every SP size that cannot
+stay on one node raising a clear error, SP across nodes on request; and ``build_mesh`` on four
+processes that say they are two nodes of two: SP groups node-local at sp 2, at sp 4 the same
+error on every rank, or a warned mesh with ``sp_is_node_local`` false when asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +26,15 @@ import torch
 import torch.distributed as dist
 
 from dspzoo.core.parallel.mesh import SPMesh, build_mesh
+from dspzoo.core.parallel.nodes import (
+    NodeLayout,
+    RankPlace,
+    check_sp_placement,
+    code_fingerprint,
+    node_layout,
+    sp_across_nodes_requested,
+    this_place,
+)
 from dspzoo.core.testing import run_distributed
 
 
@@ -163,3 +178,190 @@ def test_group_ddp_kwargs_keep_the_users_ddp_settings() -> None:
     assert kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 5, "process_group": group}
     assert kwargs["process_group"] is group
     assert GroupDDPKwargs.on_group(group).to_kwargs() == {"process_group": group}
+
+
+# -- node layout ---------------------------------------------------------------------------------
+
+
+def _torchrun_env(node: int, local: int, per_node: int) -> dict[str, str]:
+    """What torchrun (and accelerate launch, through it) sets on one process."""
+    return {
+        "GROUP_RANK": str(node),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "RANK": str(node * per_node + local),
+    }
+
+
+def _places(nodes: int, per_node: int, hosts: list[str] | None = None) -> list[RankPlace]:
+    """Places of a ``nodes × per_node`` torchrun job (host ``host<node>`` unless given)."""
+    places = []
+    for node in range(nodes):
+        for local in range(per_node):
+            env = _torchrun_env(node, local, per_node)
+            place = this_place(node * per_node + local, env)
+            host = hosts[node] if hosts else f"host{node}"
+            places.append(RankPlace(**{**vars(place), "host": host}))
+    return places
+
+
+def test_this_place_reads_the_launchers_variables() -> None:
+    torchrun = this_place(5, {"GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
+    assert (torchrun.node_var, torchrun.node_id) == ("GROUP_RANK", "1")
+    assert (torchrun.local_rank, torchrun.local_world_size) == (1, 4)
+    slurm = this_place(3, {"SLURM_NODEID": "2", "NODE_RANK": ""})
+    assert (slurm.node_var, slurm.node_id, slurm.local_rank) == ("SLURM_NODEID", "2", None)
+    assert this_place(0, {}).node_var is None
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two' in the environment"):
+        this_place(0, {"LOCAL_WORLD_SIZE": "two"})
+
+
+def test_node_layout_of_a_torchrun_job() -> None:
+    layout = node_layout(_places(2, 4)[::-1])  # any order of records
+    assert layout.nodes == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert layout.hosts == ("host0", "host1") and layout.source == "GROUP_RANK"
+    assert layout.sizes == (4, 4) and layout.world_size == 8
+    assert [layout.node_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert "2 node(s) × 4 processes (nodes from GROUP_RANK, on 2 hosts" in layout.describe()
+
+
+def test_two_launchers_on_one_host_are_two_nodes() -> None:
+    layout = node_layout(_places(2, 2, hosts=["box", "box"]))
+    assert layout.nodes == ((0, 1), (2, 3)) and "on one host: box" in layout.describe()
+
+
+def test_without_a_launcher_the_host_name_names_the_node() -> None:
+    places = [RankPlace(rank=r, host="ab"[r // 3]) for r in range(6)]
+    layout = node_layout(places)
+    assert layout.nodes == ((0, 1, 2), (3, 4, 5)) and layout.source == "hostname"
+
+
+@pytest.mark.parametrize(
+    ("sp", "local", "per_node_ranks"),
+    [(1, True, 1), (2, True, 2), (4, True, 4), (8, False, 4)],
+)
+def test_sp_groups_inside_a_node(sp: int, local: bool, per_node_ranks: int) -> None:
+    layout = node_layout(_places(2, 4))
+    assert check_sp_placement(layout, sp, across_nodes=True) is local
+    blocks = [list(range(d * sp, (d + 1) * sp)) for d in range(8 // sp)]
+    assert min(layout.ranks_per_node_of(b) for b in blocks) == per_node_ranks
+    if local:
+        assert check_sp_placement(layout, sp) is True
+
+
+@pytest.mark.parametrize(
+    ("layout", "sp", "cause", "choices"),
+    [
+        (NodeLayout(((0, 1), (2, 3)), ("a", "b"), "GROUP_RANK"), 4, "larger than the 2", "[1, 2]"),
+        (
+            NodeLayout(((0, 1, 2), (3, 4, 5)), ("a", "b"), "GROUP_RANK"),
+            2,
+            "sp=2 does not divide the 3 processes",
+            "[1, 3]",
+        ),
+        (
+            NodeLayout(((0, 1, 2), (3,)), ("a", "b"), "NODE_RANK"),
+            2,
+            "different numbers of processes [3, 1]",
+            "[1]",
+        ),
+        (
+            NodeLayout(((0, 2), (1, 3)), ("a", "b"), "SLURM_NODEID"),
+            2,
+            "ranks of a node are not consecutive",
+            "[1, 2]",
+        ),
+    ],
+)
+def test_sp_groups_that_cannot_stay_on_a_node_raise(
+    layout: NodeLayout, sp: int, cause: str, choices: str
+) -> None:
+    with pytest.raises(ValueError, match="SP groups must lie inside one node") as err:
+        check_sp_placement(layout, sp)
+    message = str(err.value)
+    assert cause in message and f"Choose --sp among {choices}" in message
+    assert "DSPZOO_SP_ACROSS_NODES=1" in message
+    assert check_sp_placement(layout, sp, across_nodes=True) is False
+
+
+def test_disagreeing_launchers_raise() -> None:
+    same_rank_twice = _places(2, 2, hosts=["a", "a"])
+    same_rank_twice[2:] = [
+        RankPlace(**{**vars(p), "node_id": "0"}) for p in same_rank_twice[2:]
+    ]  # both launchers got --node_rank 0
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE says \\[2\\].*same node rank"):
+        node_layout(same_rank_twice)
+    two_hosts = _places(1, 2, hosts=["a"])
+    two_hosts[1] = RankPlace(**{**vars(two_hosts[1]), "host": "b"})
+    with pytest.raises(ValueError, match="runs? on hosts \\['a', 'b'\\]"):
+        node_layout(two_hosts)
+    mixed = [RankPlace(0, "a", "GROUP_RANK", "0"), RankPlace(1, "a", "SLURM_NODEID", "0")]
+    with pytest.raises(ValueError, match="disagree on how they name nodes"):
+        node_layout(mixed)
+    with pytest.raises(ValueError, match="one record per rank"):
+        node_layout([RankPlace(0, "a"), RankPlace(2, "a")])
+    local_ranks = [RankPlace(r, "a", "GROUP_RANK", "0", 0, 2) for r in range(2)]
+    with pytest.raises(ValueError, match="LOCAL_RANK values \\[0, 0\\]"):
+        node_layout(local_ranks)
+
+
+def test_machines_running_different_code_raise() -> None:
+    places = _places(2, 2)
+    assert {p.code for p in places} == {code_fingerprint()} and "torch" in code_fingerprint()
+    places[2:] = [
+        RankPlace(**{**vars(p), "code": "dspzoo 000000000000, torch 2.0"}) for p in places[2:]
+    ]
+    with pytest.raises(ValueError, match="run different code") as err:
+        node_layout(places)
+    assert "on rank(s) [2, 3] (host(s) ['host1'])" in str(err.value)
+    assert "same dspzoo commit and torch version" in str(err.value)
+
+
+def test_sp_across_nodes_setting() -> None:
+    assert sp_across_nodes_requested({}) is False
+    assert sp_across_nodes_requested({"DSPZOO_SP_ACROSS_NODES": "1"}) is True
+    assert sp_across_nodes_requested({"DSPZOO_SP_ACROSS_NODES": "off"}) is False
+    with pytest.raises(ValueError, match="DSPZOO_SP_ACROSS_NODES='maybe'"):
+        sp_across_nodes_requested({"DSPZOO_SP_ACROSS_NODES": "maybe"})
+
+
+def _simulated_nodes(rank: int, world: int) -> dict[str, Any]:
+    """Two nodes of two, as two torchrun launchers on this host would say; meshes at sp 2,
+    sp 4 (an error), sp 4 across nodes on purpose."""
+    os.environ.update(_torchrun_env(rank // 2, rank % 2, 2))
+    mesh = build_mesh(2, timeout_s=30)
+    found: dict[str, Any] = {
+        "nodes": mesh.nodes,
+        "node_rank": mesh.node_rank,
+        "sp_local": mesh.sp_is_node_local,
+        "sp_per_node": mesh.sp_ranks_per_node,
+        "summary": mesh.describe_topology(),
+    }
+    try:
+        build_mesh(4, timeout_s=30)
+    except ValueError as exc:
+        found["error"] = str(exc)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        across = build_mesh(4, timeout_s=30, sp_across_nodes=True)
+    found["across"] = (across.sp_is_node_local, across.sp_ranks_per_node)
+    found["warned"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return found
+
+
+def test_build_mesh_on_two_simulated_nodes() -> None:
+    results = run_distributed(_simulated_nodes, 4, timeout=180)
+    for rank, found in enumerate(results):
+        assert found["nodes"] == ((0, 1), (2, 3)) and found["node_rank"] == rank // 2
+        assert found["sp_local"] is True and found["sp_per_node"] == 2
+        assert "sp 2 on 2 node(s) × 2 processes" in found["summary"]
+        assert (
+            "SP groups node-local ([0, 1] on node 0, [2, 3] on node 1), DP groups across nodes"
+            in found["summary"]
+        )
+        assert "sp=4 is larger than the 2 processes of a node" in found["error"]  # every rank
+        assert found["across"] == (False, 2)
+        assert len(found["warned"]) == (1 if rank == 0 else 0)  # said once, by rank 0
+    assert "inter-node link" in results[0]["warned"][0]

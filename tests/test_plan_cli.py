@@ -256,3 +256,57 @@ def test_the_toy2d_workload_predicts_the_traced_bytes_of_every_strategy() -> Non
     )
     assert {c.strategy for c in report.checks} >= {"dsp", "ulysses", "ring", "megatron_sp"}
     assert all(c.traced_bytes == c.plan_bytes > 0 for c in report.checks)
+
+
+def test_a_mamba_model_plan_says_which_method_runs_each_stage(capsys) -> None:
+    """The hybrid's plan: its layers described, the scans by state passing beside the attention
+    by each strategy's method (DSP's own choice Ulysses), and rows a strategy cannot run marked
+    as such instead of 'fits yes'."""
+    lines = _plan(capsys, "hybridlm-tiny", "--seq-len", "4096")
+    assert "tokens (l=4096)" in lines[0] and not any("default size" in x for x in lines)
+    assert "  scans: 2 Mamba-2 scan stages, d_inner 64 = 4 heads x 16, state 8, conv 4" in lines
+    assert "  attention: layers 1, 3 of 4, 4 heads x 8 (2 K/V heads), MLP 64" in lines
+    assert "  SP 2: scan state_passing, attn ulysses  (dsp, ulysses)" in lines
+    assert "  SP 4: scan state_passing, attn ring  (ring)" in lines
+    assert "  SP 4: scan state_passing, attn lss  (lss)" in lines
+    rows = _rows(lines)
+    assert ("4", "ulysses_flat") not in rows  # a prediction-only variant for 2-D attention
+    megatron = " ".join(rows[("4", "megatron_sp")])
+    assert megatron.endswith(
+        "- (not runnable: stage 'scan' has no tensor-parallel linears (no TP_PLAN))"
+    )
+    for cells in rows.values():
+        assert not ("yes" in cells and "runnable:" in " ".join(cells)), cells
+
+
+def test_a_mamba1_plan_speaks_of_channels_and_its_default_length(capsys) -> None:
+    lines = _plan(capsys, "mambalm-tiny")
+    assert "tokens (l=2048)" in lines[0]
+    assert "  default size: 2048 tokens (a Mamba LM has no maximum length; --seq-len)" in lines
+    scans = next(x for x in lines if x.startswith("  scans:"))
+    assert "Mamba-1" in scans and "d_inner 64 channels" in scans and "heads x" not in scans
+    assert not any("not runnable: ulysses" in x for x in lines)  # no attention stage to shard
+    assert "  SP 4: every stage state_passing  (dsp, ulysses, ring, lss, usp, megatron_sp)" in lines
+    video = _plan(capsys, "videomamba-tiny", "--frames", "8")
+    assert "tokens (t=8, h=8, w=8)" in video[0]
+    assert (
+        "  SP 4: every stage local (each mixes a dim that is whole)  (dsp, ulysses, ring, lss, usp)"
+        in video
+    )
+    assert "tokens (t=2, y=8, x=16)" in _plan(capsys, "weathermamba-tiny")[0]
+    assert "weathermamba-tiny is a weather model" in _error(
+        capsys, "weathermamba-tiny", "--seq-len", "9"
+    )
+    assert "mambalm-tiny is a Mamba language model: its sizes are --seq-len" in _error(
+        capsys, "mambalm-tiny", "--frames", "4"
+    )
+
+
+def test_plan_help_names_the_mamba_families() -> None:
+    from dspzoo.zoo.plan_cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "language models: bytelm; Mamba LMs mambalm, mamba2lm, hybridlm:" in text
+    assert "video models: stdit, latte, latte1, videomamba:" in text
+    assert "weather models: weathertx, weathermamba:" in text
+    assert "Language models (bytelm; Mamba LMs mambalm, mamba2lm, hybridlm): --seq-len." in text

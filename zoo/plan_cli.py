@@ -2,18 +2,24 @@
 
 dspzoo plan stdit-720M --frames 128 --size 512 --batch 1 --sp 1,2,4,8 --cluster h100-nvlink-ib
 dspzoo plan bytelm-lss-12l --seq-len 50000 --sp 8,16 --cluster v100-summit
+dspzoo plan mamba2lm-130m --seq-len 65536 --sp 1,4,8
+dspzoo plan hybridlm-130m --seq-len 65536 --sp 4,8
 dspzoo plan weathertx-global-1.40625 --grid 128x256 --history 2 --sp 8
 dspzoo plan evoformer-af2 --residues 384 --msa-depth 512 --sp 1,2,4,8
 dspzoo plan axial3d-mini --dims t=64,h=128,w=128 --sp 4,8
 
 Each kind of model takes its own sizes; a size left out is the config's own:
 
-* video (stdit, latte, latte1): ``--frames`` latent frames (default 1: an image), ``--size`` the pixel
-  size H or HxW (divided by ``--vae-stride``, 8 by default) or ``--latent`` the latent size
-  (default: the config's ``input_size`` or ``sample_size``), ``--context`` conditioning tokens;
+* video (stdit, latte, latte1, videomamba): ``--frames`` latent frames (default 1: an image),
+  ``--size`` the pixel size H or HxW (divided by ``--vae-stride``, 8 by default) or ``--latent``
+  the latent size (default: the config's ``input_size`` or ``sample_size``), ``--context``
+  conditioning tokens;
 * text (bytelm): ``--seq-len`` bytes per sequence (default: the config's ``max_len``);
-* weather (weathertx): ``--grid`` HxW grid points and ``--history`` input states (default: the
-  config's ``grid`` and ``history``; ``--latent`` and ``--frames`` are accepted for them);
+* Mamba LMs (mambalm, mamba2lm, hybridlm): ``--seq-len`` tokens per sequence (default
+  :data:`MAMBA_SEQ_LEN`, the Mamba papers' training context);
+* weather (weathertx, weathermamba): ``--grid`` HxW grid points and ``--history`` input states
+  (default: the config's ``grid`` and ``history``; ``--latent`` and ``--frames`` are accepted
+  for them);
 * protein (evoformer): ``--residues`` and ``--msa-depth`` (default 256 and 128, AlphaFold 2's
   training crop); the Evoformer runs under ``dsp`` only, so it prints its two-activation plan;
 * any other family (yours): the sizes its workload builder reads (``--frames``, ``--size`` /
@@ -21,6 +27,9 @@ Each kind of model takes its own sizes; a size left out is the config's own:
 * every model: ``--dims name=tokens,...`` sets token lengths (after patching) by the model's
   own dim names, e.g. ``--dims h=64,w=64``; with ``--dims`` alone, name every dim.
 
+Under the table, one line per SP size and plan says which method runs each stage that mixes the
+sharded dim (strategies with the same plan share a line): a Mamba model's scans run by
+``state_passing`` or ``head_a2a`` under every strategy, its attention by the strategy's method.
 ``--inference`` predicts a forward pass only (``--steps`` of them, e.g. sampling steps).
 """
 
@@ -36,6 +45,7 @@ from dspzoo.core.costmodel import (
     CLUSTERS,
     DEFAULT_STRATEGIES,
     format_table,
+    make_plan,
     predict_table,
     recommend,
 )
@@ -43,6 +53,9 @@ from dspzoo.core.costmodel import (
 from ..core.argparser import CommandParser
 from .registry import count_parameters, create_model, format_count, get_config, resolve_name
 from .workloads import workload_for
+
+#: ``--seq-len`` of a Mamba LM when none is given: the Mamba papers' training context
+MAMBA_SEQ_LEN = 2048
 
 # argparse dests of the per-kind size flags (each None unless given)
 SIZE_FLAGS = (
@@ -56,23 +69,32 @@ SIZE_FLAGS = (
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``plan`` arguments (on ``parser``, e.g. a ``dspzoo`` subparser)."""
     p = parser or CommandParser(prog="dspzoo plan", description=__doc__.split("\n")[0])
-    p.add_argument("model", help="zoo model, e.g. stdit-720M, evoformer-af2, weathertx-small")
-    video = p.add_argument_group(
-        "video (stdit, latte, latte1)",
-        "--frames, --size/--latent, --seq-len and --context also reach the workload builder of a "
-        "family of no listed kind (yours); weather reads --frames/--latent as --history/--grid",
+    p.add_argument(
+        "model", help="zoo model, e.g. stdit-720M, mamba2lm-130m, evoformer-af2, weathertx-small"
     )
+    p.epilog = (
+        "Sizes per kind of model: video (stdit, latte, latte1, videomamba): --frames, "
+        "--size/--latent, --context. Language models (bytelm; Mamba LMs mambalm, mamba2lm, "
+        "hybridlm): --seq-len. Weather (weathertx, weathermamba): --grid, --history. Protein "
+        "(evoformer): --residues, --msa-depth. Any model: --dims name=tokens,... . A family of "
+        "yours gets --frames, --size/--latent, --seq-len and --context as they are given."
+    )
+    video = p.add_argument_group("video models: stdit, latte, latte1, videomamba")
     video.add_argument("--frames", type=int, help="latent frames (default 1: an image)")
     video.add_argument("--size", type=str, help="pixel size H or HxW")
     video.add_argument("--latent", type=str, help="latent size H or HxW (instead of --size)")
     video.add_argument("--vae-stride", type=int, default=8, help="pixels per latent (default 8)")
     video.add_argument("--context", type=int, help="conditioning tokens (default 0)")
-    text = p.add_argument_group("text (bytelm)")
-    text.add_argument("--seq-len", type=int, help="bytes per sequence (default: max_len)")
-    weather = p.add_argument_group("weather (weathertx)")
+    text = p.add_argument_group("language models: bytelm; Mamba LMs mambalm, mamba2lm, hybridlm")
+    text.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (default: bytelm's max_len; Mamba LMs {MAMBA_SEQ_LEN})",
+    )
+    weather = p.add_argument_group("weather models: weathertx, weathermamba")
     weather.add_argument("--grid", type=str, help="grid points HxW (default: the config's)")
     weather.add_argument("--history", type=int, help="input states (default: the config's)")
-    protein = p.add_argument_group("protein (evoformer)")
+    protein = p.add_argument_group("protein models: evoformer")
     protein.add_argument("--residues", type=int, help="residues (default 256)")
     protein.add_argument("--msa-depth", type=int, help="MSA rows (default 128)")
     p.add_argument(
@@ -152,6 +174,13 @@ def _text_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], 
     return {"seq_len": config.max_len}, [f"{config.max_len} bytes (the config's max_len)"]
 
 
+def _mamba_lm_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    if args.seq_len is not None:
+        return {"seq_len": args.seq_len}, []
+    note = f"{MAMBA_SEQ_LEN} tokens (a Mamba LM has no maximum length; --seq-len)"
+    return {"seq_len": MAMBA_SEQ_LEN}, [note]
+
+
 def _weather_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     if args.grid is not None and args.latent is not None:
         raise ValueError("give the weather grid once: --grid (or its alias --latent)")
@@ -184,6 +213,7 @@ def _builder_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any
 
 VIDEO = Sizing("video", ("frames", "size", "latent", "context"), _video_sizes)
 TEXT = Sizing("text", ("seq_len",), _text_sizes)
+MAMBA_LM = Sizing("Mamba language", ("seq_len",), _mamba_lm_sizes)
 WEATHER = Sizing("weather", ("grid", "history", "latent", "frames"), _weather_sizes)
 PROTEIN = Sizing("protein", ("residues", "msa_depth"), lambda config, args: ({}, []))
 BUILDER = Sizing("zoo", ("frames", "size", "latent", "context", "seq_len"), _builder_sizes)
@@ -193,6 +223,11 @@ SIZINGS = {
     "latte1": VIDEO,
     "bytelm": TEXT,
     "weathertx": WEATHER,
+    "videomamba": VIDEO,
+    "mambalm": MAMBA_LM,
+    "mamba2lm": MAMBA_LM,
+    "hybridlm": MAMBA_LM,
+    "weathermamba": WEATHER,
     "evoformer": PROTEIN,
 }
 
@@ -249,6 +284,62 @@ def workload_from_args(name: str, config: Any, sizing: Sizing, args: argparse.Na
             str(exc).replace("dims names", "--dims names").replace("with dims", "with --dims")
         ) from None
     return wl, [] if dims else notes
+
+
+# -- what the table does not show: the model's scans and the method of every stage ---------------
+
+
+def describe_scans(wl: Any) -> list[str]:
+    """A line on a Mamba model's scan layers (Mamba-2: heads; Mamba-1: channels, which is what
+    its head all-to-all shards) and one on a hybrid's attention layers; none for other models."""
+    scan = wl.extra.get("scan")
+    if not scan or "mixer" not in wl.extra:
+        return []
+    count = sum(1 for layer in wl.layers for spec in layer if spec.scan is not None)
+    inner, state, conv = scan["inner"], scan["state"], scan["conv"]
+    if wl.extra["mixer"] == "mamba2":
+        shape = f"d_inner {inner} = {scan['heads']} heads x {inner // scan['heads']}"
+        version = "Mamba-2"
+    else:
+        shape = f"d_inner {inner} channels (no heads: head_a2a shards the channels)"
+        version = "Mamba-1"
+    lines = [f"  scans: {count} {version} scan stages, {shape}, state {state}, conv {conv}"]
+    attention = wl.extra.get("attention_layers")
+    if attention:
+        where = ", ".join(str(i) for i in attention)
+        heads = f"{wl.heads} heads x {wl.head_dim}"
+        if wl.kv_heads != wl.heads:
+            heads += f" ({wl.kv_heads} K/V heads)"
+        lines.append(f"  attention: layers {where} of {wl.depth}, {heads}, MLP {wl.mlp_hidden}")
+    return lines
+
+
+def describe_methods(wl: Any, strategies: list[str], sizes: list[int]) -> list[str]:
+    """Per SP size, the method of every stage that mixes the sharded dim, one line per distinct
+    plan (the strategies that make it listed together)."""
+    lines = []
+    for n in sizes:
+        if n < 2:
+            continue
+        seen: dict[str, list[str]] = {}
+        for strategy in strategies:
+            if strategy == "ulysses_flat":
+                continue
+            plan = make_plan(wl, strategy, n)
+            used = [(s.stage, s.method) for s in plan.steps if s.method != "local"]
+            methods = {m for _, m in used}
+            if not used:
+                text = "every stage local (each mixes a dim that is whole)"
+            elif len(methods) == 1 and len(used) == len(plan.steps):
+                text = f"every stage {used[0][1]}"
+            else:
+                text = ", ".join(f"{stage} {method}" for stage, method in used)
+            seen.setdefault(text, []).append(strategy)
+        for text, names in seen.items():
+            lines.append(f"  SP {n}: {text}  ({', '.join(names)})")
+    if not lines:
+        return []
+    return ["methods per stage (those not listed run locally):", *lines]
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -321,6 +412,9 @@ def run(args: argparse.Namespace) -> int:
                     "compute_s": p.compute_s * args.steps,
                     "comm_s": p.comm_s * args.steps,
                     "step_s": p.step_s * args.steps,
+                    "memory_s": p.memory_s * args.steps,
+                    "copy_s": p.copy_s * args.steps,
+                    "latency_s": p.latency_s * args.steps,
                 }
             )
             for p in rows
@@ -333,7 +427,11 @@ def run(args: argparse.Namespace) -> int:
     )
     for note in notes:
         print(f"  default size: {note}")
+    for line in describe_scans(wl):
+        print(line)
     print(format_table(rows, recommend(rows)))
+    for line in describe_methods(wl, strategies or list(DEFAULT_STRATEGIES), sizes):
+        print(line)
     return 0
 
 

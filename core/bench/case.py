@@ -18,6 +18,30 @@ from typing import Any
 import torch
 
 PEER = "deepspeed_ulysses"
+# Mamba models: the families whose sequence mixers are selective scans, and the three ways a
+# scan stage runs under SP that a Mamba case compares (``all`` means these for such a model)
+MAMBA_LM_FAMILIES = ("mambalm", "mamba2lm")
+MAMBA_VIDEO_FAMILIES = ("videomamba",)
+SCAN_STRATEGIES = ("dsp", "state_passing", "head_a2a")
+
+
+def model_family(name: str) -> str:
+    """The zoo family of model ``name`` (``"mamba2lm-tiny"`` → ``"mamba2lm"``)."""
+    return name.lower().split("-")[0]
+
+
+def is_mamba(name: str) -> bool:
+    return model_family(name) in MAMBA_LM_FAMILIES + MAMBA_VIDEO_FAMILIES
+
+
+def scan_heads(config: Any) -> int:
+    """What a head all-to-all shards in a Mamba model: Mamba-2 heads, Mamba-1 channels."""
+    inner = config.expand * getattr(config, "hidden_size", getattr(config, "hidden", 0))
+    if getattr(config, "version", None) == 2:
+        return config.num_heads
+    if getattr(config, "mixer", None) == "mamba2":
+        return inner // config.head_dim
+    return inner
 
 
 @dataclass
@@ -51,16 +75,41 @@ class Case:
         return self.batch * math.prod(self.lengths.values())
 
     @property
+    def mamba(self) -> bool:
+        """A Mamba model: its stages are scans, compared under :data:`SCAN_STRATEGIES`."""
+        return is_mamba(self.name)
+
+    @property
     def heads(self) -> int:
-        return self.model.config.heads
+        """Attention heads, or for a Mamba model what a head all-to-all shards."""
+        cfg = self.model.config
+        return scan_heads(cfg) if self.mamba else cfg.heads
 
     @property
     def depth(self) -> int:
-        return self.model.config.depth
+        cfg = self.model.config
+        return cfg.num_hidden_layers if hasattr(cfg, "num_hidden_layers") else cfg.depth
+
+    def strategy(self, name: str) -> Any:
+        """What ``SeqParallel`` runs for strategy ``name``: the name, or for a scan method
+        (``state_passing``, ``head_a2a``: not whole-model strategies) the embedded strategy
+        that shards the longest sequence dim and runs every scan over it with that method."""
+        from ..parallel.strategies import STRATEGIES, Embedded
+
+        return name if name in STRATEGIES else Embedded(name)
 
     def describe(self) -> str:
         dims = " × ".join(f"{d}={n}" for d, n in self.lengths.items())
         cfg = self.model.config
+        if self.mamba:
+            hidden = getattr(cfg, "hidden_size", getattr(cfg, "hidden", 0))
+            kind = f"Mamba-{cfg.version}" if hasattr(cfg, "version") else cfg.mixer
+            extra = ", checkpoint" if getattr(cfg, "checkpoint", False) else ""
+            return (
+                f"{self.name} ({kind}, hidden {hidden}, state {cfg.state_size}, "
+                f"{self.heads} scan heads/channels, depth {self.depth}{extra}): "
+                f"global batch {self.batch}, {dims} = {self.tokens} tokens per step"
+            )
         extra = "".join(
             f", {k} {getattr(cfg, k)}"
             for k in ("full_attention_every", "num_kv_heads", "checkpoint")
@@ -116,18 +165,26 @@ def build_case(args: argparse.Namespace, batch: int) -> Case:
     """
     from dspzoo.zoo import create_model
 
-    text = args.model.lower().startswith("bytelm")
+    family = model_family(args.model)
+    mamba_lm = family in MAMBA_LM_FAMILIES
+    text = family == "bytelm" or mamba_lm
+    if is_mamba(args.model):
+        import dspzoo.domains.mamba  # noqa: F401
     if text:
         import dspzoo.domains.text  # noqa: F401
     else:
         import dspzoo.domains.video  # noqa: F401
     overrides: dict[str, Any]
-    if text:
+    if mamba_lm:  # no position table: any length
+        overrides = {"checkpoint": True} if getattr(args, "checkpoint", False) else {}
+    elif text:
         overrides = {"max_len": max(args.seq_len, 512)}
         if getattr(args, "kv_heads", 0):
             overrides["kv_heads"] = args.kv_heads
         if getattr(args, "checkpoint", False):
             overrides["checkpoint"] = True
+    elif family in MAMBA_VIDEO_FAMILIES:
+        overrides = {"max_frames": max(args.frames, 16)}
     else:
         overrides = {"cond_dim": 0, "max_frames": max(args.frames, 16)}
         if getattr(args, "full_attention_every", 0):
@@ -146,6 +203,8 @@ def build_case(args: argparse.Namespace, batch: int) -> Case:
                     {"tokens": tokens}, overrides)  # fmt: skip
     pt, ph, pw = cfg.patch
     lengths = {"t": args.frames // pt, "s": (args.latent // ph) * (args.latent // pw)}
+    if family in MAMBA_VIDEO_FAMILIES:  # a grid model: t, h, w
+        lengths = {"t": args.frames // pt, "h": args.latent // ph, "w": args.latent // pw}
     shape = (batch, cfg.in_channels, args.frames, args.latent, args.latent)
     inputs = {
         "x": torch.randn(shape, generator=g),
@@ -168,7 +227,9 @@ def not_runnable(name: str, case: Case, sp: int) -> str | None:
     from ..parallel.methods.registry import METHODS
     from ..parallel.strategies import STRATEGIES
 
-    if name not in STRATEGIES:
+    if case.mamba and name not in SCAN_STRATEGIES:
+        return f"a Mamba model's stages are scans: compare {', '.join(SCAN_STRATEGIES)}"
+    if not case.mamba and name not in STRATEGIES:
         return f"not a registered strategy (registered: {', '.join(STRATEGIES)})"
     method = METHODS.get(name)
     if method is None:  # a policy over methods (dsp): it plans around what cannot run
@@ -184,15 +245,16 @@ def not_runnable(name: str, case: Case, sp: int) -> str | None:
 def select_strategies(requested: str, case: Case, sp: int) -> tuple[list[str], dict[str, str]]:
     """Strategies to run (``dsp`` first: the reference) and the others with the reason.
 
-    ``requested``: ``"all"`` (every name of :data:`~dspzoo.core.parallel.strategies.STRATEGIES`) or a
-    comma-separated list. A strategy the model cannot run is reported as ``"not runnable:
-    <reason>"``, never run into a failure.
+    ``requested``: ``"all"`` (every name of :data:`~dspzoo.core.parallel.strategies.STRATEGIES`;
+    for a Mamba model :data:`SCAN_STRATEGIES`) or a comma-separated list. A strategy the model
+    cannot run is reported as ``"not runnable: <reason>"``, never run into a failure.
     """
     from ..parallel.strategies import STRATEGIES
 
     if sp == 1:
         return ["dsp"], {"*": "SP 1: pure data parallelism, every strategy is the same"}
-    names = list(STRATEGIES) if requested == "all" else [s.strip() for s in requested.split(",")]
+    every = SCAN_STRATEGIES if case.mamba else tuple(STRATEGIES)
+    names = list(every) if requested == "all" else [s.strip() for s in requested.split(",")]
     run, skipped = [], {}
     for name in names:
         if name == PEER:

@@ -26,14 +26,16 @@ def time_table(result: dict[str, Any]) -> list[str]:
         "paired IQR | tokens/s | predicted s | error |",
         "|---" * 10 + "|",
     ]
+    auto = set(result.get("auto", {}).get("runs_as", ()))
     for r in result["rows"]:
         t, v = r["time"], r["vs_dsp"]
+        name = f"{r['strategy']} (auto's plan)" if r["strategy"] in auto else r["strategy"]
         pair = v["time_paired"]
         pred = r.get("prediction", {})
         ps = f"{pred['step_s']:.3f}" if "step_s" in pred else "–"
         pe = f"{pred['error']:+.0%}" if "step_s" in pred else "–"
         lines.append(
-            f"| {r['strategy']} | {t['median']:.3f} | {t['q1']:.3f}–{t['q3']:.3f} | "
+            f"| {name} | {t['median']:.3f} | {t['q1']:.3f}–{t['q3']:.3f} | "
             f"{t['min']:.3f}–{t['max']:.3f} | {v['time']:.2f} | {pair['median']:.2f} | "
             f"{pair['q1']:.2f}–{pair['q3']:.2f} | {r['tokens_per_s']:,.0f} | {ps} | {pe} |"
         )
@@ -110,6 +112,10 @@ def markdown(result: dict[str, Any]) -> str:
     if result["skipped"]:
         lines += ["", "not run:"]
         lines += [f"- {k}: {why}" for k, why in result["skipped"].items()]
+    if "auto" in result:
+        from .auto_choice import auto_line
+
+        lines += ["", auto_line(result["auto"])]
     if "prediction_error" in result:
         e, cl = result["prediction_error"], result["cluster"]
         lines += [

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..parallel.methods.registry import METHODS
 from ..parallel.strategies import STRATEGIES
+from .auto_choice import AUTO, auto_choice, needs_own_row
 from .case import PEER, Case, build_case, select_strategies
 from .check import RTOL, Reference, compare, one_process_reference
 from .meshes import MeshCache, ulysses_size_for
@@ -70,7 +71,7 @@ class Runner:
 
             self.sp: Any = DeepSpeedUlysses(self.mesh)
         else:
-            self.sp = SeqParallel(self.mesh, name)
+            self.sp = SeqParallel(self.mesh, case.strategy(name))
         self.tensor_parallel = name in METHODS and METHODS[name].tensor_parallel
         self.optimisation_step: Any = None
         if train_step and name != PEER:
@@ -191,17 +192,24 @@ class Runner:
         per_group = self.case.batch // self.mesh.dp_size
         wl = self.case.workload(per_group)
         n = self.mesh.sp_size
+        strategy = self.case.strategy(name)
+        plan = None
+        if n > 1:  # the plan the runtime makes (a scan method: its embedded strategy's)
+            plan = (
+                make_plan(wl, strategy, n)
+                if isinstance(strategy, str)
+                else strategy.plan(wl.dims, wl.lengths, wl.period, n)
+            )
         counts = comm_bytes(
-            wl, name, n, rank_in_sp, ulysses_size=self.ulysses or 1, exit_gather=False
+            wl, plan or name, n, rank_in_sp, ulysses_size=self.ulysses or 1, exit_gather=False
         )
         by_op = {f"{op}/{ph}": b for (op, ph), (_, b) in counts.items() if b}
-        plan = make_plan(wl, name, n) if n > 1 else None
         methods = sorted({s.method for s in plan.steps} - {"local"}) if plan else []
         return {
             "fwd": counts.bytes(phase="forward"),
             "bwd": counts.bytes(phase="backward"),
             "bytes_by_op": by_op,
-            "activation": activation_bytes(wl, name, n, rank_in_sp),
+            "activation": activation_bytes(wl, plan or name, n, rank_in_sp),
             "plan": str(plan) if plan else "SP 1: no plan",
             "methods": methods or ["local"],
         }
@@ -268,6 +276,8 @@ def peer_status(args: argparse.Namespace, case: Case, sp: int) -> str | None:
 
     if args.peer == "off":
         return "--peer off"
+    if case.mamba:
+        return "DeepSpeed-Ulysses is an attention method; a Mamba model's stages are scans"
     if not deepspeed_available():
         if args.peer == "on":
             raise SystemExit("--peer on: deepspeed does not import (pip install '.[peers]')")
@@ -307,6 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     sp_size, batch, layout = choose_layout(args, world)
     case = build_case(args, batch)
     names, skipped = select_strategies(args.strategies, case, sp_size)
+    if args.reps and needs_own_row(case, names, sp_size, world // sp_size):  # none runs auto's
+        names.append(AUTO)
     why_not = peer_status(args, case, sp_size)
     if why_not is None:
         from .peer import init_deepspeed
@@ -450,6 +462,9 @@ def summarise(args, case, gathered, names, skipped, sp, world, layout) -> dict[s
     }
     if args.cluster != "none" and args.reps:
         add_prediction(result, case, args.cluster)
+    choice = auto_choice(result, case)
+    if choice is not None:
+        result["auto"] = choice
     return result
 
 

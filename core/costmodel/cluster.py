@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 GB = 1e9
 
@@ -32,6 +33,18 @@ class Cluster:
             node while it fits).
         memory_gib: memory per device.
         overlap: fraction of communication hidden under compute (0: none).
+        hbm_bw: achievable device-memory bytes/s of a streaming copy (0: the memory-bound
+            terms are off) — the layout copies around each all-to-all and the element-wise
+            work (norms, modulation, activations, residuals) run at this rate.
+        coll_base_lat / coll_step_lat_intra / coll_step_lat_inter: NCCL's latency model of a
+            collective (``src/graph/tuning.cc``, Simple protocol, ring): a base per call plus
+            one step latency per ring step inside a node / across nodes (0: the plain
+            ``intra_lat``/``inter_lat`` per collective).
+        fused_attention: the device runs a fused (flash) attention kernel; without one
+            (Volta) the score matrix goes through device memory (written and read twice).
+        sp_layout: ``(sp size, ranks of an SP group per node)`` as a real mesh placed them
+            (:meth:`placed`); an SP group of that size is priced by it instead of by
+            ``gpus_per_node``. ``None``: consecutive ranks, ``gpus_per_node`` to a node.
     """
 
     name: str
@@ -44,6 +57,12 @@ class Cluster:
     gpus_per_node: int
     memory_gib: float
     overlap: float = 0.0
+    hbm_bw: float = 0.0
+    coll_base_lat: float = 0.0
+    coll_step_lat_intra: float = 0.0
+    coll_step_lat_inter: float = 0.0
+    fused_attention: bool = True
+    sp_layout: tuple[int, int] | None = None
 
     @property
     def flops(self) -> float:
@@ -53,12 +72,26 @@ class Cluster:
     def with_(self, **changes) -> Cluster:
         return replace(self, **changes)
 
+    def placed(self, mesh: Any) -> Cluster:
+        """This cluster with the SP groups where ``mesh`` (a
+        :class:`~dspzoo.core.parallel.mesh.SPMesh`) put them: a node-local SP group is priced
+        on the intra-node link, one spanning nodes (``DSPZOO_SP_ACROSS_NODES``) partly or
+        wholly on the inter-node link."""
+        return replace(self, sp_layout=(mesh.sp_size, mesh.sp_ranks_per_node))
+
     def link(self, group: int) -> tuple[float, float, float]:
-        """``(fraction of peers off-node, intra bw, inter bw)`` for an SP group of ``group``."""
-        g = self.gpus_per_node
-        if group <= g or group <= 1:
+        """``(fraction of peers off-node, intra bw, inter bw)`` for an SP group of ``group``.
+
+        A rank's peers on its own node are ``sp_layout``'s ranks per node (minus itself) when
+        the group has ``sp_layout``'s size, else ``min(group, gpus_per_node)`` (consecutive
+        ranks filling nodes)."""
+        if group <= 1:
             return 0.0, self.intra_bw, self.inter_bw
-        return (group - g) / (group - 1), self.intra_bw, self.inter_bw
+        if self.sp_layout is not None and self.sp_layout[0] == group:
+            local = max(1, min(self.sp_layout[1], group))
+        else:
+            local = min(group, self.gpus_per_node)
+        return (group - local) / (group - 1), self.intra_bw, self.inter_bw
 
     def transfer_time(self, nbytes: float, group: int, collectives: int = 0) -> float:
         """α-β time of ``nbytes`` sent per rank in ``collectives`` collectives over ``group``.
@@ -71,6 +104,37 @@ class Cluster:
         beta = max(nbytes * (1 - off) / intra, nbytes * off / inter if off else 0.0)
         alpha = collectives * (self.inter_lat if off else self.intra_lat)
         return alpha + beta
+
+    def collective_latency(self, op: str, group: int) -> float:
+        """Seconds of latency of one collective ``op`` over ``group`` ranks (placed as
+        ``sp_layout`` says when it has this size, else consecutive ranks filling nodes).
+
+        With the NCCL constants set: ``base + steps_intra · step_intra + steps_inter ·
+        step_inter``, as NCCL's tuning model prices a ring collective; all-gather and
+        reduce-scatter take ``group − 1`` steps (``nodes − 1`` of them across nodes), an
+        all-reduce twice that, an all-to-all or a point-to-point send one step (its
+        messages to the peers go out concurrently). Without them: ``intra_lat`` /
+        ``inter_lat`` per collective.
+        """
+        if group <= 1:
+            return 0.0
+        if self.sp_layout is not None and self.sp_layout[0] == group:
+            per_node = max(1, min(self.sp_layout[1], group))
+        else:
+            per_node = max(self.gpus_per_node, 1)
+        nodes = -(-group // per_node)
+        if not self.coll_step_lat_intra:
+            return self.inter_lat if nodes > 1 else self.intra_lat
+        if op in ("all_gather", "reduce_scatter", "validate"):
+            steps = (group - 1) * (2 if op == "validate" else 1)
+            inter = (nodes - 1) * (2 if op == "validate" else 1)
+            return (
+                self.coll_base_lat
+                + (steps - inter) * self.coll_step_lat_intra
+                + inter * self.coll_step_lat_inter
+            )
+        step = self.coll_step_lat_inter if nodes > 1 else self.coll_step_lat_intra
+        return self.coll_base_lat + step
 
 
 PRESETS: dict[str, Cluster] = {
@@ -94,6 +158,26 @@ PRESETS: dict[str, Cluster] = {
     # 25 GB/s per node = ≈ 4 GB/s per GPU
     "v100-summit": Cluster("v100-summit", 125.0, 0.30, 40 * GB, 3.5 * GB, 15e-6, 30e-6, 6, 16),
 }
+
+# The memory-bound and latency terms (docs/cost_model.md, "Constants"): device-memory
+# bandwidth from the data sheets × STREAM_FRACTION, and NCCL's own latency model
+# (NVIDIA/nccl src/graph/tuning.cc: baseLat Ring/Simple 8.4 µs; hwLat Ring/Simple
+# NVLink 3.4 µs, network 14.0 µs per ring step).
+STREAM_FRACTION = 0.8  # a streaming copy reaches ~80 % of the sheet's HBM bandwidth
+NCCL_LATENCY = {
+    "coll_base_lat": 8.4e-6,
+    "coll_step_lat_intra": 3.4e-6,
+    "coll_step_lat_inter": 14e-6,
+}
+DEVICE_TERMS: dict[str, dict] = {
+    "h100-nvlink-ib": {"hbm_bw": 3350 * GB * STREAM_FRACTION},  # H100 SXM5 HBM3 3.35 TB/s
+    "h800-nvlink-ib": {"hbm_bw": 3350 * GB * STREAM_FRACTION},  # H800 SXM5 HBM3 3.35 TB/s
+    "a100-nvlink-ib": {"hbm_bw": 2039 * GB * STREAM_FRACTION},  # A100 SXM 80GB 2.04 TB/s
+    # V100 SXM2 16 GB HBM2 900 GB/s; no fused attention kernel (FlashAttention needs
+    # Turing/Ampere or later): the score matrix goes through HBM
+    "v100-summit": {"hbm_bw": 900 * GB * STREAM_FRACTION, "fused_attention": False},
+}
+PRESETS = {k: c.with_(**NCCL_LATENCY, **DEVICE_TERMS[k]) for k, c in PRESETS.items()}
 
 
 def _cache_path() -> Path:

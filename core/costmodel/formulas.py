@@ -239,6 +239,8 @@ def stage_flops(workload: Workload, spec: StageSpec) -> Flops:
         attention += 4.0 * bt * wl.context * c
     if spec.mlp:
         linear += 2.0 * bt * c * wl.mlp_hidden * 2
+    if spec.scan is not None:  # a Mamba mixer: its projections, conv and scan
+        linear += bt * spec.scan.flops_per_token
     return Flops(linear, attention)  # per-sample modulation (adaLN): negligible
 
 
@@ -417,3 +419,57 @@ def activation_bytes(
         if workload.context:
             total += workload.batch * workload.context * (workload.cond_dim + 2 * c) * itemsize
     return total
+
+
+# -- memory-bound work (device-memory traffic) -----------------------------------------------
+def elementwise_bytes(
+    workload: Workload,
+    strategy: str | Plan = "dsp",
+    sp_size: int = 1,
+    rank: int = 0,
+    *,
+    training: bool = True,
+    recompute: bool = False,
+) -> float:
+    """Device-memory bytes the element-wise work of one step moves on rank ``rank``.
+
+    The norms, modulation, activations, residual adds, gates and the reshapes around the
+    attention are memory-bound: every tensor the forward saves for backward
+    (:func:`activation_bytes`, without checkpointing) was written once and read once more
+    in the forward (``2×``); the backward reads it and writes and reads its gradient
+    (``4×`` more); checkpointing runs the forward again (``+2×``). Inference: ``2×``.
+    """
+    extra = {k: v for k, v in workload.extra.items() if k != "checkpoint"}
+    act = activation_bytes(workload.with_(extra=extra), strategy, sp_size, rank)
+    if not training:
+        return 2.0 * act
+    return (8.0 if recompute else 6.0) * act
+
+
+def unfused_score_bytes(
+    workload: Workload, sp_size: int = 1, *, training: bool = True, recompute: bool = False
+) -> float:
+    """Device-memory bytes of the attention score matrices of one step per rank, where no
+    fused attention kernel exists (Volta): the forward writes the scores, reads them in the
+    softmax, writes the probabilities and reads them in the second matmul (4 passes of
+    ``B·H·Lq·Lk`` elements, half when causal, split over the ranks as the attention FLOPs
+    are); the backward twice that; checkpointing repeats the forward.
+
+    The elements per rank are the forward attention FLOPs ``/ (4·head_dim)`` ÷ N — the
+    same for every method that balances the attention work.
+    """
+    elements = forward_flops(workload).attention / (4.0 * workload.head_dim) / sp_size
+    passes = 4.0 * ((4 if recompute else 3) if training else 1)
+    return passes * elements * workload.itemsize
+
+
+def layout_copy_bytes(all_to_all_bytes: float, sp_size: int) -> float:
+    """Device-memory bytes of the layout copies around all-to-alls that send
+    ``all_to_all_bytes`` in all: before each, the rank's whole local tensor is packed into
+    the per-peer contiguous send buffer (read + write), after it the received chunks are
+    unpacked into the layout the next op wants (read + write): ``4×`` the local tensor,
+    which is ``N/(N−1)`` of the bytes sent."""
+    n = sp_size
+    if n <= 1:
+        return 0.0
+    return 4.0 * all_to_all_bytes * n / (n - 1)

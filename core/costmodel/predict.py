@@ -4,8 +4,13 @@ a printable table, and the per-stage choice behind ``strategy="auto"``.
 Step time = compute + exposed communication::
 
     compute = FLOPs of the busiest rank / (peak · MFU)
-    comm    = Σ over collectives (α per collective + bytes / bandwidth), intra- or inter-node
-    step    = compute + (1 − overlap) · comm
+    memory  = (element-wise bytes [+ unfused score bytes]) / HBM bandwidth
+    copies  = layout-copy bytes around the all-to-alls / HBM bandwidth
+    comm    = Σ over collectives NCCL latency(op, N) + bytes / bandwidth, intra- or inter-node
+    step    = compute + memory + copies + (1 − overlap) · comm
+
+(``memory`` and ``copies`` are zero on a cluster without ``hbm_bw``; the latency is
+``intra_lat``/``inter_lat`` per collective on one without NCCL's constants.)
 
 Bytes are the exact per-rank formulas (:func:`~.formulas.comm_bytes`, the busiest rank), so
 the only modelled quantities are the cluster's rates. ``ulysses_flat`` is a prediction-only
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.methods.registry import METHODS
+from ..parallel.methods.registry import METHODS, get_method
 from ..parallel.plan import Plan
 from ..parallel.strategies.auto import auto_plan  # noqa: F401  (re-exported: strategy="auto")
 from .cluster import Cluster, get_cluster
@@ -26,11 +31,14 @@ from .formulas import (
     CommCount,
     activation_bytes,
     comm_bytes,
+    elementwise_bytes,
     flops_per_rank,
     forward_flops,
+    layout_copy_bytes,
     make_plan,
     model_state_bytes,
     ulysses_flat_bytes,
+    unfused_score_bytes,
 )
 from .workload import Workload
 
@@ -54,18 +62,23 @@ class Prediction:
     step_s: float
     fits: bool
     note: str = ""
+    memory_s: float = 0.0
+    copy_s: float = 0.0
+    latency_s: float = 0.0
 
     @property
     def memory(self) -> float:
         return self.activation + self.states
 
 
-def _busiest(counts: list[CommCount], phases: tuple[str, ...]) -> tuple[float, int]:
+def _busiest(counts: list[CommCount], phases: tuple[str, ...]) -> CommCount:
+    """The busiest rank's counts, restricted to ``phases``."""
     best = max(counts, key=lambda c: sum(c.bytes(phase=p) for p in phases))
-    return (
-        sum(best.bytes(phase=p) for p in phases),
-        sum(sum(best.collectives(p).values()) for p in phases),
-    )
+    out = CommCount()
+    for (op, phase), (count, nbytes) in best.items():
+        if phase in phases:
+            out.add(op, phase, nbytes, count)
+    return out
 
 
 def predict(
@@ -81,6 +94,7 @@ def predict(
     overlap: float | None = None,
     ulysses_size: int | None = None,
     exact_ranks: bool = True,
+    micro_batching: bool = False,
 ) -> Prediction:
     """Predict one step of ``workload`` under ``strategy`` at SP size ``sp_size``.
 
@@ -89,17 +103,23 @@ def predict(
     ``recompute``: activation checkpointing (one extra forward, block inputs kept).
     ``ulysses_size``: USP's Ulysses degree (default: the most square grid, Ulysses larger).
     ``exact_ranks``: evaluate the byte formulas on every rank (else rank 0 only: faster).
+    ``micro_batching``: a training step that does not fit runs its batch in the fewest
+    micro-batches that fit (:func:`micro_batches`): the same FLOPs and bytes, every
+    collective's latency paid once per micro-batch (the row's note says how many).
     """
     cl = get_cluster(cluster)
     n = sp_size
     phases = ("forward", "backward") if training else ("forward",)
     note = ""
     plan: Plan | None = None
+    busiest = CommCount()
     if strategy == "ulysses_flat":
         plan = make_plan(workload, "ulysses", n) if n > 1 else None
-        nbytes = ulysses_flat_bytes(workload, n) / (1 if training else 2)
         attentions = sum(1 for layer in workload.layers for s in layer if s.attention)
-        collectives = 4 * attentions * len(phases) if n > 1 else 0
+        if n > 1:
+            flat = ulysses_flat_bytes(workload, n) / 2  # per phase
+            for phase in phases:
+                busiest.add("all_to_all", phase, flat, 4 * attentions)
     else:
         if n > 1:
             plan = make_plan(workload, strategy, n)
@@ -110,9 +130,8 @@ def predict(
             comm_bytes(workload, plan or strategy, n, r, ulysses_size=ulysses_size or 1)
             for r in ranks
         ]
-        nbytes, collectives = _busiest(counts, phases)
-        method = METHODS.get(strategy)  # the registry's reason, as the harness reports it
-        why = method.unsupported(n, workload.heads) if method is not None else None
+        busiest = _busiest(counts, phases)
+        why = plan_unsupported(plan, workload, strategy) if plan is not None else None
         if why:
             note = f"not runnable: {why}"
     flops = flops_per_rank(workload, plan, recompute)
@@ -123,11 +142,20 @@ def predict(
         flops *= 1 + forward_flops(workload).attention / forward_flops(workload).forward * (
             (2 * n - 1) / n - 1
         )
+    nbytes, collectives = busiest.bytes(), busiest.count()
     compute = flops / cl.flops
-    comm = cl.transfer_time(nbytes, n, collectives)
-    hidden = cl.overlap if overlap is None else overlap
-    step = compute + (1 - hidden) * comm
+    latency = sum(c * cl.collective_latency(op, n) for op, c in busiest.collectives().items())
+    comm = cl.transfer_time(nbytes, n, 0) + latency
     act_strategy = "ulysses" if strategy == "ulysses_flat" else strategy
+    memory = copies = 0.0
+    if cl.hbm_bw:
+        traffic = elementwise_bytes(
+            workload, plan or act_strategy, n, training=training, recompute=recompute
+        )
+        if not cl.fused_attention:
+            traffic += unfused_score_bytes(workload, n, training=training, recompute=recompute)
+        memory = traffic / cl.hbm_bw
+        copies = layout_copy_bytes(busiest.bytes(op="all_to_all"), n) / cl.hbm_bw
     act = activation_bytes(_recompute(workload, recompute), act_strategy, n) if training else 0.0
     if not training:
         states = workload.params * workload.itemsize / (n if strategy == "megatron_sp" else 1)
@@ -140,10 +168,73 @@ def predict(
             zero=zero,
             tp=n if strategy == "megatron_sp" else 1,
         )
-    fits = act + states <= cl.memory_gib * GIB * 0.9
+    budget = cl.memory_gib * GIB * 0.9
+    micro = micro_batches(act, states, budget, workload.batch) if training and micro_batching else 1
+    if micro > 1:  # the same bytes and FLOPs in `micro` passes: every collective `micro` times
+        act /= micro
+        comm += (micro - 1) * latency
+        latency *= micro
+        collectives *= micro
+        note = note or f"{micro} micro-batches"
+    fits = act + states <= budget
+    hidden = cl.overlap if overlap is None else overlap
+    step = compute + memory + copies + (1 - hidden) * comm
     return Prediction(
-        strategy, n, flops, nbytes, collectives, act, states, compute, comm, step, fits, note
+        strategy,
+        n,
+        flops,
+        nbytes,
+        collectives,
+        act,
+        states,
+        compute,
+        comm,
+        step,
+        fits,
+        note,
+        memory_s=memory,
+        copy_s=copies,
+        latency_s=latency,
     )
+
+
+def micro_batches(activation: float, states: float, budget: float, batch: int) -> int:
+    """The fewest micro-batches (a divisor of ``batch``) whose activations fit ``budget``
+    beside the model states — how a baseline that does not fit runs its batch (gradient
+    accumulation); 1 when it fits or when no split fits (then the prediction says so)."""
+    if activation + states <= budget:
+        return 1
+    for m in range(2, batch + 1):
+        if batch % m == 0 and activation / m + states <= budget:
+            return m
+    return 1
+
+
+def plan_unsupported(plan: Plan, workload: Workload, strategy: str = "") -> str | None:
+    """Why the runtime cannot run ``plan``: a tensor-parallel plan over a stage without
+    tensor-parallel linears, or the registry's reason for the first stage whose method cannot
+    run it over its sharded dim (too few heads, an op kind it has no path for); ``None`` when
+    every stage runs. A stage without declared heads is checked with the
+    workload's attention heads."""
+    methods = {step.method for step in plan.steps} | ({strategy} & set(METHODS))
+    if any(get_method(m).tensor_parallel for m in methods):
+        for spec in (spec for layer in workload.layers for spec in layer):
+            if not spec.tp_pairs and (spec.attention or spec.mlp or spec.scan is not None):
+                return f"stage {spec.name!r} has no tensor-parallel linears (no TP_PLAN)"
+    stages = {s.name: s for s in workload.period}
+    for step in plan.steps:
+        stage, method = stages[step.stage], get_method(step.method)
+        if step.sharded not in step.mixes or method.name == "gather":
+            continue
+        heads = stage.heads
+        if heads is None and stage.op == "attention":
+            heads = workload.heads
+        why = method.unsupported(plan.sp_size, heads)
+        if why is None and not method.runs(stage.op):
+            why = f"{method.name} has no path for the {stage.op} stage {stage.name!r}"
+        if why:
+            return why
+    return None
 
 
 def _recompute(workload: Workload, recompute: bool) -> Workload:
@@ -176,7 +267,8 @@ def predict_table(
             rows.append(Prediction(**{**p.__dict__, "strategy": "none"}))
             continue
         for s in strategies:
-            if workload.dims == ("l",) and s == "ulysses_flat":
+            attends = any(spec.attention for layer in workload.layers for spec in layer)
+            if s == "ulysses_flat" and (workload.dims == ("l",) or not attends):
                 continue
             rows.append(predict(workload, s, n, cluster, **kwargs))
     return rows
@@ -209,10 +301,12 @@ def _fmt(x: float, unit: str) -> str:
 
 
 def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
-    """The table ``dspzoo plan`` prints."""
+    """The table ``dspzoo plan`` prints (``memory``: the memory-bound element-wise work and the
+    layout copies around the all-to-alls)."""
     head = (
         f"{'SP':>3} {'strategy':<13} {'FLOPs/rank':>11} {'bytes/rank':>11} {'coll.':>6} "
-        f"{'act/GPU':>10} {'states/GPU':>10} {'compute':>10} {'comm':>10} {'step':>10} "
+        f"{'act/GPU':>10} {'states/GPU':>10} {'compute':>10} {'memory':>10} {'comm':>10} "
+        f"{'step':>10} "
         f"{'vs dsp':>7} fits"
     )
     lines = [head, "-" * len(head)]
@@ -220,14 +314,15 @@ def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
     for p in rows:
         ratio = f"{p.step_s / dsp[p.sp]:.2f}x" if p.sp in dsp and dsp[p.sp] else ""
         mark = "yes" if p.fits else "no"
-        if p.note:
-            mark += f" ({p.note})"
+        if p.note:  # no fit to speak of: the strategy does not run this model
+            mark = f"- ({p.note})"
         if best is not None and p is best:
             mark += "  <- recommended"
         lines.append(
             f"{p.sp:>3} {p.strategy:<13} {_fmt(p.flops, 'F'):>11} {_fmt(p.bytes, 'B'):>11} "
             f"{p.collectives:>6} {_fmt(p.activation, 'B'):>10} {_fmt(p.states, 'B'):>10} "
-            f"{_fmt(p.compute_s, 's'):>10} {_fmt(p.comm_s, 's'):>10} {_fmt(p.step_s, 's'):>10} "
+            f"{_fmt(p.compute_s, 's'):>10} {_fmt(p.memory_s + p.copy_s, 's'):>10} "
+            f"{_fmt(p.comm_s, 's'):>10} {_fmt(p.step_s, 's'):>10} "
             f"{ratio:>7} {mark}"
         )
     if best is not None:

@@ -381,6 +381,7 @@ class Mamba1Mixer(nn.Module):
             conv_channels=inner, conv_halo=c.conv_kernel - 1,
             summary=2 * inner * c.state_size, summary_itemsize=_summary_itemsize(itemsize),
             heads=inner, head_in=2, head_out=1, gathered=2 * c.state_size, itemsize=itemsize,
+            decay=inner * c.state_size, correction=5 * inner,
         )  # fmt: skip
 
     def _direction(
@@ -627,7 +628,7 @@ class Mamba2Mixer(nn.Module):
             summary=c.num_heads * (1 + c.head_dim * c.state_size),
             summary_itemsize=_summary_itemsize(itemsize), heads=c.num_heads,
             head_in=c.head_dim + 1, head_out=c.head_dim, gathered=2 * c.n_groups * c.state_size,
-            itemsize=itemsize,
+            itemsize=itemsize, decay=c.num_heads, correction=c.intermediate_size + 6 * c.num_heads,
         )  # fmt: skip
 
     def _direction(

@@ -12,6 +12,13 @@ group, the USP sub-groups, and the ``grad_group`` over all ranks that DDP averag
 on. None of them is the default group (``dist.group.WORLD``), even at dp = 1 where the SP group
 spans the whole world, so DDP's bucket all-reduces, the SP switches and whatever else runs on
 the default group (barriers, reports) never share a communicator and need no common issue order.
+
+The mesh knows the job's machines (:mod:`dspzoo.core.parallel.nodes`): :func:`build_mesh`
+all-gathers what the launcher told each process (``GROUP_RANK``/``NODE_RANK``/``SLURM_NODEID``,
+``LOCAL_WORLD_SIZE``, the host name), checks that every SP group lies on one node (SP's
+all-to-alls on the intra-node link, DP's gradient all-reduce across nodes) and raises on every
+rank when one cannot, unless SP across nodes is asked for (warned; ``mesh.sp_is_node_local``
+is then ``False`` and the cost model prices the SP traffic on the inter-node link).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +35,14 @@ import torch
 import torch.distributed as dist
 
 from ..entry import release_communicators_at_exit
+from .nodes import (
+    NodeLayout,
+    check_sp_placement,
+    node_layout,
+    sp_across_nodes_requested,
+    sp_placement_warning,
+    this_place,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -49,6 +65,10 @@ class SPMesh:
         ulysses_group, ring_group: the USP sub-groups (``None`` when of size 1 or not built).
         grad_group: all ranks, on a communicator of its own, for gradient averaging (DDP's
             ``process_group``); ``None`` on one process.
+        node_layout: the job's machines (:class:`~dspzoo.core.parallel.nodes.NodeLayout`);
+            ``None`` on one process.
+        sp_is_node_local: every SP group lies on one node (``False`` only when SP across
+            nodes was asked for).
     """
 
     world_size: int
@@ -64,6 +84,53 @@ class SPMesh:
     ulysses_group: Any = None
     ring_group: Any = None
     grad_group: Any = None
+    node_layout: NodeLayout | None = None
+    sp_is_node_local: bool = True
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        """Global ranks of each node (one node of every rank when the layout is unknown)."""
+        if self.node_layout is None:
+            return (tuple(range(self.world_size)),)
+        return self.node_layout.nodes
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this rank's node in :attr:`nodes`."""
+        return next(i for i, ranks in enumerate(self.nodes) if self.rank in ranks)
+
+    @property
+    def sp_ranks_per_node(self) -> int:
+        """The fewest ranks of an SP group that share a node (``sp_size`` when node-local);
+        what :meth:`dspzoo.core.costmodel.cluster.Cluster.placed` prices the SP link with."""
+        if self.node_layout is None:
+            return self.sp_size
+        blocks = [range(d * self.sp_size, (d + 1) * self.sp_size) for d in range(self.dp_size)]
+        return min(self.node_layout.ranks_per_node_of(list(b)) for b in blocks)
+
+    def describe_topology(self) -> str:
+        """One line for a run's start-up summary: nodes, and where the SP and DP groups lie."""
+        nodes = self.nodes
+        where = "one node" if len(nodes) == 1 else f"{len(nodes)} nodes"
+        layout = self.node_layout.describe() if self.node_layout else "1 node (single process)"
+        sp = "node-local" if self.sp_is_node_local else "ACROSS NODES"
+        if self.dp_size == 1:
+            dp = "none (dp 1)"
+        else:
+            dp = "across nodes" if len(nodes) > 1 else f"on {where}"
+        node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
+        groups = [
+            f"{list(block)} on node{'s' if len({node_of[r] for r in block}) > 1 else ''} "
+            + "+".join(str(n) for n in sorted({node_of[r] for r in block}))
+            for block in (
+                range(d * self.sp_size, (d + 1) * self.sp_size) for d in range(self.dp_size)
+            )
+        ]
+        shown = ", ".join(groups[:8]) + (f", … ({len(groups)} groups)" if len(groups) > 8 else "")
+        return (
+            f"mesh dp {self.dp_size} × sp {self.sp_size} on {layout}; SP groups {sp} "
+            f"({shown}), DP groups {dp}"
+        )
 
     @property
     def ring_size(self) -> int:
@@ -111,6 +178,7 @@ def build_mesh(
     *,
     ulysses_size: int | None = None,
     timeout_s: float | None = None,
+    sp_across_nodes: bool | None = None,
 ) -> SPMesh:
     """Build the dp × sp mesh over the current world on a ``DeviceMesh``.
 
@@ -123,6 +191,9 @@ def build_mesh(
         timeout_s: how long a collective of the mesh's groups waits for a missing peer before
             it raises (default ``DSPZOO_COLLECTIVE_TIMEOUT`` or 300 s); the error names the
             primitive and comm region.
+        sp_across_nodes: allow SP groups that span nodes (default: the
+            ``DSPZOO_SP_ACROSS_NODES`` environment variable, else ``False``: such a layout
+            raises ``ValueError`` on every rank, naming the cause and the sp sizes that fit).
 
     Must be called on every rank, in the same order, since it creates process groups.
     """
@@ -165,6 +236,13 @@ def build_mesh(
             mesh_dim_names=("dp", "ring", "ulysses"),
         )
         mesh["ring", "ulysses"]._flatten("sp")
+    # after the DeviceMesh, which selects this process's GPU (the gather's device under NCCL)
+    layout = gather_node_layout()
+    if sp_across_nodes is None:
+        sp_across_nodes = sp_across_nodes_requested()
+    node_local = check_sp_placement(layout, sp_size, across_nodes=sp_across_nodes)
+    if not node_local and rank == 0:
+        warnings.warn(sp_placement_warning(layout, sp_size), RuntimeWarning, stacklevel=2)
     sp_blocks = [list(range(d * sp_size, (d + 1) * sp_size)) for d in range(dp_size)]
     dp_blocks = [list(range(s, world, sp_size)) for s in range(sp_size)]
     ulysses_blocks = [b[i : i + ulysses] for b in sp_blocks for i in range(0, sp_size, ulysses)]
@@ -188,7 +266,17 @@ def build_mesh(
             own_group(ring_blocks, timeout) if use_usp and sp_size // ulysses > 1 else None
         ),
         grad_group=own_group([list(range(world))], timeout),
+        node_layout=layout,
+        sp_is_node_local=node_local,
     )
+
+
+def gather_node_layout() -> NodeLayout:
+    """The job's :class:`NodeLayout`: every rank's launcher environment and host name,
+    all-gathered on the default group (collective: call on every rank)."""
+    places: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(places, this_place(dist.get_rank()))
+    return node_layout(places)
 
 
 def own_group(blocks: list[list[int]], timeout_s: float | None = None) -> Any:

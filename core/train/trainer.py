@@ -53,6 +53,8 @@ class Trainer:
         cfg, task = self.cfg, self.task
         accelerator, mesh, sp, output_dir = start_run(cfg)
         self.accelerator, self.mesh, self.sp, self.output_dir = accelerator, mesh, sp, output_dir
+        if mesh.is_main:  # the start-up summary: nodes, and where the SP and DP groups lie
+            self.logger.info("%s", mesh.describe_topology())
         task.attach(accelerator, mesh, sp, output_dir)
         dataset = task.build_data()
         sharding = (

@@ -7,6 +7,10 @@ Registers the zoo families
   ``small`` (byte-level, CPU training) and ``130m`` (mamba-130m / mamba2-130m shapes);
 * ``weathermamba``: the weather transformer with axial scans (circular in longitude),
   configs ``tiny`` and ``small`` (:mod:`.weather`);
+* ``hybridlm``: a hybrid LM, Mamba layers with an attention layer every k-th (:mod:`.hybrid`),
+  configs ``tiny``, ``small`` (byte-level) and ``130m`` (mamba2-130m shapes, every 6th layer
+  attention); the planner picks a scan method for its scans and an attention method for its
+  attention layers;
 * ``videomamba``: a video Mamba DiT with configurable scan orders (:mod:`.video`), configs
   ``tiny``, ``small``, and the order variants ``tiny-raster``, ``tiny-cross``, ``tiny-zigzag``;
 
@@ -16,12 +20,18 @@ with their cost-model workloads (:mod:`.workload`). Scan orders: :mod:`.orders`.
 from dspzoo.core.costmodel.workload import register_workload
 from dspzoo.zoo import register_config, register_family
 
+from .hybrid import HybridLM, HybridLMConfig, hybrid_stages
 from .layers import SCAN_OP, OrderedScan, run_scan, scan_stage
 from .lm import Mamba2LM, MambaLM, MambaLMConfig, lm_class
 from .orders import ScanOrder, parse_order
 from .video import VideoMamba, VideoMambaConfig
 from .weather import WeatherMamba, WeatherMambaConfig
-from .workload import mamba_lm_workload, video_mamba_workload, weather_mamba_workload
+from .workload import (
+    hybrid_lm_workload,
+    mamba_lm_workload,
+    video_mamba_workload,
+    weather_mamba_workload,
+)
 
 LM_CONFIGS = {
     "mambalm": {
@@ -69,6 +79,30 @@ for _family, _cls in (("mambalm", MambaLM), ("mamba2lm", Mamba2LM)):
         register_config(_family, _name, _config)
     register_workload(_family, mamba_lm_workload)
 
+HYBRID_CONFIGS = {
+    # Mamba-2 layers with attention every other layer (4 heads over 2 K/V heads)
+    "tiny": HybridLMConfig(
+        version=2, hidden_size=32, num_hidden_layers=4, state_size=8, num_heads=4, head_dim=16,
+        chunk_size=16, attn_layer_period=2, attn_layer_offset=1, num_attention_heads=4,
+        num_key_value_heads=2, mlp_ratio=2.0,
+    ),
+    "small": HybridLMConfig(
+        version=2, hidden_size=128, num_hidden_layers=8, state_size=32, num_heads=8,
+        head_dim=32, chunk_size=64, attn_layer_period=4, attn_layer_offset=3,
+        num_attention_heads=4,
+    ),
+    # mamba2-130m's Mamba layers, every 6th layer attention (12 heads of 64, as GPT-2 small)
+    "130m": HybridLMConfig(
+        version=2, vocab_size=50288, hidden_size=768, num_hidden_layers=24, state_size=128,
+        num_heads=24, head_dim=64, chunk_size=256, attn_layer_period=6, attn_layer_offset=5,
+        num_attention_heads=12,
+    ),
+}  # fmt: skip
+register_family("hybridlm", HybridLM, HybridLMConfig)
+for _name, _config in HYBRID_CONFIGS.items():
+    register_config("hybridlm", _name, _config)
+register_workload("hybridlm", hybrid_lm_workload)
+
 _TINY = dict(hidden=32, depth=2, state_size=4, head_dim=16, chunk_size=16, num_classes=8)
 VIDEO_CONFIGS = {
     "tiny": VideoMambaConfig(**_TINY),
@@ -104,6 +138,9 @@ for _name, _config in WEATHER_CONFIGS.items():
 register_workload("weathermamba", weather_mamba_workload)
 
 __all__ = [
+    "HYBRID_CONFIGS",
+    "HybridLM",
+    "HybridLMConfig",
     "LM_CONFIGS",
     "SCAN_OP",
     "VIDEO_CONFIGS",
@@ -117,6 +154,7 @@ __all__ = [
     "WEATHER_CONFIGS",
     "WeatherMamba",
     "WeatherMambaConfig",
+    "hybrid_stages",
     "lm_class",
     "parse_order",
     "run_scan",

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from dspzoo.core.safetensors_folder import ConversionError, load_tensors, weight_files
+
 from .lm import MambaLM, MambaLMConfig, lm_class
 
 CONFIG_FILE = "config.json"
@@ -42,10 +44,6 @@ _COMMON = (
     "time_step_floor",
 )
 _ONLY = {1: ("time_step_rank",), 2: ("num_heads", "head_dim", "n_groups", "chunk_size")}
-
-
-class ConversionError(ValueError):
-    """A folder or state dict that is not a convertible transformers Mamba checkpoint."""
 
 
 def config_from_transformers(config: dict[str, Any]) -> MambaLMConfig:
@@ -149,50 +147,13 @@ def _read_json(file: Path) -> dict[str, Any]:
     return data
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    single, index = (
-        folder / f"{WEIGHTS_STEM}.safetensors",
-        folder / f"{WEIGHTS_STEM}.safetensors.index.json",
-    )
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConversionError(f"{index} is not a safetensors index (no weight_map)")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        absent = [p.name for p in files if not p.is_file()]
-        if absent:
-            raise FileNotFoundError(f"{index.name} lists shards missing from {folder}: {absent}")
-        return files
-    pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
-    if pickled:
-        raise ConversionError(
-            f"{folder} holds pickled weights {pickled}; only safetensors are read: re-save with "
-            f"save_pretrained(..., safe_serialization=True)"
-        )
-    raise FileNotFoundError(f"{folder} has no {single.name} (nor a sharded {index.name})")
-
-
 def read_folder(folder: str | os.PathLike) -> tuple[MambaLMConfig, dict[str, torch.Tensor]]:
     """The config and tensors of a transformers Mamba folder (``save_pretrained``'s output)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(folder)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: not a transformers model folder")
     config = config_from_transformers(_read_json(path / CONFIG_FILE))
-    state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        try:
-            part = load_file(str(file))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ConversionError(f"{file} is corrupt or truncated: {exc}") from exc
-        clash = sorted(set(part) & set(state))
-        if clash:
-            raise ConversionError(f"{file.name} repeats tensors of another shard: {clash[:5]}")
-        state.update(part)
+    state = load_tensors(weight_files(path, WEIGHTS_STEM, pickled_glob="pytorch_model*.bin"))
     return config, state
 
 

@@ -14,7 +14,7 @@ passing, head all-to-all) are wired into :func:`~.layers.run_scan`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -22,12 +22,13 @@ from torch.utils.checkpoint import checkpoint
 
 from dspzoo.core import SeqParallel, SeqTensor, comm_region
 from dspzoo.core.parallel.context import stage
+from dspzoo.core.parallel.plan import Stage
 from dspzoo.core.parallel.validate import validate_collectively
 
 from .layers import build_mixer, run_scan, scan_stage
 
 SEQ_DIMS = ("l",)
-STAGES = (scan_stage("scan", "axial(l)"),)
+STAGES = (scan_stage("scan", "axial(l)"),)  # lm_stages(config) adds the scan's head count
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class MambaLMConfig:
                 f"expand × hidden_size ({self.expand} × {self.hidden_size})"
             )
 
+    @property
+    def scan_heads(self) -> int:
+        """What the head all-to-all shards in a scan: Mamba-2's heads, Mamba-1's channels."""
+        return self.num_heads if self.version == 2 else self.expand * self.hidden_size
+
     def mixer_options(self) -> dict:
         """The mixer config fields (:class:`~dspzoo.core.layers.mamba.Mamba1Config` / ``Mamba2Config``)."""
         common = dict(
@@ -93,6 +99,12 @@ class MambaLMConfig:
         )
 
 
+def lm_stages(config: MambaLMConfig) -> tuple[Stage, ...]:
+    """The stages of a Mamba LM: one ``scan`` per layer, with what its head all-to-all shards
+    (so the planner rules the method out where there are fewer heads than ranks)."""
+    return (replace(STAGES[0], heads=config.scan_heads),)
+
+
 class RMSNorm(nn.Module):
     """transformers' ``MambaRMSNorm``: normalised in fp32, scaled in the input dtype."""
 
@@ -104,7 +116,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., hidden]`` → same shape."""
         dtype = x.dtype
-        h = x.float()
+        h = x.to(torch.promote_types(dtype, torch.float32))  # fp32 (fp64 stays fp64)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(dtype)
 
@@ -127,7 +139,8 @@ class MambaLMBlock(nn.Module):
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's computation on ``x`` already in the stage's layout (what activation
         checkpointing recomputes: the stage's switch stays outside it)."""
-        residual = x.float() if self.residual_in_fp32 else x
+        # fp32 residuals (fp64 stays fp64)
+        residual = x.to(torch.promote_types(x.dtype, torch.float32)) if self.residual_in_fp32 else x
         return residual + run_scan(
             self.mixer, self.norm(x.to(self.norm.weight.dtype)), SEQ_DIMS, ("l",)
         )
@@ -159,6 +172,7 @@ class MambaLM(nn.Module):
                 f"(family {('mambalm', 'mamba2lm')[config.version - 1]!r}) for it"
             )
         self.config = config
+        self.STAGES = lm_stages(config)
         self.backbone = MambaBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         nn.init.normal_(self.backbone.embeddings.weight, std=0.02)
@@ -206,7 +220,8 @@ class MambaLM(nn.Module):
                     else:
                         x = layer(x)
             x = self.backbone.norm_f(x.to(self.backbone.norm_f.weight.dtype))
-            act = region.seq(self.lm_head(x.to(self.lm_head.weight.dtype)).float())
+            logits = self.lm_head(x.to(self.lm_head.weight.dtype))
+            act = region.seq(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         return sp.exit(act) if gather_output else act
 
 

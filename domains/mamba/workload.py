@@ -11,16 +11,18 @@ all-to-all) are priced by the scan op kind's formulas; ``extra["scan"]`` summari
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from dspzoo.core.costmodel.workload import StageSpec, Workload
+from dspzoo.core.layers.mamba import Mamba1Config, Mamba2Config
 from dspzoo.core.parallel.plan import Stage
 
+from .hybrid import HybridLMConfig, hybrid_stages
 from .layers import build_mixer
-from .lm import STAGES as LM_STAGES
-from .lm import MambaLMConfig
+from .lm import MambaLMConfig, lm_stages
 from .video import SEQ_DIMS as VIDEO_DIMS
 from .video import VideoMambaConfig, layer_stages
 from .weather import SEQ_DIMS as WEATHER_DIMS
@@ -32,6 +34,40 @@ def _scan_shape(hidden: int, state: int, expand: int, conv: int, heads: int, rou
             "routes": routes}  # fmt: skip
 
 
+def mixer_flops_per_token(config: Mamba1Config | Mamba2Config) -> dict[str, float]:
+    """Forward FLOPs of one Mamba mixer per token of a line, by part (``2·m·n`` per matmul):
+
+    * ``projections``: ``in_proj`` and ``out_proj`` (Mamba-1 also ``x_proj`` and ``dt_proj``
+      per direction);
+    * ``conv``: the depthwise causal conv, ``2·K`` per channel per direction;
+    * ``scan``: Mamba-1's selective scan, ``9·D·N`` per direction (mamba-ssm's count: the
+      discretisation, the recurrence and the ``C`` readout); Mamba-2's SSD in chunks of ``Q``
+      per direction: ``C·Bᵀ`` within a chunk ``2·Q·G·N``, its scores times ``x``
+      ``2·Q·D``, the chunk states ``2·D·N`` and the output from the states ``2·D·N``.
+
+    ``D`` = expand·hidden, ``N`` the state size, ``G`` the B/C groups. Elementwise work (gates,
+    norms, softplus) is left out, as the cost model leaves it out everywhere.
+    """
+    c, inner, state = config.hidden_size, config.intermediate_size, config.state_size
+    directions = 2 if config.bidirectional else 1
+    if isinstance(config, Mamba1Config):
+        rank = config.dt_rank
+        per_direction = 2 * inner * (rank + 2 * state) + 2 * rank * inner
+        return {
+            "projections": float(2 * c * 2 * inner + 2 * inner * c + directions * per_direction),
+            "conv": float(directions * 2 * config.conv_kernel * inner),
+            "scan": float(directions * 9 * inner * state),
+        }
+    groups, heads, chunk = config.n_groups, config.num_heads, config.chunk_size
+    in_width = 2 * inner + 2 * groups * state + heads
+    ssd = 2 * chunk * groups * state + 2 * chunk * inner + 4 * inner * state
+    return {
+        "projections": float(2 * c * in_width + 2 * inner * c),
+        "conv": float(directions * 2 * config.conv_kernel * (inner + 2 * groups * state)),
+        "scan": float(directions * ssd),
+    }
+
+
 def scan_spec(
     stage: Stage, kind: str, hidden: int, options: dict, itemsize: int, **fields: Any
 ) -> StageSpec:
@@ -41,7 +77,8 @@ def scan_spec(
         return StageSpec(stage, **fields)
     with torch.device("meta"):
         mixer = build_mixer(kind, hidden, **options)
-    shape = mixer.scan_shape(1, (), itemsize)
+    flops = sum(mixer_flops_per_token(mixer.config).values())
+    shape = replace(mixer.scan_shape(1, (), itemsize), flops_per_token=flops)
     return StageSpec(stage, scan_over=stage.mixes, scan=shape, **fields)
 
 
@@ -59,8 +96,9 @@ def mamba_lm_workload(
     if seq_len is None:
         raise ValueError(f"{name} is a language model: give seq_len (--seq-len)")
     heads = config.num_heads if config.version == 2 else 1
+    stages = lm_stages(config)
     layer = (
-        scan_spec(LM_STAGES[0], f"mamba{config.version}", config.hidden_size,
+        scan_spec(stages[0], f"mamba{config.version}", config.hidden_size,
                   config.mixer_options(), itemsize, adaln=False),
     )  # fmt: skip
     return Workload(
@@ -74,7 +112,7 @@ def mamba_lm_workload(
         kv_heads=heads,
         mlp_hidden=0,
         layers=(layer,) * config.num_hidden_layers,
-        period=LM_STAGES,
+        period=stages,
         in_width=1,
         exit_width=config.vocab_size,
         causal=True,
@@ -83,6 +121,7 @@ def mamba_lm_workload(
         extra={
             "checkpoint": config.checkpoint,
             "vocab": config.vocab_size,
+            "mixer": f"mamba{config.version}",
             "scan": _scan_shape(
                 config.hidden_size, config.state_size, config.expand, config.conv_kernel, heads, 1
             ),
@@ -130,9 +169,10 @@ def video_mamba_workload(
         params=params,
         itemsize=itemsize,
         extra={
+            "mixer": config.mixer,
             "scan": _scan_shape(
                 config.hidden, config.state_size, config.expand, config.conv_kernel, heads, 1
-            )
+            ),
         },  # fmt: skip
     )
 
@@ -174,8 +214,72 @@ def weather_mamba_workload(
         params=params,
         itemsize=itemsize,
         extra={
+            "mixer": config.mixer,
             "scan": _scan_shape(
                 config.hidden, config.state_size, config.expand, config.conv_kernel, heads, 1
-            )
+            ),
+        },  # fmt: skip
+    )
+
+
+def hybrid_lm_workload(
+    name: str,
+    config: HybridLMConfig,
+    *,
+    batch: int = 1,
+    seq_len: int | None = None,
+    itemsize: int = 4,
+    params: int = 0,
+    **unused: Any,
+) -> Workload:
+    """One step of a hybrid LM on ``batch`` sequences of ``seq_len`` tokens: per layer a scan
+    stage (Mamba layers) or an attention and an MLP stage (attention layers)."""
+    if seq_len is None:
+        raise ValueError(f"{name} is a language model: give seq_len (--seq-len)")
+    stages = {s.name: s for s in hybrid_stages(config)}
+    attention = config.attention_config()
+    scan_heads = config.num_heads if config.version == 2 else 1
+    layers = []
+    for i in range(config.num_hidden_layers):
+        if config.is_attention(i):
+            layers.append(
+                (StageSpec(stages["attn"], attention=("l",), tp_pairs=1, adaln=False),
+                 StageSpec(stages["mlp"], mlp=True, tp_pairs=1, adaln=False))
+            )  # fmt: skip
+        else:
+            layers.append(
+                (scan_spec(stages["scan"], f"mamba{config.version}", config.hidden_size,
+                           config.mixer_options(), itemsize, adaln=False),)
+            )  # fmt: skip
+    return Workload(
+        name=name,
+        family="hybridlm",
+        batch=batch,
+        dims=("l",),
+        lengths=(seq_len,),
+        hidden=config.hidden_size,
+        heads=attention.heads,
+        kv_heads=attention.num_kv_heads,
+        mlp_hidden=int(config.hidden_size * config.mlp_ratio),
+        layers=tuple(layers),
+        period=tuple(stages.values()),
+        in_width=1,
+        exit_width=config.vocab_size,
+        causal=True,
+        params=params,
+        itemsize=itemsize,
+        extra={
+            "checkpoint": config.checkpoint,
+            "vocab": config.vocab_size,
+            "mixer": f"mamba{config.version}",
+            "attention_layers": config.attention_layers,
+            "scan": _scan_shape(
+                config.hidden_size,
+                config.state_size,
+                config.expand,
+                config.conv_kernel,
+                scan_heads,
+                1,
+            ),
         },  # fmt: skip
     )

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 import dspzoo.domains.video  # noqa: F401  (registers the latte1 family)
+from dspzoo.core.safetensors_folder import ConversionError, load_tensors, weight_files
 from dspzoo.domains.video.latte1 import ACTIVATIONS, Latte1, Latte1Config
 from dspzoo.zoo.pretrained import save_pretrained
 
@@ -58,10 +57,6 @@ DIFFUSERS_DEFAULTS: dict[str, Any] = {
     "caption_channels": None,
     "video_length": 16,
 }
-
-
-class ConversionError(ValueError):
-    """A folder that is not a convertible ``LatteTransformer3DModel`` checkpoint."""
 
 
 # -- the folder --------------------------------------------------------------------------------
@@ -159,61 +154,11 @@ def latte1_config_from_diffusers(config: dict[str, Any]) -> Latte1Config:
     )
 
 
-def _weights_entry(folder: Path) -> Path:
-    """The single weights file or the shard index to read (the plain one, else one variant)."""
-    single = folder / f"{WEIGHTS_STEM}.safetensors"
-    index = folder / f"{WEIGHTS_STEM}.safetensors.index.json"
-    for entry in (single, index):
-        if entry.is_file():
-            return entry
-    variants = sorted(folder.glob(f"{WEIGHTS_STEM}.safetensors.index.*.json")) + [
-        p for p in sorted(folder.glob(f"{WEIGHTS_STEM}.*.safetensors")) if "-of-" not in p.name
-    ]
-    if len(variants) == 1:  # e.g. diffusion_pytorch_model.fp16.safetensors
-        return variants[0]
-    if variants:
-        raise ConversionError(
-            f"{folder} has no {single.name} but several variants "
-            f"{[p.name for p in variants]}; keep only the one to convert"
-        )
-    pickled = sorted(p.name for p in folder.glob(f"{WEIGHTS_STEM}*.bin"))
-    if pickled:
-        raise ConversionError(
-            f"{folder} holds pickled weights {pickled}; only safetensors are read: re-save the "
-            f"model with save_pretrained(..., safe_serialization=True)"
-        )
-    raise FileNotFoundError(f"{folder} has no {single.name} (nor a sharded {index.name})")
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors file(s) holding the weights (single, sharded, or one variant)."""
-    entry = _weights_entry(folder)
-    if entry.suffix == ".safetensors":
-        return [entry]
-    try:
-        weight_map = json.loads(entry.read_text())["weight_map"]
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise ConversionError(f"{entry} is not a safetensors index (no weight_map): {exc}") from exc
-    absent = [p.name for p in files if not p.is_file()]
-    if absent:
-        raise FileNotFoundError(f"{entry.name} lists shards missing from {folder}: {absent}")
-    return files
-
-
 def load_diffusers_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors file(s), by diffusers name."""
-    state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(folder):
-        try:
-            part = load_file(str(file))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ConversionError(f"{file} is corrupt or truncated: {exc}") from exc
-        clash = sorted(set(part) & set(state))
-        if clash:
-            raise ConversionError(f"{file.name} repeats tensors of another shard: {clash[:5]}")
-        state.update(part)
-    return state
+    """Every tensor of the folder's safetensors file(s) (single, sharded, or one variant), by
+    diffusers name."""
+    files = weight_files(folder, WEIGHTS_STEM, pickled_glob=f"{WEIGHTS_STEM}*.bin", variants=True)
+    return load_tensors(files)
 
 
 # -- renaming ----------------------------------------------------------------------------------

@@ -48,6 +48,19 @@ def _send_buffer(numel: int, like: torch.Tensor, reuse: bool, group: Any) -> tor
     return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
+def result_tensor(shape: list[int], like: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """An uninitialised contiguous tensor of ``shape`` for a collective's result (not a view).
+
+    With a ``group``, on the CPU: a storage of the group's workspace that nobody holds any more
+    (:meth:`~.settings.Workspace.output`; no page faults on first write), else a fresh one.
+    """
+    if group is not None and SETTINGS.recycle_results:
+        out = SETTINGS.workspace(group).output(shape, like, SETTINGS.workspace_limit)
+        if out is not None:
+            return out
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
 def _block_shape(shape: list[int] | torch.Size, axis: int, rows: int) -> list[int]:
     block = list(shape)
     block[axis] = rows
@@ -121,17 +134,17 @@ def empty_blocks(
     sizes: list[int],
     like: torch.Tensor,
     pad_to: int | None = None,
+    group: Any = None,
 ) -> torch.Tensor:
     """Receive buffer for blocks that :func:`unpack_blocks` joins into a tensor of ``shape``.
 
     Pass ``buffer.view(-1)`` to the collective. Shaped ``shape`` when the blocks need no
-    rearranging, else flat.
+    rearranging, else flat. With ``group``: recycled from its workspace (:func:`result_tensor`).
     """
     if _direct(shape, axis, sizes, pad_to):
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return result_tensor(shape, like, group)
     rows = sum(sizes) if pad_to is None else pad_to * len(sizes)
-    numel = math.prod(_block_shape(shape, axis, rows))
-    return torch.empty(numel, dtype=like.dtype, device=like.device)
+    return result_tensor([math.prod(_block_shape(shape, axis, rows))], like, group)
 
 
 def unpack_blocks(
@@ -140,17 +153,19 @@ def unpack_blocks(
     sizes: list[int],
     shape: list[int],
     pad_to: int | None = None,
+    group: Any = None,
 ) -> torch.Tensor:
     """Join the received blocks (``sizes[q]`` rows each, padded to ``pad_to``) along ``axis``.
 
     Inverse of :func:`pack_blocks` for a buffer from :func:`empty_blocks`. Returns that buffer
-    itself when it is already the result, else one copy into a fresh tensor; never a view.
+    itself when it is already the result, else one copy into a fresh tensor (recycled from
+    ``group``'s workspace when given: :func:`result_tensor`); never a view.
     """
     if _direct(shape, axis, sizes, pad_to):
         assert list(buf.shape) == list(shape), "allocate the buffer with empty_blocks"
         return buf
     flat = buf.view(-1)
-    out = torch.empty(shape, dtype=buf.dtype, device=buf.device)
+    out = result_tensor(shape, buf, group)
     n = len(sizes)
     if len(set(sizes)) == 1 and (pad_to is None or pad_to == sizes[0]):
         block = _block_shape(shape, axis, sizes[0])

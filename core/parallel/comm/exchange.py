@@ -119,7 +119,7 @@ def _launch(
     ``1/N`` and the local copy overlaps the transfer.
     """
     n, r = len(meta.send_splits), meta.rank
-    recv = empty_blocks(meta.y_shape, meta.src, meta.src_sizes, x)
+    recv = empty_blocks(meta.y_shape, meta.src, meta.src_sizes, x, group=group)
     flat = recv.view(-1)
     if r not in (0, n - 1):
         send = pack_blocks(x, meta.dst, meta.dst_sizes, reuse=not async_op, group=group)
@@ -153,7 +153,7 @@ def _switch_now(
     with guard(f"switch ({phase})", group, region, x.device):
         recv, _, _ = _launch(x, meta, group, async_op=False)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, phase, region)
-    return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape)
+    return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape, group=group)
 
 
 class SwitchHandle:
@@ -190,7 +190,7 @@ class SwitchHandle:
         assert self.meta is not None and self._recv is not None
         meta, recv = self.meta, self._recv
         self._recv = self._send = None
-        return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape)
+        return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape, group=self.group)
 
 
 class _Switch(torch.autograd.Function):
@@ -391,18 +391,41 @@ def _start(
         if not async_op:
             _may_fold(agreed, x, meta)
     else:  # the caller has agreed on these arguments already
-        src, dst = norm_dim(x, src, primitive), norm_dim(x, dst, primitive)
-        length = sum(src_sizes) if src_sizes is not None else src_length
-        assert length is not None, "an unchecked switch needs src_length or src_sizes"
-        meta = _SwitchMeta.build(
-            x, src, dst, length, group_size(group), group_rank(group), src_sizes, dst_sizes
-        )
+        meta = _unchecked_meta(x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
     handle = SwitchHandle(meta, group, region, primitive)
     with torch.no_grad(), guard(primitive, group, handle.region, x.device):
         handle._recv, handle.work, handle._send = _launch(x.detach(), meta, group, async_op)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, "forward", handle.region)
     handle._input = x
     return handle
+
+
+_METAS: dict[tuple, _SwitchMeta] = {}  # unchecked calls' metas by their arguments (pure)
+
+
+def _unchecked_meta(
+    x: torch.Tensor,
+    src: int,
+    dst: int,
+    group: Any,
+    src_length: int | None,
+    src_sizes: list[int] | None,
+    dst_sizes: list[int] | None,
+    primitive: str,
+) -> _SwitchMeta:
+    """This rank's meta of an unchecked switch, computed once per distinct call."""
+    n, r = group_size(group), group_rank(group)
+    key = (tuple(x.shape), src, dst, src_length, _tuple(src_sizes), _tuple(dst_sizes), n, r)
+    meta = _METAS.get(key)
+    if meta is None:
+        src, dst = norm_dim(x, src, primitive), norm_dim(x, dst, primitive)
+        length = sum(src_sizes) if src_sizes is not None else src_length
+        assert length is not None, "an unchecked switch needs src_length or src_sizes"
+        meta = _SwitchMeta.build(x, src, dst, length, n, r, src_sizes, dst_sizes)
+        _METAS[key] = meta
+        while len(_METAS) > 256:
+            _METAS.pop(next(iter(_METAS)))
+    return meta
 
 
 def _run_folded(

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .blocks import _direct, _send_buffer, offsets, unpack_blocks
+from .blocks import _direct, _send_buffer, offsets, result_tensor, unpack_blocks
+from .settings import contiguous_strides
 
 OK, MISS = 0, 1
 
@@ -156,7 +157,7 @@ def exchange_with_headers(
     send = pack_with_headers(
         x, meta.dst, meta.dst_sizes, layout.keep, layout.per_row, r == 0, status, like, group
     )
-    flat = torch.empty(layout.total, dtype=like.dtype, device=like.device)
+    flat = result_tensor([layout.total], like, group)
     own_count = meta.recv_splits[r]
     local_own = len(layout.keep) < len(meta.send_splits)
     if not local_own:
@@ -177,20 +178,25 @@ def exchange_with_headers(
     statuses = flat[heads].tolist() if len(heads) > 1 else [flat[heads[0]].item()]
     if x is None or status != OK or any(s != OK for s in statuses):
         return None, False
-    return _join(flat, layout), True
+    return _join(flat, layout, group), True
 
 
-def _join(flat: torch.Tensor, layout: FoldedLayout) -> torch.Tensor:
-    """The switched tensor from the received blocks (a view when they already are it)."""
+def _join(flat: torch.Tensor, layout: FoldedLayout, group: Any) -> torch.Tensor:
+    """The switched tensor from the received blocks (on their storage when they already are it).
+
+    Never a view: the result of a switch may be modified in place like any fresh tensor.
+    """
     meta = layout.meta
     src, sizes, shape, counts = meta.src, meta.src_sizes, meta.y_shape, meta.recv_splits
     if layout.joined:
-        return flat[layout.starts[0] : layout.starts[0] + sum(counts)].view(shape)
+        out = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        strides = contiguous_strides(shape)
+        return out.set_(flat.untyped_storage(), layout.starts[0], shape, strides)
     if all(layout.starts[p + 1] == layout.starts[p] + counts[p] for p in range(len(counts) - 1)):
         return unpack_blocks(
-            flat[layout.starts[0] : layout.starts[0] + sum(counts)], src, sizes, shape
+            flat[layout.starts[0] : layout.starts[0] + sum(counts)], src, sizes, shape, group=group
         )
-    out = torch.empty(shape, dtype=flat.dtype, device=flat.device)
+    out = result_tensor(shape, flat, group)
     for p, (start, offset) in enumerate(zip(layout.starts, offsets(sizes))):
         block = list(shape)
         block[src] = sizes[p]

@@ -13,6 +13,7 @@ used dropped first), so building many meshes cannot grow memory without bound.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -28,13 +29,30 @@ def _env_flag(name: str) -> bool:
 
 
 class Workspace:
-    """Reusable flat send buffers of one group, one per ``(device, dtype)``, each ≤ ``limit`` bytes."""
+    """One group's reusable CPU buffers, each kind bounded by ``limit`` bytes.
+
+    * send buffers: one flat buffer per ``(device, dtype)``, grown to the largest send so far;
+    * received results (:meth:`output`): the storages of recent results, handed out again once
+      nobody else holds them (the caller dropped the result, autograd freed what it saved).
+      A fresh multi-MiB CPU tensor costs a page fault per 4 KiB page when it is first written
+      (glibc returns freed large blocks to the system), as much as the copy into it; a recycled
+      one does not. At most :attr:`outputs_per_shape` storages per ``(device, dtype, numel)``.
+    """
+
+    outputs_per_shape = 2
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.outputs: OrderedDict[tuple[str, torch.dtype, int], list[torch.UntypedStorage]] = (
+            OrderedDict()
+        )
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        sends = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return sends + self.output_nbytes()
+
+    def output_nbytes(self) -> int:
+        return sum(s.nbytes() for stores in self.outputs.values() for s in stores)
 
     def take(self, numel: int, like: torch.Tensor, limit: int) -> torch.Tensor | None:
         """A flat buffer of ``numel`` elements of ``like``'s dtype, or ``None`` above ``limit``."""
@@ -47,11 +65,56 @@ class Workspace:
             self.buffers[key] = buf
         return buf[:numel]
 
+    def output(self, shape: list[int], like: torch.Tensor, limit: int) -> torch.Tensor | None:
+        """A contiguous tensor of ``shape`` on a storage nobody else holds, or ``None``.
+
+        The tensor is not a view (it owns a reference to the storage like a fresh one), so the
+        caller may return it as a collective's result. ``None`` (allocate fresh) off the CPU,
+        above ``limit`` bytes, or when every kept storage of this size is still in use.
+        """
+        numel = math.prod(shape)
+        nbytes = numel * like.element_size()
+        if like.device.type != "cpu" or nbytes == 0 or nbytes > limit:
+            return None
+        key = (str(like.device), like.dtype, numel)
+        stores = self.outputs.get(key)
+        if stores is None:
+            stores = self.outputs[key] = []
+        self.outputs.move_to_end(key)
+        free = next((s for s in stores if _only_ours(s)), None)
+        if free is None:
+            if len(stores) >= self.outputs_per_shape:
+                return None
+            free = torch.empty(numel, dtype=like.dtype, device=like.device).untyped_storage()
+            stores.append(free)
+            self._bound_outputs(limit)
+        out = torch.empty(0, dtype=like.dtype, device=like.device)
+        return out.set_(free, 0, shape, contiguous_strides(shape))
+
+    def _bound_outputs(self, limit: int) -> None:
+        """Forget the least recently used output storages beyond ``limit`` bytes in all."""
+        while self.outputs and self.output_nbytes() > limit:
+            self.outputs.popitem(last=False)
+
     def shrink(self, limit: int) -> None:
         """Drop the buffers larger than ``limit`` bytes."""
         for key, buf in list(self.buffers.items()):
             if buf.numel() * buf.element_size() > limit:
                 del self.buffers[key]
+        self._bound_outputs(limit)
+
+
+def _only_ours(storage: torch.UntypedStorage) -> bool:
+    """Whether the workspace's reference is the only one to ``storage`` (no tensor uses it)."""
+    return torch._C._storage_Use_Count(storage._cdata) == 1
+
+
+def contiguous_strides(shape: list[int]) -> list[int]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return strides[::-1]
 
 
 @dataclass
@@ -64,6 +127,8 @@ class CommSettings:
         workspace_limit: bytes per ``(device, dtype)`` a group's send workspace may hold
             (``DSPZOO_COMM_WORKSPACE_MIB``, default 256 MiB).
         max_workspaces: groups that keep a workspace at once (least recently used dropped).
+        recycle_results: results of CPU collectives reuse their group's free result storages
+            (:meth:`Workspace.output`); ``DSPZOO_COMM_RECYCLE_RESULTS=0`` allocates each afresh.
     """
 
     debug: bool = field(default_factory=lambda: _env_flag("DSPZOO_DEBUG"))
@@ -73,6 +138,9 @@ class CommSettings:
         )
     )
     max_workspaces: int = 8
+    recycle_results: bool = field(
+        default_factory=lambda: os.environ.get("DSPZOO_COMM_RECYCLE_RESULTS", "1") != "0"
+    )
     _workspaces: OrderedDict[int, tuple[Any, Workspace]] = field(
         default_factory=OrderedDict, repr=False
     )

@@ -31,7 +31,14 @@ import torch
 from ..layout import shard_sizes
 from .lss import lss_attention
 from .ring import ring_attention
-from .scan import ScanOp, ScanShape, halo_bytes, head_a2a_scan, state_passing_scan
+from .scan import (
+    ScanOp,
+    ScanShape,
+    halo_bytes,
+    head_a2a_scan,
+    state_passing_saved_elements,
+    state_passing_scan,
+)
 from .ulysses import kv_heads_aligned, ulysses_attention
 from .usp import usp_attention
 
@@ -212,6 +219,12 @@ class Method:
     def scan_bytes(self, out: CommCount, shape: ScanShape, rank: int) -> None:
         """Add the bytes rank ``rank`` sends for one scan mixer of ``shape`` (tracer conventions)."""
         raise ValueError(f"method {self.name!r} has no scan byte formula")
+
+    def scan_saved_elements(self, shape: ScanShape, rank: int) -> float:
+        """Elements it saves for backward for one scan mixer of ``shape`` on rank ``rank``
+        beyond one process's on the same local tokens (the scan analogue of
+        :meth:`saved_elements_per_token`)."""
+        return 0.0
 
     def scan(
         self, sp: SeqParallel, op: ScanOp, x: torch.Tensor, seq_lengths: list[int]
@@ -447,6 +460,9 @@ class StatePassing(Method):
         for _ in range(shape.directions):
             out.add("all_gather", "forward", chunk)
             out.add("reduce_scatter", "backward", chunk)
+
+    def scan_saved_elements(self, shape: ScanShape, rank: int) -> float:
+        return state_passing_saved_elements(shape, rank)
 
     def scan(self, sp, op, x, seq_lengths):
         return state_passing_scan(sp, op, x, seq_lengths)

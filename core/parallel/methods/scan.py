@@ -250,6 +250,11 @@ class ScanShape:
     ``summary_itemsize`` bytes; ``heads``: units the head all-to-all shards, ``head_in`` /
     ``head_out`` elements per (token, head) sent to the heads and back, ``gathered`` elements
     per token gathered for local use (``B``, ``C``); activations of ``itemsize`` bytes.
+    ``flops_per_token``: forward FLOPs of the mixer per token of one line, every direction
+    (the cost model's compute; the methods' bytes do not read it). For the activation memory
+    of state passing: ``decay``, the elements of ``summary`` that are the decay (the rest is
+    the state), and ``correction``, the elements per token the incoming state's correction
+    keeps for backward.
     """
 
     seq: tuple[int, ...]
@@ -264,6 +269,22 @@ class ScanShape:
     head_out: int
     gathered: int
     itemsize: int
+    flops_per_token: float = 0.0
+    decay: int = 0
+    correction: int = 0
+
+
+def state_passing_saved_elements(shape: ScanShape, rank: int) -> float:
+    """Elements state passing saves for backward on rank ``rank`` beyond what one process saves
+    for the same local tokens, per mixer: per token of a line and direction the incoming
+    state's correction (``correction``: its decay products and what the outputs read), per
+    line and direction the summaries of all ``N`` segments and the exclusive scan over them:
+    ``N·(4·state + decay)`` (the state part is kept four times: gathered, scanned, the incoming
+    state and its decayed copy)."""
+    n = len(shape.seq)
+    state = shape.summary - shape.decay
+    per_line = shape.seq[rank] * shape.correction + n * (4 * state + shape.decay)
+    return float(shape.directions * shape.batch * per_line)
 
 
 def halo_bytes(out: Any, shape: ScanShape) -> None:
