@@ -26,7 +26,8 @@ def _block(
     """``residual + mixer(norm(x))`` of one block, with the mixer's state in and out.
 
     ``x``: ``[B, L, C]`` (prefill) or ``[B, C]`` (``step``)."""
-    residual = x.float() if layer.residual_in_fp32 else x
+    wide = torch.promote_types(x.dtype, torch.float32)  # as MambaLMBlock.mix: fp64 stays fp64
+    residual = x.to(wide) if layer.residual_in_fp32 else x
     normed = layer.norm(x.to(layer.norm.weight.dtype))
     if step:
         y, state = layer.mixer.step(normed, state)
@@ -37,7 +38,8 @@ def _block(
 
 def _logits(model: MambaLM, x: torch.Tensor) -> torch.Tensor:
     x = model.backbone.norm_f(x.to(model.backbone.norm_f.weight.dtype))
-    return model.lm_head(x.to(model.lm_head.weight.dtype)).float()
+    logits = model.lm_head(x.to(model.lm_head.weight.dtype))
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))  # as MambaLM.forward
 
 
 @torch.no_grad()
