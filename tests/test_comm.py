@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -369,7 +370,18 @@ def _check_recycled_results(rank: int, world: int) -> int:
     switches; a dropped one's storage comes back; results are not views and may be modified
     in place.
     """
+    from dspzoo.core.parallel.comm.settings import SETTINGS
+
     group = dist.group.WORLD
+    previous, SETTINGS.recycle_results = SETTINGS.recycle_results, True  # off by default
+    try:
+        _recycled_results_stay_intact(group, rank, world)
+    finally:
+        SETTINGS.recycle_results = previous
+    return 1
+
+
+def _recycled_results_stay_intact(group: Any, rank: int, world: int) -> None:
     full = torch.randn(2, 2 * world, 12, 5, generator=torch.Generator().manual_seed(4))
     x = _slice(full, 1, world, rank)
     want = _slice(full, 2, world, rank)
@@ -392,7 +404,6 @@ def _check_recycled_results(rank: int, world: int) -> int:
     assert all(torch.equal(s, want) for s in saved)
     loss.sum().backward()
     assert torch.allclose(xg.grad, _slice(full, 1, world, rank).cos())
-    return 1
 
 
 def _check_mismatched_switch(rank: int, world: int) -> int:

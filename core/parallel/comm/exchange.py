@@ -421,7 +421,10 @@ def _unchecked_meta(
         src, dst = norm_dim(x, src, primitive), norm_dim(x, dst, primitive)
         length = sum(src_sizes) if src_sizes is not None else src_length
         assert length is not None, "an unchecked switch needs src_length or src_sizes"
-        meta = _SwitchMeta.build(x, src, dst, length, n, r, src_sizes, dst_sizes)
+        # copies: a caller reusing and changing its size lists must not change a cached meta
+        own_src = list(src_sizes) if src_sizes is not None else None
+        own_dst = list(dst_sizes) if dst_sizes is not None else None
+        meta = _SwitchMeta.build(x, src, dst, length, n, r, own_src, own_dst)
         _METAS[key] = meta
         while len(_METAS) > 256:
             _METAS.pop(next(iter(_METAS)))

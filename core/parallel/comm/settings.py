@@ -47,12 +47,18 @@ class Workspace:
             OrderedDict()
         )
 
-    def nbytes(self) -> int:
+    def nbytes(self, free_only: bool = False) -> int:
+        """Bytes kept (``free_only``: only those no tensor outside the workspace holds)."""
         sends = sum(b.numel() * b.element_size() for b in self.buffers.values())
-        return sends + self.output_nbytes()
+        return sends + self.output_nbytes(free_only)
 
-    def output_nbytes(self) -> int:
-        return sum(s.nbytes() for stores in self.outputs.values() for s in stores)
+    def output_nbytes(self, free_only: bool = False) -> int:
+        return sum(
+            s.nbytes()
+            for stores in self.outputs.values()
+            for s in stores
+            if not free_only or _only_ours(s)
+        )
 
     def take(self, numel: int, like: torch.Tensor, limit: int) -> torch.Tensor | None:
         """A flat buffer of ``numel`` elements of ``like``'s dtype, or ``None`` above ``limit``."""
@@ -128,7 +134,10 @@ class CommSettings:
             (``DSPZOO_COMM_WORKSPACE_MIB``, default 256 MiB).
         max_workspaces: groups that keep a workspace at once (least recently used dropped).
         recycle_results: results of CPU collectives reuse their group's free result storages
-            (:meth:`Workspace.output`); ``DSPZOO_COMM_RECYCLE_RESULTS=0`` allocates each afresh.
+            (:meth:`Workspace.output`; ``DSPZOO_COMM_RECYCLE_RESULTS=1``). Off by default: it
+            measured no gain (docs/comm.md), keeps up to ``workspace_limit`` of storages per
+            group, and a caller holding only a result's ``untyped_storage()`` object (no
+            tensor) is not seen as a holder.
     """
 
     debug: bool = field(default_factory=lambda: _env_flag("DSPZOO_DEBUG"))
@@ -138,9 +147,7 @@ class CommSettings:
         )
     )
     max_workspaces: int = 8
-    recycle_results: bool = field(
-        default_factory=lambda: os.environ.get("DSPZOO_COMM_RECYCLE_RESULTS", "1") != "0"
-    )
+    recycle_results: bool = field(default_factory=lambda: _env_flag("DSPZOO_COMM_RECYCLE_RESULTS"))
     _workspaces: OrderedDict[int, tuple[Any, Workspace]] = field(
         default_factory=OrderedDict, repr=False
     )
@@ -172,7 +179,9 @@ class CommSettings:
         return entry[1]
 
     def release(self) -> int:
-        freed = sum(ws.nbytes() for _, ws in self._workspaces.values())
+        """Drop every group's workspace; the bytes actually freed (result storages a tensor
+        still holds stay alive with it and are not counted)."""
+        freed = sum(ws.nbytes(free_only=True) for _, ws in self._workspaces.values())
         self._workspaces.clear()
         return freed
 
