@@ -12,9 +12,10 @@ under the scan methods) and :mod:`tests.test_scan_methods` (bare mixers) leave o
   and ``w``, switching the sharded dim between them;
 * the weather Mamba with its time and latitude scans (and, without ``periodic_lon``, its
   longitude scan) under the scan methods;
-* bad input on every rank: a dtype or a shard differing on one rank, a wrong initial state, a
-  scan order over a dim the model lacks, a checkpoint of another model class. Every rank
-  raises the same clear error and none waits in a collective.
+* bad input on every rank: a dtype or a token id differing on one rank, a raster scan over
+  fewer frames than ranks (an empty segment), a wrong initial state, a scan order over a dim
+  the model lacks, a checkpoint of another model class. Every rank raises a clear error and
+  none waits in a collective.
 
 ``cross`` and ``zigzag`` orders, and the circular longitude scan, read their dims in an order a
 shard cannot follow (a route permutation, a ring): their stages are ``generic`` and get their
@@ -261,6 +262,14 @@ def _bad_inputs(mesh: SPMesh, folder: Path) -> list[str]:
     tokens = torch.full((2, 13), 40 if r == n - 1 else 0)
     failures += _expect(f"{where} lm tokens", InputValidationError,
                         (f"rank(s) [{n - 1}]", "must lie in [0, 40)"), lambda: model(tokens, sp))  # fmt: skip
+    # fewer frames than ranks under a raster scan: a rank would hold an empty segment
+    if n == 4:
+        for method in (SP, A2A):
+            video = _build(_video_case("3 frames", VIDEO_RASTER, (method, method)), 7)
+            three = {k: v[:, :, :3] if k == "x" else v for k, v in _video_inputs().items()}
+            failures += _expect(f"{where} {method} empty segment", ValueError,
+                                ("at least one token", "[15, 15, 15, 0]", "at most 3"),
+                                lambda v=video, i=three: call_with_sp(v, i, sp))  # fmt: skip
     # a wrong initial state: refused before any collective (every rank calls it alike)
     state = MixerState(conv=torch.zeros(2, 9, 3), ssm=torch.zeros(2, 4, 4, 4))
     failures += _expect(f"{where} state", ValueError, ("state must be conv",),

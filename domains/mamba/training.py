@@ -27,8 +27,8 @@ class MambaTrainConfig(TextTrainConfig):
     model: str = flag("mambalm-small", "zoo Mamba LM (mambalm-… or mamba2lm-…; `dspzoo list`)")
     sp_strategy: str = flag(
         "dsp",
-        "sequence-parallel strategy; the scan stage gets the sequence whole until the scan "
-        "methods (state passing, head all-to-all) are registered",
+        "sequence-parallel strategy; every strategy runs the scans over the sharded sequence "
+        "with a scan method (dsp: the planner's choice, state passing)",
         tuple(STRATEGIES),
     )
 
