@@ -57,15 +57,16 @@ def test_mamba2_lm_trains(tmp_path: Path, byte_file: Path) -> None:
 
 
 def test_non_mamba_model_is_refused(tmp_path: Path, byte_file: Path) -> None:
-    with pytest.raises(ValueError, match="is not a Mamba LM; pick a mambalm or mamba2lm"):
+    with pytest.raises(ValueError, match="is not a Mamba LM; pick a mambalm, mamba2lm, hybridlm"):
         _config(tmp_path, byte_file, model="bytelm-tiny").validate()
 
 
 @pytest.mark.timeout(400)
 def test_three_steps_under_accelerate_launch_at_sp2_repeat_sp1(tmp_path: Path, byte_file: Path):
-    """Both Mamba LMs, 3 steps at SP 2 under ``accelerate launch`` (DSP: their scans by state
-    passing over the sharded bytes): the losses of the one-process run."""
-    models = ("mambalm-tiny", "mamba2lm-tiny")
+    """The Mamba LMs and the hybrid, 3 steps at SP 2 under ``accelerate launch`` (DSP: the scans
+    by state passing over the sharded bytes, the hybrid's attention by Ulysses): the losses of
+    the one-process run."""
+    models = ("mambalm-tiny", "mamba2lm-tiny", "hybridlm-tiny")
     reference = {
         m: train(_config(tmp_path / "sp1" / m, byte_file, model=m, eval_every=0))["losses"]
         for m in models
