@@ -4,7 +4,8 @@
         <byte file> <output folder> <strategy> <model> [<model> ...]
 
 Mamba LMs (``mambalm``, ``mamba2lm``, ``hybridlm``) train on the byte file with the Mamba Task,
-video Mamba DiTs (``videomamba``) on moving shapes with the video Task. Rank 0 writes
+video Mamba DiTs (``videomamba``) on moving shapes with the video Task, weather Mambas
+(``weathermamba``) on the built-in A1B data with the weather Task. Rank 0 writes
 ``<output folder>/losses.json``: ``{model: [loss per step]}``. :func:`train_model` is also the
 test's one-process reference (``sp=1``).
 """
@@ -28,6 +29,15 @@ def train_model(model: str, sp: int, strategy: str, data: str, out: Path) -> lis
                                  global_batch=2, frames=3, size=8, num_samples=4, warmup=1,
                                  log_every=3, save_every=0, output_dir=str(out))  # fmt: skip
         return train_video(video)["losses"]
+    if model.startswith("weathermamba"):
+        from dspzoo.domains.weather.training import WeatherTrainConfig
+        from dspzoo.domains.weather.training import train as train_weather
+
+        weather = WeatherTrainConfig(model=model, sp=sp, sp_strategy=strategy, data="a1b",
+                                     history=2, leads="1", holdout_from=2090, steps=3,
+                                     global_batch=2, warmup=1, eval_every=0, log_every=3,
+                                     save_every=0, output_dir=str(out))  # fmt: skip
+        return train_weather(weather)["losses"]
     from dspzoo.domains.mamba.training import MambaTrainConfig, train
 
     cfg = MambaTrainConfig(model=model, sp=sp, sp_strategy=strategy, seq_len=19, steps=3,

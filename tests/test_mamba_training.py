@@ -63,12 +63,14 @@ def test_non_mamba_model_is_refused(tmp_path: Path, byte_file: Path) -> None:
 
 @pytest.mark.timeout(400)
 def test_three_steps_under_accelerate_launch_at_sp2_repeat_sp1(tmp_path: Path, byte_file: Path):
-    """The Mamba LMs, the hybrid and a raster video Mamba DiT, 3 steps at SP 2 under
-    ``accelerate launch`` (DSP: the scans by state passing over the sharded bytes or frames, the
-    hybrid's attention by Ulysses): the losses of the one-process run."""
+    """The Mamba LMs, the hybrid, a raster video Mamba DiT and the weather Mamba, 3 steps at
+    SP 2 under ``accelerate launch`` (DSP: the scans by state passing over the sharded bytes or
+    frames, the hybrid's attention by Ulysses, the weather's axial scans local between
+    switches): the losses of the one-process run."""
     from mamba_training_driver import train_model
 
-    models = ("mambalm-tiny", "mamba2lm-tiny", "hybridlm-tiny", "videomamba-tiny-raster")
+    models = ("mambalm-tiny", "mamba2lm-tiny", "hybridlm-tiny", "videomamba-tiny-raster",
+              "weathermamba-tiny")  # fmt: skip
     reference = {m: train_model(m, 1, "dsp", str(byte_file), tmp_path / "sp1" / m) for m in models}
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
