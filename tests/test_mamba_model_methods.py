@@ -2,10 +2,10 @@
 and 4 on shapes no SP size divides equals one process (outputs and every parameter gradient,
 fp64), and every rank's traced bytes equal the cost model's plan.
 
-What :mod:`tests.test_mamba_parallel` (DSP's own plans, the Mamba-2 LM and one raster video
-under the scan methods) and :mod:`tests.test_scan_methods` (bare mixers) leave out:
+What :mod:`tests.test_mamba_parallel` (DSP's own plans, one raster video under the scan
+methods) and :mod:`tests.test_scan_methods` (bare mixers) leave out:
 
-* the Mamba-1 LM under state passing and under the head all-to-all;
+* the Mamba-1 and Mamba-2 LMs under state passing and under the head all-to-all (fp64);
 * the video Mamba DiT with its default bidirectional scans, Mamba-1 and Mamba-2, in ``raster``
   order under both scan methods, and in the ``axial`` orders with every scan stage forced onto
   a scan method over its own (sharded) dim: ``t``, ``h`` (3 rows: an empty shard at SP 4)
@@ -55,6 +55,7 @@ from dspzoo.domains.mamba import (
     MambaLM,
     VideoMamba,
     WeatherMamba,
+    lm_class,
 )
 from dspzoo.domains.mamba.layers import build_mixer
 from dspzoo.domains.mamba.workload import (
@@ -69,6 +70,7 @@ SP, A2A = "state_passing", "head_a2a"
 SIZES = (2, 3, 4)
 
 LM1 = replace(LM_CONFIGS["mambalm"]["tiny"], vocab_size=40, hidden_size=16, state_size=4)
+LM2 = replace(LM_CONFIGS["mamba2lm"]["tiny"], vocab_size=40, chunk_size=4)  # 4 heads, 13 tokens
 _VIDEO = dict(in_channels=3, hidden=16, head_dim=8, chunk_size=4, depth=1, num_classes=4)
 VIDEO_AXIAL = replace(VIDEO_CONFIGS["tiny"], **_VIDEO, mlp_ratio=0.0)  # bidirectional (default)
 VIDEO_RASTER = replace(VIDEO_AXIAL, orders=("raster(t,h,w)", "raster(t,h,w)"))
@@ -147,16 +149,19 @@ def _weather_case(name: str, config, methods) -> ModelCase:
     )  # fmt: skip
 
 
-def _lm_case(method: str) -> ModelCase:
+def _lm_case(config, method: str) -> ModelCase:
+    family = ("mambalm", "mamba2lm")[config.version - 1]
     return ModelCase(
-        f"mambalm {method}", lambda: MambaLM(LM1), _lm_inputs,
-        lambda: mamba_lm_workload("mambalm", LM1, batch=2, seq_len=13, itemsize=8), (method,),
+        f"{family} {method}", lambda: lm_class(config.version)(config), _lm_inputs,
+        lambda: mamba_lm_workload(family, config, batch=2, seq_len=13, itemsize=8), (method,),
     )  # fmt: skip
 
 
 CASES = (
-    _lm_case(SP),
-    _lm_case(A2A),
+    _lm_case(LM1, SP),
+    _lm_case(LM1, A2A),
+    _lm_case(LM2, SP),
+    _lm_case(LM2, A2A),
     _video_case("videomamba mamba2 bi raster", VIDEO_RASTER, (SP, A2A)),
     _video_case("videomamba mamba1 bi raster", replace(VIDEO_RASTER, mixer="mamba1"), (A2A, SP)),
     # DSP's own plans for what tests/test_mamba_parallel.py runs with one mixer only
