@@ -64,6 +64,7 @@ from dspzoo.domains.mamba.workload import (
     weather_mamba_workload,
 )
 from dspzoo.zoo import CheckpointMismatchError, create_model, from_pretrained, save_pretrained
+from dspzoo.zoo.pretrained import load_weights
 
 TOLERANCE = 1e-9  # fp64 throughout
 SP, A2A = "state_passing", "head_a2a"
@@ -286,6 +287,9 @@ def _bad_inputs(mesh: SPMesh, folder: Path) -> list[str]:
     failures += _expect(f"{where} checkpoint", CheckpointMismatchError,
                         ("mamba2lm", "'mambalm' was expected"),
                         lambda: from_pretrained(folder, expected_family="mambalm"))  # fmt: skip
+    failures += _expect(f"{where} init-from", CheckpointMismatchError,  # what --init-from calls
+                        ("'mamba2lm'", "the model is 'mambalm'"),
+                        lambda: load_weights(MambaLM(LM1), folder))  # fmt: skip
     return failures
 
 
