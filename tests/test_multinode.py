@@ -84,6 +84,13 @@ def test_a_switch_spanning_nodes_is_priced_on_the_inter_node_link() -> None:
         nbytes / 3 / cluster.intra_bw, nbytes * 2 / 3 / cluster.inter_bw
     )
     assert half.transfer_time(nbytes, 4, collectives) == pytest.approx(expected, rel=1e-12)
+    # NCCL's ring steps: an SP group split 3 + 1 over two nodes of three crosses the node
+    # boundary once (like 2 + 2), not once per rank of its smallest part
+    uneven = cluster.placed(_mesh(((0, 1, 2), (3, 4, 5)), sp=4, node_local=False))
+    assert uneven.sp_layout == (4, 1, 2) and half.sp_layout == (4, 2, 2)
+    gather = cluster.coll_base_lat + 2 * cluster.coll_step_lat_intra + cluster.coll_step_lat_inter
+    for placed in (uneven, half):
+        assert placed.collective_latency("all_gather", 4) == pytest.approx(gather, rel=1e-12)
     # another group size than the mesh's keeps the preset's consecutive-ranks pricing
     assert half.transfer_time(nbytes, 8, collectives) == cluster.transfer_time(
         nbytes, 8, collectives
@@ -100,9 +107,12 @@ def test_the_placed_cluster_reaches_the_step_time_prediction() -> None:
     spanning = predict(wl, "dsp", 2, cluster.placed(_mesh(((0,), (1,)), 2, False)))
     assert local.comm_s == predict(wl, "dsp", 2, cluster).comm_s
     assert spanning.bytes == local.bytes and spanning.collectives == local.collectives
-    slower = spanning.collectives * (cluster.inter_lat - cluster.intra_lat) + spanning.bytes * (
-        1 / cluster.inter_bw - 1 / cluster.intra_bw
-    )  # the same bytes and collectives, on the inter-node link's α and β
+    # the same bytes and collectives; every ring step now crosses the node boundary (NCCL's
+    # latency model: 7 all-to-alls take one step each, the validate all-reduce two)
+    assert spanning.collectives == 8
+    steps = spanning.collectives + 1
+    step_cost = cluster.coll_step_lat_inter - cluster.coll_step_lat_intra
+    slower = steps * step_cost + spanning.bytes * (1 / cluster.inter_bw - 1 / cluster.intra_bw)
     assert spanning.comm_s - local.comm_s == pytest.approx(slower, rel=1e-9)
 
 
