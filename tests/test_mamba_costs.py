@@ -4,6 +4,7 @@ tensors autograd really saves (gloo workers at SP 2 and 3)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from dspzoo.core.costmodel.formulas import stage_flops
+from dspzoo.core.costmodel.formulas import forward_flops, stage_flops
 from dspzoo.core.layers.mamba import Mamba1Config, Mamba1Mixer, Mamba2Config, Mamba2Mixer
 from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.mesh import SPMesh
@@ -19,8 +20,19 @@ from dspzoo.core.parallel.methods.registry import get_method
 from dspzoo.core.parallel.runtime import SeqParallel
 from dspzoo.core.parallel.trace import SavedTensorMeter
 from dspzoo.core.testing import run_distributed
-from dspzoo.domains.mamba import HYBRID_CONFIGS
-from dspzoo.domains.mamba.workload import hybrid_lm_workload, mixer_flops_per_token
+from dspzoo.domains.mamba import (
+    HYBRID_CONFIGS,
+    VIDEO_CONFIGS,
+    WEATHER_CONFIGS,
+    VideoMamba,
+    WeatherMamba,
+)
+from dspzoo.domains.mamba.workload import (
+    hybrid_lm_workload,
+    mixer_flops_per_token,
+    video_mamba_workload,
+    weather_mamba_workload,
+)
 
 HIDDEN, LENGTH = 16, 64
 MAMBA1 = dict(state_size=4, bidirectional=True)
@@ -75,6 +87,37 @@ def test_the_cost_model_counts_the_scan_stages() -> None:
     per_token = sum(mixer_flops_per_token(mixer_config).values())
     assert scan.scan.flops_per_token == per_token > 0
     assert stage_flops(wl, scan).forward == 2 * 100 * per_token
+
+
+def _model_flops(model: torch.nn.Module, inputs: dict, workload) -> tuple[float, float]:
+    """(the cost model's forward FLOPs, torch's count of one forward of ``model``)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(**inputs)
+    return forward_flops(workload).forward, float(counter.get_total_flops())
+
+
+@pytest.mark.parametrize("order", ["axial(t)", "raster(t,h,w)", "cross(h,w)", "zigzag(t,h,w)"])
+def test_every_scan_order_costs_its_mixers(order: str) -> None:
+    """A scan stage costs its mixers in every order, generic ones included (cross: four routes,
+    each its own mixer; zigzag: one, as raster), within 10 % of torch's counter."""
+    config = replace(VIDEO_CONFIGS["tiny"], depth=1, orders=(order,))
+    model = VideoMamba(config)
+    inputs = {"x": torch.randn(1, config.in_channels, 4, 8, 8), "timestep": torch.tensor([5.0]),
+              "y": torch.tensor([1])}  # fmt: skip
+    workload = video_mamba_workload("videomamba", config, batch=1, frames=4, spatial=8)
+    ours, counted = _model_flops(model, inputs, workload)
+    assert abs(ours / counted - 1) < 0.10, (order, ours, counted)
+
+
+@pytest.mark.parametrize("periodic", [True, False])
+def test_the_circular_longitude_scan_costs_a_scan_per_column(periodic: bool) -> None:
+    """The weather Mamba's ring scan reads the whole ring from every column: X scans per token."""
+    config = replace(WEATHER_CONFIGS["tiny"], depth=1, grid=(8, 16), periodic_lon=periodic)
+    inputs = {"x": torch.randn(1, config.history, len(config.variables), *config.grid),
+              "lead_time": torch.tensor([1.0])}  # fmt: skip
+    workload = weather_mamba_workload("weathermamba", config, batch=1)
+    ours, counted = _model_flops(WeatherMamba(config), inputs, workload)
+    assert abs(ours / counted - 1) < 0.10, (periodic, ours, counted)
 
 
 # -- activation memory of state passing ------------------------------------------------------

@@ -172,3 +172,51 @@ def test_activation_checkpointing_gives_the_same_gradients():
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, msg=name)
+
+
+def _hand_count(config: MambaLMConfig) -> int:
+    """Parameters of a Mamba LM counted from its shapes (tied head: the embedding once)."""
+    d, n, k = config.hidden_size, config.state_size, config.conv_kernel
+    layers, inner = config.num_hidden_layers, config.expand * config.hidden_size
+    if config.version == 1:
+        rank = -(-d // 16) if config.time_step_rank == "auto" else config.time_step_rank
+        mixer = (d * 2 * inner + inner * k + inner + inner * (rank + 2 * n) + rank * inner + inner
+                 + inner * n + inner + inner * d)  # fmt: skip
+    else:
+        heads, conv = config.num_heads, inner + 2 * config.n_groups * n
+        mixer = d * (2 * inner + 2 * config.n_groups * n + heads) + conv * k + conv + 3 * heads
+        mixer += inner + inner * d  # gated RMSNorm, out_proj
+    head = 0 if config.tie_word_embeddings else config.vocab_size * d
+    return config.vocab_size * d + layers * (mixer + d) + d + head
+
+
+@pytest.mark.parametrize("name, version", [("mambalm-130m", 1), ("mamba2lm-130m", 2)])
+def test_published_scale_configs_on_the_meta_device(name, version):
+    """mamba-130m / mamba2-130m shapes: built on the meta device (no memory), the parameter
+    count equals the count from the published shapes (~129M, the "130m" class) and, where
+    transformers is installed, its model of the published config on the meta device."""
+    model = create_model(name, device="meta")
+    assert model.lm_head.weight.is_meta and model.config.version == version
+    count = sum(p.numel() for p in model.parameters())
+    assert count == _hand_count(model.config)
+    assert 1.25e8 < count < 1.35e8, count
+    assert model.lm_head.weight is model.backbone.embeddings.weight  # tied, as published
+    if importlib.util.find_spec("transformers") is None:
+        return
+    import transformers
+
+    published = {  # the checkpoints' config.json shapes
+        1: (transformers.MambaConfig, transformers.MambaForCausalLM,
+            dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16,
+                 expand=2, conv_kernel=4, time_step_rank=48, use_bias=False, use_conv_bias=True)),
+        2: (transformers.Mamba2Config, transformers.Mamba2ForCausalLM,
+            dict(vocab_size=50288, hidden_size=768, num_hidden_layers=24, state_size=128,
+                 expand=2, num_heads=24, head_dim=64, n_groups=1, conv_kernel=4,
+                 use_bias=False, use_conv_bias=True)),
+    }  # fmt: skip
+    config_cls, model_cls, shapes = published[version]
+    with torch.device("meta"):
+        theirs = model_cls(config_cls(**shapes, tie_word_embeddings=True))
+    assert count == sum(p.numel() for p in theirs.parameters())
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert ours == {k: tuple(v.shape) for k, v in theirs.state_dict().items()}

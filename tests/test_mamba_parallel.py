@@ -5,7 +5,6 @@ cost model's plan (core/harness.check_model: gloo workers spawned inside pytest,
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import pytest
 import torch
@@ -168,12 +167,6 @@ def _forced_workload(workload, methods: tuple[str, ...]):
     return replace(workload, period=period, layers=layers)
 
 
-def make_lm_forced(method: str) -> MambaLM:
-    model = make_lm()
-    model.STAGES = _forced(model.STAGES, (method,))
-    return model
-
-
 def make_raster_both_methods() -> VideoMamba:
     """Two raster scans per layer: the first by state passing, the second by head all-to-all."""
     model = _perturb(VideoMamba(RASTER2))
@@ -191,13 +184,8 @@ def test_scan_stages_get_the_scan_op_kind():
     assert make_lm().STAGES[0].op == "scan"
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", SCAN_METHODS)
-def test_mamba_lm_under_scan_methods_equals_one_process(method):
-    """The 1-D LM with its scan over the sharded sequence: state passing / head all-to-all."""
-    workload = _forced_workload(mamba_lm_workload("mamba2lm", LM, batch=2, seq_len=13), (method,))
-    check_model(partial(make_lm_forced, method), lm_inputs, strategies=["dsp"],
-                workload=workload, timeout=560)  # fmt: skip
+# the LMs with their scan forced onto state passing / head all-to-all: one spawn with the other
+# models in tests/test_mamba_model_methods.py
 
 
 @pytest.mark.timeout(600)

@@ -1,5 +1,5 @@
 """Training Mamba LMs with the Trainer (domains/mamba/training.py): a few steps on bytes,
-resume, the saved model, SP 2 equal to SP 1, bad flags; the video Mamba under the video Task."""
+resume, the saved model, SP 2 under ``accelerate launch`` equal to SP 1, bad flags; the video Mamba under the video Task."""
 
 from __future__ import annotations
 
@@ -57,21 +57,34 @@ def test_mamba2_lm_trains(tmp_path: Path, byte_file: Path) -> None:
 
 
 def test_non_mamba_model_is_refused(tmp_path: Path, byte_file: Path) -> None:
-    with pytest.raises(ValueError, match="is not a Mamba LM; pick a mambalm or mamba2lm"):
+    with pytest.raises(ValueError, match="is not a Mamba LM; pick a mambalm, mamba2lm, hybridlm"):
         _config(tmp_path, byte_file, model="bytelm-tiny").validate()
 
 
 @pytest.mark.timeout(400)
-def test_three_steps_at_sp2_repeat_sp1(tmp_path: Path, byte_file: Path) -> None:
-    reference = train(_config(tmp_path / "sp1", byte_file, eval_every=0))["losses"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           str(REPO / "tests" / "mamba_training_driver.py"), str(byte_file), str(tmp_path),
-           "mambalm-tiny", "dsp"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_three_steps_under_accelerate_launch_at_sp2_repeat_sp1(tmp_path: Path, byte_file: Path):
+    """The Mamba LMs, the hybrid, a raster video Mamba DiT and the weather Mamba, 3 steps at
+    SP 2 under ``accelerate launch`` (DSP: the scans by state passing over the sharded bytes or
+    frames, the hybrid's attention by Ulysses, the weather's axial scans local between
+    switches): the losses of the one-process run."""
+    from mamba_training_driver import train_model
+
+    models = ("mambalm-tiny", "mamba2lm-tiny", "hybridlm-tiny", "videomamba-tiny-raster",
+              "weathermamba-tiny")  # fmt: skip
+    reference = {m: train_model(m, 1, "dsp", str(byte_file), tmp_path / "sp1" / m) for m in models}
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+        "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", str(REPO / "tests" / "mamba_training_driver.py"),
+        str(byte_file), str(tmp_path), "dsp", *models,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads((tmp_path / "losses.json").read_text())
-    assert got == pytest.approx(reference, rel=1e-5)
+    assert sorted(got) == sorted(models)
+    for model in models:
+        assert got[model] == pytest.approx(reference[model], rel=1e-5), model
 
 
 def test_video_mamba_trains_with_the_video_task(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from dspzoo.zoo import (
     create_model,
     format_count,
     get_config,
+    list_models,
     register_config,
     register_family,
     unregister_family,
@@ -302,6 +303,35 @@ def test_a_mamba1_plan_speaks_of_channels_and_its_default_length(capsys) -> None
     )
     assert "mambalm-tiny is a Mamba language model: its sizes are --seq-len" in _error(
         capsys, "mambalm-tiny", "--frames", "4"
+    )
+
+
+def _mamba_scan_stages(config) -> int:
+    """Scan stages of a Mamba model from its config: every scan order, generic ones included."""
+    if hasattr(config, "orders"):  # video: one per order per layer
+        return config.depth * len(config.orders)
+    if hasattr(config, "periodic_lon"):  # weather: time, latitude, longitude per layer
+        return config.depth * 3
+    attention = getattr(config, "attention_layers", ())  # the hybrid's attention layers
+    return config.num_hidden_layers - len(attention)
+
+
+MAMBA_FAMILIES = ("mambalm", "mamba2lm", "hybridlm", "videomamba", "weathermamba")
+
+
+@pytest.mark.parametrize("name", [m for m in list_models() if m.split("-", 1)[0] in MAMBA_FAMILIES])
+def test_every_mamba_model_is_described(capsys, name: str) -> None:
+    """Every Mamba zoo config (tiny to 130m, every scan order) gets a plan, its scan line
+    counting every scan stage (cross, zigzag and the circular longitude scan too), and the
+    method of every stage at every SP size."""
+    video = ["--frames", "8"] if name.startswith("videomamba") else []
+    lines = _plan(capsys, name, *video)
+    config = create_model(name, device="meta").config
+    scans = next(x for x in lines if x.startswith("  scans:"))
+    assert scans.startswith(f"  scans: {_mamba_scan_stages(config)} Mamba-"), scans
+    assert "methods per stage (those not listed run locally):" in lines
+    assert any(x.startswith("  SP 2: ") for x in lines) and any(
+        x.startswith("  SP 4: ") for x in lines
     )
 
 

@@ -1,8 +1,8 @@
 """Training a Mamba LM on bytes: the text domain's Task with a Mamba model.
 
-``dspzoo train mamba --model mambalm-small`` (or ``mamba2lm-…``) trains on the built-in stdlib
-corpus (or any raw byte file, ``--data``) exactly as ``dspzoo train text`` trains a ByteLM: the
-same data, loss (bits per byte), held-out evaluation, checkpoints and resume. Only the model
+``dspzoo train mamba --model mambalm-small`` (or ``mamba2lm-…``, or the hybrid ``hybridlm-…``)
+trains on the built-in stdlib corpus (or any raw byte file, ``--data``) exactly as ``dspzoo
+train text`` trains a ByteLM: the same data, loss (bits per byte), held-out evaluation, checkpoints and resume. Only the model
 differs, and the default strategy: ``dsp``. The video Mamba DiT trains with the video Task:
 ``dspzoo train video --model videomamba-tiny``.
 """
@@ -17,18 +17,20 @@ from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.core.train import flag, load_initial_weights, train_task
 from dspzoo.domains.text.training import TextTask, TextTrainConfig
 
-LM_FAMILIES = ("mambalm", "mamba2lm")
+LM_FAMILIES = ("mambalm", "mamba2lm", "hybridlm")
 
 
 @dataclass
 class MambaTrainConfig(TextTrainConfig):
     """Everything a Mamba LM training run needs; every field is a command-line flag."""
 
-    model: str = flag("mambalm-small", "zoo Mamba LM (mambalm-… or mamba2lm-…; `dspzoo list`)")
+    model: str = flag(
+        "mambalm-small", "zoo Mamba LM (mambalm-…, mamba2lm-… or hybridlm-…; `dspzoo list`)"
+    )
     sp_strategy: str = flag(
         "dsp",
-        "sequence-parallel strategy; the scan stage gets the sequence whole until the scan "
-        "methods (state passing, head all-to-all) are registered",
+        "sequence-parallel strategy; every strategy runs the scans over the sharded sequence "
+        "with a scan method (dsp: the planner's choice, state passing)",
         tuple(STRATEGIES),
     )
 
@@ -37,7 +39,7 @@ class MambaTrainConfig(TextTrainConfig):
         family = self.model.split("-", 1)[0].lower()
         if family not in LM_FAMILIES:
             raise ValueError(
-                f"--model {self.model!r} is not a Mamba LM; pick a {' or '.join(LM_FAMILIES)} "
+                f"--model {self.model!r} is not a Mamba LM; pick a {', '.join(LM_FAMILIES)} "
                 f"model (the video Mamba trains with `dspzoo train video --model videomamba-…`)"
             )
 

@@ -10,9 +10,11 @@ identity). The interface is the video DiTs' (:class:`~dspzoo.domains.video.dit.V
 so the video trainer (``dspzoo train video --model videomamba-tiny``) and sampler take it.
 
 Under DSP an axial order needs nothing but its stage: the plan keeps the scanned dim whole and
-switches between the scan axes, as for axial attention. A flattened order (``raster``,
-``cross``, ``zigzag``) mixes several dims; its stage gets them whole until the scan methods that
-run over a sharded dim are wired into :func:`~.layers.run_scan`.
+switches between the scan axes, as for axial attention. ``raster(t,h,w)`` mixes every dim: its
+stage runs a scan method (state passing, head all-to-all) over the sharded outermost dim
+through :func:`~.layers.run_scan`. ``cross`` and ``zigzag`` read their dims along route
+permutations a shard cannot follow: their stages are ``generic`` and get their dims whole
+(``cross(h,w)`` leaves ``t`` free, so DSP shards ``t``; ``zigzag(t,h,w)`` is gathered).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from dspzoo.core.parallel.plan import Stage
 from .hybrid import HybridLMConfig, hybrid_stages
 from .layers import build_mixer
 from .lm import MambaLMConfig, lm_stages
+from .orders import parse_order
 from .video import SEQ_DIMS as VIDEO_DIMS
 from .video import VideoMambaConfig, layer_stages
 from .weather import SEQ_DIMS as WEATHER_DIMS
@@ -69,17 +70,23 @@ def mixer_flops_per_token(config: Mamba1Config | Mamba2Config) -> dict[str, floa
 
 
 def scan_spec(
-    stage: Stage, kind: str, hidden: int, options: dict, itemsize: int, **fields: Any
-) -> StageSpec:
-    """``stage``'s :class:`StageSpec`; a ``scan`` stage scans its dims in order with a ``kind``
-    mixer of width ``hidden`` (``options``: its config fields), whose shape the formulas need."""
-    if stage.op != "scan":
-        return StageSpec(stage, **fields)
+    stage: Stage, kind: str, hidden: int, options: dict, itemsize: int, routes: int = 1,
+    **fields: Any,
+) -> StageSpec:  # fmt: skip
+    """The :class:`StageSpec` of a scan stage: a ``kind`` mixer of width ``hidden``
+    (``options``: its config fields), whose shape the formulas need.
+
+    A ``scan`` stage scans its dims in order (``scan_over``: the scan methods' bytes over a
+    sharded dim). A ``generic`` one (``cross``'s routes, ``zigzag``, a circular scan) gets its
+    dims whole and has no scan bytes, but its mixers still compute: ``routes`` scans of every
+    token (4 for ``cross``; a ring of ``X`` columns scanned from every column: ``X``).
+    """
     with torch.device("meta"):
         mixer = build_mixer(kind, hidden, **options)
-    flops = sum(mixer_flops_per_token(mixer.config).values())
+    flops = routes * sum(mixer_flops_per_token(mixer.config).values())
     shape = replace(mixer.scan_shape(1, (), itemsize), flops_per_token=flops)
-    return StageSpec(stage, scan_over=stage.mixes, scan=shape, **fields)
+    over = stage.mixes if stage.op == "scan" else ()
+    return StageSpec(stage, scan_over=over, scan=shape, **fields)
 
 
 def mamba_lm_workload(
@@ -147,10 +154,12 @@ def video_mamba_workload(
     pt, ph, pw = config.patch
     stages = layer_stages(config)
     options = config.mixer_options()
+    routes = [parse_order(order).route_count() for order in config.orders]
     layer = tuple(
-        scan_spec(s, config.mixer, config.hidden, options, itemsize, mlp=s.name == "mlp")
-        for s in stages
-    )
+        StageSpec(s, mlp=True) if s.name == "mlp"
+        else scan_spec(s, config.mixer, config.hidden, options, itemsize, routes=routes[i])
+        for i, s in enumerate(stages)
+    )  # fmt: skip
     heads = config.expand * config.hidden // config.head_dim if config.mixer == "mamba2" else 1
     return Workload(
         name=name,
@@ -192,10 +201,14 @@ def weather_mamba_workload(
     heads = config.expand * config.hidden // config.head_dim if config.mixer == "mamba2" else 1
     pixels = config.patch * config.patch
     options = config.mixer_options()
+    # the circular longitude scan reads the whole ring from every column: cols scans per token
+    routes = {"lon": cols if config.periodic_lon else 1}
     layer = tuple(
-        scan_spec(s, config.mixer, config.hidden, options, itemsize, mlp=s.name == "mlp")
+        StageSpec(s, mlp=True) if s.name == "mlp"
+        else scan_spec(s, config.mixer, config.hidden, options, itemsize,
+                       routes=routes.get(s.name, 1))
         for s in stages
-    )
+    )  # fmt: skip
     return Workload(
         name=name,
         family="weathermamba",

@@ -77,8 +77,9 @@ def fold_scan_dims(
     over_axes = [spec.axis(d) for d in over]
     others = [first + i for i, n in enumerate(spec.names) if n not in over]
     moved = x.permute([*range(first), *others, *over_axes, x.dim() - 1])
+    lines = math.prod(moved.shape[: first + len(others)])  # explicit: a shard may be empty
     length = math.prod(moved.shape[first + len(others) : first + count])
-    return moved.reshape(-1, length, moved.shape[-1]), moved.shape
+    return moved.reshape(lines, length, moved.shape[-1]), moved.shape
 
 
 def unfold_scan_dims(
@@ -221,6 +222,13 @@ def agree_segments(x: torch.Tensor, group: Any, seq_lengths: list[int], method: 
     sig.tensor("x", x, sharded=(1,)).local("tokens", x.shape[1])
     agreed = agree(sig, group, x.device)
     agreed.check_rows("tokens", seq_lengths, f"the {method} scan's segments {seq_lengths}")
+    if min(seq_lengths) == 0:  # agreed above: every rank raises here, none enters a collective
+        raise ValueError(
+            f"the {method} scan needs at least one token of the scanned sequence on every rank, "
+            f"but its segments per rank are {seq_lengths}: the sharded (outermost scanned) dim "
+            f"has fewer positions than the {len(seq_lengths)} ranks; use an SP size of at most "
+            f"{sum(1 for n in seq_lengths if n)} or a longer input"
+        )
 
 
 def state_passing_scan(
