@@ -15,11 +15,12 @@ kernel for each step (the kernel is read from the environment at every attention
 step time is the slowest rank's; the table gives the median and every repetition, and the
 ratios of the old configuration to the others per repetition (same moment, same load).
 
-Usage (4 ranks; the figures of ``docs/strategies_measured.md``)::
+Usage (4 ranks, 64K bytes: the figures of ``docs/strategies_measured.md``, about 11–16 min
+per round of the three on 2 shared cores)::
 
     OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes 4 --num_machines 1 \\
         --mixed_precision no --dynamo_backend no scripts/bench_lss_step.py \\
-        --model bytelm-tiny --checkpoint --seq-len 16384 --reps 2
+        --model bytelm-tiny --checkpoint --seq-len 65536 --reps 2
 """
 
 from __future__ import annotations
