@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps < 1 or args.sp < 1:
         parser.error("--steps and --sp must be >= 1")
     try:
-        model = inference.load(args.model_dir, "weathertx")
+        model = inference.load(args.model_dir, inference.WEATHER_FAMILIES)
         _, mesh, sp = setup_accelerate(args.sp, strategy=args.sp_strategy)
         fc = inference.forecast_weather(
             model,

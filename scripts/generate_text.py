@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> str:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        loaded = inference.load(args.model_dir, "bytelm", args.device)
+        loaded = inference.load(args.model_dir, inference.TEXT_FAMILIES, args.device)
         result = inference.generate_text(
             loaded, args.prompt, args.max_new, args.temperature, args.top_k, args.seed
         )

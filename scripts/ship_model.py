@@ -7,14 +7,16 @@ r"""Ship a trained video or text model inside the package (``zoo/weights/<name>`
 
 The weights are stored in fp16; the card's figures are measured on exactly those weights (so
 ``tests/test_shipped_models.py`` can recompute them), with the domain's evaluation function:
-``dspzoo.domains.video.evaluation.evaluate`` or
-``dspzoo.domains.text.evaluation.heldout_bits_per_byte``. The protein and weather domains ship
-through their own ``ship_trained`` functions (docs/protein.md, docs/weather.md).
+``dspzoo.domains.video.evaluation.evaluate`` (``dspzoo.domains.mamba.sampling.evaluate`` for the
+video Mamba DiT: its own sampler, the same figures) or
+``dspzoo.domains.text.evaluation.heldout_bits_per_byte`` (any byte LM: ``bytelm``, ``mambalm``).
+The protein and weather domains ship through their own ``ship_trained`` functions (docs/protein.md, docs/weather.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import sys
@@ -28,20 +30,27 @@ from dspzoo.zoo.cli import load_domains
 from dspzoo.zoo.pretrained import _read_meta
 from dspzoo.zoo.shipped import resolve_pretrained, round_to_shipped_precision
 
+# the function giving a video family's card figures (its own sampler, the same metrics)
+VIDEO_EVALUATION = {
+    "videomamba": "dspzoo.domains.mamba.sampling.evaluate",
+}
+DEFAULT_VIDEO_EVALUATION = "dspzoo.domains.video.evaluation.evaluate"
 
-def video_card(model: torch.nn.Module, extra: dict) -> dict:
-    from dspzoo.domains.video.evaluation import evaluate
 
+def video_card(model: torch.nn.Module, extra: dict, family: str) -> dict:
+    path = VIDEO_EVALUATION.get(family, DEFAULT_VIDEO_EVALUATION)
+    module, function = path.rsplit(".", 1)
+    evaluate = getattr(importlib.import_module(module), function)
     settings = extra["sampling"]
     return {
         "data": f"built-in moving shapes ({settings['frames']} frames of "
         f"{settings['size']}×{settings['size']} px, 4 classes)",
         "metrics": evaluate(model, settings),
-        "eval": "dspzoo.domains.video.evaluation.evaluate(model, load_extra(name)['sampling'])",
+        "eval": f"{path}(model, load_extra(name)['sampling'])",
     }
 
 
-def text_card(model: torch.nn.Module, extra: dict) -> dict:
+def text_card(model: torch.nn.Module, extra: dict, family: str) -> dict:
     from dspzoo.domains.text.data import resolve_data
     from dspzoo.domains.text.evaluation import corpus_digest, heldout_bits_per_byte
 
@@ -72,7 +81,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = round_to_shipped_precision(from_pretrained(args.folder).eval())
     extra = load_extra(args.folder)
-    card = CARDS[args.domain](model, extra) | {"command": args.command, "notes": args.notes}
+    family = _read_meta(resolve_pretrained(args.folder))["family"]
+    card = CARDS[args.domain](model, extra, family) | {
+        "command": args.command,
+        "notes": args.notes,
+    }
     # folders written before training recorded it: the run's train_config.json names the model
     config_name = (
         _read_meta(resolve_pretrained(args.folder)).get("config_name")

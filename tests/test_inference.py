@@ -8,6 +8,7 @@ what it gives on one process.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -71,10 +72,14 @@ def test_generate_text_is_what_the_command_prints(folders, capsys) -> None:
 
 
 def test_a_model_of_another_family_is_refused_by_name(folders) -> None:
-    with pytest.raises(ValueError, match=r"holds a 'stdit' model; this takes \['bytelm'\]"):
+    with pytest.raises(
+        ValueError, match=r"holds a 'stdit' model; this takes \['bytelm', 'mambalm', 'mamba2lm'\]"
+    ):
         inference.generate_text(folders["video"], "def ")
     loaded = inference.load(folders["text"])
-    with pytest.raises(ValueError, match=r"'bytelm' model; this takes \['stdit', 'latte'\]"):
+    with pytest.raises(
+        ValueError, match=r"'bytelm' model; this takes \['stdit', 'latte', 'videomamba'\]"
+    ):
         inference.sample_video(loaded)
     with pytest.raises(FileNotFoundError):
         inference.load("no-such-model")
@@ -140,3 +145,176 @@ def test_forecast_weather_is_what_the_command_writes(tmp_path) -> None:
     assert written == summary == json.loads((tmp_path / "rmse.json").read_text())
     with pytest.raises(ValueError, match="initial year 1800 is not in the data"):
         inference.forecast_weather("weathertx-small-a1b-e1", steps=1, init_year=1800)
+
+
+# -- Mamba models: recurrent decoding, the video Mamba sampler, the weather Mamba forecast -------
+def _mixers():
+    from dspzoo.core.layers.mamba import Mamba1Config, Mamba1Mixer, Mamba2Config, Mamba2Mixer
+
+    torch.manual_seed(0)
+    yield Mamba1Mixer(Mamba1Config(hidden_size=16, state_size=4, conv_kernel=3))
+    yield Mamba2Mixer(
+        Mamba2Config(hidden_size=16, num_heads=4, head_dim=8, state_size=4, n_groups=2,
+                     chunk_size=4, time_step_limit=(0.0, 0.05))
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mixer", list(_mixers()), ids=["mamba1", "mamba2"])
+def test_mixer_step_is_the_full_forward_token_by_token(mixer) -> None:
+    """11 tokens one step at a time (from zero state, and from a 5-token prefill) give the
+    whole-sequence forward's outputs and final state."""
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    mixer = mixer.double()
+    with torch.no_grad():
+        full, final = mixer(x, return_state=True)
+        state, outs = None, []
+        for t in range(11):
+            y, state = mixer.step(x[:, t], state)
+            outs.append(y)
+        torch.testing.assert_close(torch.stack(outs, 1), full, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(state.ssm, final.ssm, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(state.conv, final.conv, rtol=1e-10, atol=1e-12)
+        _, prefix = mixer(x[:, :5], return_state=True)
+        y, _ = mixer.step(x[:, 5], prefix)
+        torch.testing.assert_close(y, full[:, 5], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"one token per line, \[B, C=16\]"):
+        mixer.step(x[:, :2])
+    conv_shape, _ = mixer.state_shapes(2)
+    bad = type(final)(conv=final.conv[:1], ssm=final.ssm)
+    with pytest.raises(ValueError, match=re.escape(f"state must be conv {tuple(conv_shape)}")):
+        mixer.step(x[:, 0], bad)
+
+
+def test_a_bidirectional_mixer_has_no_step() -> None:
+    from dspzoo.core.layers.mamba import Mamba1Config, Mamba1Mixer
+
+    mixer = Mamba1Mixer(Mamba1Config(hidden_size=8, state_size=2, bidirectional=True))
+    with pytest.raises(ValueError, match="bidirectional mixer reads the future"):
+        mixer.step(torch.randn(1, 8))
+
+
+@pytest.mark.parametrize("name", ["mambalm-tiny", "mamba2lm-tiny"])
+def test_mamba_lm_decoding_gives_the_forward_logits(name) -> None:
+    """Prefill 7 tokens, then 6 recurrent steps: the logits ``MambaLM.forward`` gives at all 13
+    positions (float64)."""
+    from dspzoo.domains.mamba.generate import decode_step, prefill
+
+    torch.manual_seed(1)
+    model = create_model(name).double().eval()
+    tokens = torch.randint(0, 256, (2, 13))
+    with torch.no_grad():
+        want = model(tokens)
+    logits, states = prefill(model, tokens[:, :7])
+    got = [logits]
+    for t in range(7, 13):
+        step_logits, states = decode_step(model, tokens[:, t], states)
+        got.append(step_logits[:, None])
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match="1 layer states for a model of 2 layers"):
+        decode_step(model, tokens[:, 0], states[:1])
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
+        decode_step(model, torch.tensor([256, 0]), states)
+
+
+@pytest.fixture(scope="module")
+def mamba_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Untrained tiny Mamba models saved as training saves them (with their extras)."""
+    root = tmp_path_factory.mktemp("mamba_models")
+    torch.manual_seed(0)
+    video = create_model("videomamba-tiny", num_classes=3, max_frames=5, input_size=(6, 6))
+    with torch.no_grad():  # adaLN-Zero starts as the identity: make the velocity non-trivial
+        for p in video.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    sampling = {"frames": 5, "size": 12, "codec": "pixel-unshuffle", "codec_factor": 2}
+    weather_extra = inference.load("weathertx-small-a1b-e1").extra
+    weather = create_model(
+        "weathermamba-tiny", grid=(37, 49), variables=("air_temperature",), history=4,
+        periodic_lon=False, patch=4, num_static=4,  # the built-in data's 4 static fields
+    )  # fmt: skip
+    return {
+        "mambalm": save_pretrained(
+            create_model("mambalm-tiny"), root / "lm", "mambalm-tiny", {"training": {"seq_len": 8}}
+        ),
+        "mamba2lm": save_pretrained(create_model("mamba2lm-tiny"), root / "lm2", "mamba2lm-tiny"),
+        "video": save_pretrained(video, root / "video", "videomamba-tiny", {"sampling": sampling}),
+        "weather": save_pretrained(weather, root / "weather", "weathermamba-tiny", weather_extra),
+    }
+
+
+@pytest.mark.parametrize("family", ["mambalm", "mamba2lm"])
+def test_generate_text_with_a_mamba_lm(mamba_folders, family, capsys) -> None:
+    folder = mamba_folders[family]
+    result = inference.generate_text(folder, "def ", max_new=12, seed=3)
+    assert result.prompt == b"def " and len(result.new) == 12
+    again = inference.generate_text(inference.load(folder), "def ", max_new=12, seed=3)
+    assert again.new == result.new  # seeded: reproducible
+    printed = _script("generate_text")(
+        ["--model-dir", str(folder), "--prompt", "def ", "--max-new", "12", "--seed", "3"]
+    )
+    assert printed == result.text and capsys.readouterr().out == result.text + "\n"
+    # greedy decoding with the recurrent state = the argmax of a full forward over the text
+    model = inference.load(folder).model
+    greedy = inference.generate_text(folder, "ab", max_new=5, temperature=0).new
+    text = list(b"ab")
+    with torch.no_grad():
+        for _ in range(5):
+            text.append(int(model(torch.tensor([text]))[0, -1].argmax()))
+    assert greedy == bytes(text[2:])
+
+
+def test_mamba_lm_of_too_small_a_vocabulary_cannot_generate_bytes(tmp_path) -> None:
+    from dspzoo.domains.mamba.generate import generate_bytes
+
+    model = create_model("mambalm-tiny", vocab_size=50)
+    with pytest.raises(ValueError, match="needs vocab_size >= 256; this model has 50"):
+        generate_bytes(model, "a", 2)
+
+
+def test_mamba_inference_refuses_models_of_other_families(mamba_folders, folders) -> None:
+    with pytest.raises(ValueError, match=r"holds a 'videomamba' model; this takes \['bytelm'"):
+        inference.generate_text(mamba_folders["video"], "def ")
+    with pytest.raises(ValueError, match=r"holds a 'mambalm' model; this takes \['stdit'"):
+        inference.sample_video(mamba_folders["mambalm"])
+    with pytest.raises(ValueError, match=r"holds a 'videomamba' model; this takes \['weathertx'"):
+        inference.forecast_weather(mamba_folders["video"])
+    with pytest.raises(SystemExit):  # the script: one parser error naming both families
+        _script("generate_text")(["--model-dir", str(folders["protein"]), "--prompt", "a"])
+
+
+def test_sample_video_mamba_at_sp2_equals_one_process(mamba_folders) -> None:
+    """5 latent frames of 6 × 6 over 2 ranks (uneven shards), classifier-free guidance."""
+    folder = mamba_folders["video"]
+    one = inference.sample_video(folder, per_class=1, steps=3, seed=5)
+    assert one.video.shape == (3, 3, 5, 12, 12) and one.labels.tolist() == [0, 1, 2]
+    assert one.video.abs().max() <= 1 and one.video.std() > 0
+    for got in run_distributed(_sample, 2, str(folder)):
+        torch.testing.assert_close(got, one.video, rtol=1e-4, atol=1e-5)
+    other = inference.sample_video(folder, per_class=1, steps=3, seed=6)
+    assert not torch.allclose(other.video, one.video)  # the noise comes from the seed
+    # the Euler loop by hand: noise from the seed, guidance 2 (the default), 3 steps
+    from dspzoo.domains.video.codec import PixelUnshuffleCodec
+    from dspzoo.domains.video.diffusion import TIMESTEP_SCALE
+
+    model = inference.load(folder).model
+    x = torch.randn((3, 12, 5, 6, 6), generator=torch.Generator().manual_seed(5))
+    labels, null = torch.arange(3), torch.full((3,), 3)
+    with torch.no_grad():
+        for t, t_next in [(1.0, 2 / 3), (2 / 3, 1 / 3), (1 / 3, 0.0)]:
+            tvec = torch.full((3,), t * TIMESTEP_SCALE)
+            v_c, v_u = model(x, tvec, labels), model(x, tvec, null)
+            x = x + (t_next - t) * (v_u + 2.0 * (v_c - v_u))
+    torch.testing.assert_close(one.latents, x, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(one.video, PixelUnshuffleCodec(2).decode(x).clamp(-1, 1))
+
+
+def test_forecast_with_a_weather_mamba_is_what_the_command_writes(mamba_folders, tmp_path) -> None:
+    folder = mamba_folders["weather"]
+    fc = inference.forecast_weather(folder, steps=2)
+    assert fc.lead == 1 and fc.forecast.forecast.shape == (2, 1, 37, 49)
+    summary = fc.summary()
+    assert summary["leads"] == [1, 2] and summary["init"].startswith("2059")
+    assert all(np.isfinite(summary["rmse"]["model"]).ravel())
+    written = _script("forecast_weather")(
+        ["--model-dir", str(folder), "--steps", "2", "--out", str(tmp_path)]
+    )
+    assert written == summary == json.loads((tmp_path / "rmse.json").read_text())

@@ -22,7 +22,8 @@ defaults. A model of another family is refused with a ``ValueError`` naming both
 of a mesh (``accelerator, mesh, sp = dspzoo.core.accelerate.setup_accelerate(sp_size)`` under
 ``accelerate launch``): the model then runs sharded over the SP group; every rank of the group
 calls the function with the same arguments and gets the same result. Without ``sp`` it runs in
-this process alone. Text generation runs on one process (KV-cache decoding).
+this process alone. Text generation runs on one process (a ByteLM decodes with a KV cache, a
+Mamba LM with one recurrent step per byte).
 
 The command-line tools — ``dspzoo sample|generate|predict|forecast`` and the scripts behind
 them (``scripts/sample_video.py``, ``generate_text.py``, ``predict_protein.py``,
@@ -41,7 +42,9 @@ import numpy as np
 import torch
 from torch import nn
 
-VIDEO_FAMILIES = ("stdit", "latte")
+VIDEO_FAMILIES = ("stdit", "latte", "videomamba")
+TEXT_FAMILIES = ("bytelm", "mambalm", "mamba2lm")
+WEATHER_FAMILIES = ("weathertx", "weathermamba")
 
 
 @dataclass
@@ -138,7 +141,8 @@ def sample_video(
     sp: Any = None,
     progress: bool = False,
 ) -> VideoSamples:
-    """Sample clips from a video DiT (STDiT, Latte) by integrating its learned velocity.
+    """Sample clips from a video DiT (STDiT, Latte, the video Mamba DiT) by integrating its
+    learned velocity.
 
     ``labels`` ``[N]`` picks the clips' classes (default: ``per_class`` clips of every class);
     ``guidance`` is the classifier-free guidance scale (1: none). ``frames`` and ``size``
@@ -146,7 +150,6 @@ def sample_video(
     alone, so one process and any SP size give the same clips.
     """
     from dspzoo.domains.video.codec import PixelUnshuffleCodec
-    from dspzoo.domains.video.sampling import sample_video as integrate
 
     loaded = _loaded(model, VIDEO_FAMILIES)
     if steps < 1 or per_class < 1:
@@ -166,7 +169,7 @@ def sample_video(
     if labels is None:
         labels = torch.arange(max(1, config.num_classes)).repeat_interleave(per_class)
     shape = (len(labels), config.in_channels, frames, size // codec.factor, size // codec.factor)
-    result = integrate(
+    result = _video_sampler(loaded.family)(
         loaded.model,
         sp if sp is not None else _single_process_sp(),
         shape,
@@ -180,6 +183,16 @@ def sample_video(
     return VideoSamples(
         video, result.latents, labels if config.num_classes else None, result.seconds
     )
+
+
+def _video_sampler(family: str) -> Any:
+    """The Euler sampler for a video family: the DiTs' (token layout ``(t, s)``) or the video
+    Mamba DiT's (:mod:`dspzoo.domains.mamba.sampling`); both take the same arguments."""
+    if family == "videomamba":
+        from dspzoo.domains.mamba.sampling import sample_video
+    else:
+        from dspzoo.domains.video.sampling import sample_video
+    return sample_video
 
 
 # -- text ---------------------------------------------------------------------------------------
@@ -217,12 +230,14 @@ def generate_text(
     top_k: int | None = 40,
     seed: int = 0,
 ) -> GeneratedText:
-    """Continue ``prompt`` by ``max_new`` bytes with a byte LM (one process, KV cache).
+    """Continue ``prompt`` by ``max_new`` bytes with a byte LM (one process): a ``bytelm``
+    (KV cache) or a byte-level Mamba LM, ``mambalm`` / ``mamba2lm`` (prompt prefilled, then one
+    recurrent step per byte: :mod:`dspzoo.domains.mamba.generate`).
 
     ``temperature`` 0 always takes the likeliest byte; ``top_k`` samples among the k likeliest
     (``None`` or 0: all). The draws come from a generator seeded with ``seed``.
     """
-    loaded = _loaded(model, "bytelm")
+    loaded = _loaded(model, TEXT_FAMILIES)
     prompt = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
     if not prompt or max_new < 0 or temperature < 0 or (top_k or 0) < 0:
         raise ValueError(
@@ -230,7 +245,12 @@ def generate_text(
         )
     generator = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
-    new = loaded.model.generate(prompt, max_new, temperature, top_k or None, generator)
+    if loaded.family == "bytelm":
+        new = loaded.model.generate(prompt, max_new, temperature, top_k or None, generator)
+    else:
+        from dspzoo.domains.mamba.generate import generate_bytes
+
+        new = generate_bytes(loaded.model, prompt, max_new, temperature, top_k or None, generator)
     seconds = time.perf_counter() - start
     trained = loaded.extra.get("training", {}).get("seq_len")
     return GeneratedText(prompt, new, seconds, trained)
@@ -337,7 +357,7 @@ def forecast_weather(
     from dspzoo.domains.weather.forecast import forecast_from
     from dspzoo.domains.weather.training import data_from_extra
 
-    loaded = _loaded(model, "weathertx")
+    loaded = _loaded(model, WEATHER_FAMILIES)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     extra = dict(loaded.extra)

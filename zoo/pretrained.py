@@ -306,9 +306,10 @@ def ship_pretrained(
     card.setdefault("model", config_name)
     card["parameters"] = sum(p.numel() for p in model.parameters())
     _card_from_json(name, card)  # validates the keys
+    # WEIGHTS_DIR is looked up at call time (tests point it elsewhere)
     return save_pretrained(
         model,
-        Path(root or shipped.WEIGHTS_DIR) / name,  # looked up at call time (tests point it elsewhere)
+        Path(root or shipped.WEIGHTS_DIR) / name,
         config_name=config_name,
         extra=extra,
         dtype=dtype,

@@ -51,13 +51,13 @@ COMMANDS: dict[str, Command] = {
     ),
     "sample": Command(
         "sample videos from a video model (shipped name or folder)",
-        {"stdit": "sample_video", "latte": "sample_video"},
+        {"stdit": "sample_video", "latte": "sample_video", "videomamba": "sample_video"},
         by_family=True,
         model_flag="--model-dir",
     ),
     "generate": Command(
         "continue a prompt with a byte LM (shipped name or folder)",
-        {"bytelm": "generate_text"},
+        {"bytelm": "generate_text", "mambalm": "generate_text", "mamba2lm": "generate_text"},
         by_family=True,
         model_flag="--model-dir",
     ),
@@ -69,7 +69,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "forecast": Command(
         "roll out a weather forecast from a saved model",
-        {"weathertx": "forecast_weather"},
+        {"weathertx": "forecast_weather", "weathermamba": "forecast_weather"},
         by_family=True,
         model_flag="--model-dir",
     ),

@@ -26,10 +26,12 @@ def _signature(plan: Any) -> tuple:
 
 
 def plan_of(case: Case, strategy: str, sp: int, dp: int) -> Any:
-    """The plan the runtime makes for ``strategy`` on ``case`` (per DP group's batch)."""
+    """The plan the runtime makes for ``strategy`` on ``case`` (per DP group's batch); a
+    Mamba case's scan methods resolve as the case runs them (:meth:`Case.strategy`)."""
     from ..costmodel import make_plan
 
-    return make_plan(case.workload(case.batch // dp), strategy, sp)
+    resolved = strategy if strategy == AUTO else case.strategy(strategy)
+    return make_plan(case.workload(case.batch // dp), resolved, sp)
 
 
 def twins(case: Case, names: list[str], sp: int, dp: int) -> list[str]:

@@ -51,7 +51,7 @@ from ..parallel.methods.registry import (
 )
 from ..parallel.methods.ring import zigzag_lengths
 from ..parallel.plan import Plan
-from ..parallel.strategies import get_strategy
+from ..parallel.strategies import Strategy, get_strategy
 from .workload import StageSpec, Workload
 
 OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
@@ -59,11 +59,14 @@ PHASES = ("forward", "backward")
 
 
 # -- plans -----------------------------------------------------------------------------------
-def make_plan(workload: Workload, strategy: str, sp_size: int, dim: str | None = None) -> Plan:
-    """The plan the runtime makes for ``workload`` under ``strategy`` at ``sp_size``."""
-    return get_strategy(strategy, dim).plan(
-        workload.dims, workload.lengths, workload.period, sp_size
-    )
+def make_plan(
+    workload: Workload, strategy: str | Strategy, sp_size: int, dim: str | None = None
+) -> Plan:
+    """The plan the runtime makes for ``workload`` under ``strategy`` (a name, or a strategy
+    object such as ``Embedded("state_passing")``) at ``sp_size``."""
+    if isinstance(strategy, str):
+        strategy = get_strategy(strategy, dim)
+    return strategy.plan(workload.dims, workload.lengths, workload.period, sp_size)
 
 
 def _sizes(length: int, n: int, layout: str) -> list[int]:

@@ -177,6 +177,41 @@ def _check_state(state: MixerState | None, conv_shape: tuple, ssm_shape: tuple, 
         )
 
 
+def _check_step(mixer: nn.Module, x: torch.Tensor) -> None:
+    """A recurrent step takes one token per line of a causal (one-direction) mixer."""
+    name = type(mixer).__name__
+    if mixer.config.bidirectional:
+        raise ValueError(
+            f"{name}.step: a bidirectional mixer reads the future (its reversed scan); it has "
+            f"no recurrent step. Run forward on the whole sequence"
+        )
+    if x.dim() != 2 or x.shape[-1] != mixer.config.hidden_size:
+        raise ValueError(
+            f"{name}.step expects one token per line, [B, C={mixer.config.hidden_size}]; "
+            f"got {tuple(x.shape)}"
+        )
+
+
+def _conv_step(
+    conv: nn.Conv1d, halo: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the causal depthwise conv + SiLU: ``halo`` ``[B, D, K-1]`` (the last inputs),
+    ``x`` ``[B, D]`` → output ``[B, D]`` and the next halo ``[B, D, K-1]``."""
+    window = torch.cat([halo.to(x.dtype), x[..., None]], dim=-1)  # [B, D, K]
+    out = (window * conv.weight[:, 0, :].to(x.dtype)).sum(-1)
+    if conv.bias is not None:
+        out = out + conv.bias.to(x.dtype)
+    return F.silu(out), window[..., 1:]
+
+
+def _zero_state(mixer: nn.Module, x: torch.Tensor) -> MixerState:
+    conv_shape, ssm_shape = mixer.state_shapes(x.shape[0])
+    return MixerState(
+        conv=x.new_zeros(conv_shape),
+        ssm=torch.zeros(ssm_shape, dtype=_wide(x).dtype, device=x.device),
+    )
+
+
 class Mamba1Mixer(nn.Module):
     """Mamba-1 selective-SSM mixer: ``[B, L, C]`` → ``[B, L, C]``.
 
@@ -256,6 +291,33 @@ class Mamba1Mixer(nn.Module):
         y_b, out_state_b = self._direction(x, gate, "_b", backward_state, reverse=True)
         out = self.out_proj(((y + y_b) / 2).transpose(1, 2))
         return (out, (out_state, out_state_b)) if return_state else out
+
+    def step(
+        self, hidden_states: torch.Tensor, state: MixerState | None = None
+    ) -> tuple[torch.Tensor, MixerState]:
+        """One recurrent step (autoregressive decoding): ``hidden_states`` ``[B, C]`` is the
+        token after the ones ``state`` summarises (``None``: the first token) → its output
+        ``[B, C]`` and the state after it. Equals ``forward`` on the whole sequence, token by
+        token: ``forward(x, return_state=True)`` gives the state to continue from. Causal
+        mixers only; the state is fp32 (fp64 for fp64 inputs)."""
+        _check_step(self, hidden_states)
+        c = self.config
+        conv_shape, ssm_shape = self.state_shapes(hidden_states.shape[0])
+        _check_state(state, conv_shape, ssm_shape, type(self).__name__)
+        state = state or _zero_state(self, hidden_states)
+        x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, D]
+        xc, halo = _conv_step(self.conv1d, state.conv, x)
+        dt, B, C = self.x_proj(xc).split([c.dt_rank, c.state_size, c.state_size], dim=-1)
+        wide = _wide(xc).dtype
+        delta = F.softplus((dt @ self.dt_proj.weight.T).to(wide) + _wide(self.dt_proj.bias))
+        A = -torch.exp(_wide(self.A_log))  # [D, N]
+        u = xc.to(wide)
+        ssm = torch.exp(delta[..., None] * A) * state.ssm + (
+            delta[..., None] * B.to(wide)[:, None, :] * u[..., None]
+        )  # [B, D, N]
+        y = (ssm * C.to(wide)[:, None, :]).sum(-1) + _wide(self.D) * u
+        y = y * F.silu(gate.to(wide))
+        return self.out_proj(y.to(hidden_states.dtype)), MixerState(conv=halo, ssm=ssm)
 
     def _directions(self, link: SegmentLink) -> list[tuple[str, SegmentLink]]:
         """``(parameter suffix, link)`` of every scan direction."""
@@ -464,6 +526,41 @@ class Mamba2Mixer(nn.Module):
             y, out_state = (y + y_b) / 2, (out_state, out_state_b)
         out = self.out_proj(self.norm(y, gate).to(hidden_states.dtype))
         return (out, out_state) if return_state else out
+
+    def step(
+        self, hidden_states: torch.Tensor, state: MixerState | None = None
+    ) -> tuple[torch.Tensor, MixerState]:
+        """One recurrent step; see :meth:`Mamba1Mixer.step` (``hidden_states`` ``[B, C]`` →
+        ``[B, C]`` and the state after it, ``ssm`` ``[B, H, P, N]``)."""
+        _check_step(self, hidden_states)
+        c = self.config
+        conv_shape, ssm_shape = self.state_shapes(hidden_states.shape[0])
+        _check_state(state, conv_shape, ssm_shape, type(self).__name__)
+        state = state or _zero_state(self, hidden_states)
+        gate, xBC, dt = self.in_proj(hidden_states).split(
+            [c.intermediate_size, self.conv_dim, c.num_heads], dim=-1
+        )
+        xc, halo = _conv_step(self.conv1d, state.conv, xBC)
+        groups_n = c.n_groups * c.state_size
+        x, B, C = xc.split([c.intermediate_size, groups_n, groups_n], dim=-1)
+        wide = _wide(xc).dtype
+        steps = F.softplus(dt.to(wide) + _wide(self.dt_bias))  # [B, H]
+        if tuple(c.time_step_limit) != (0.0, float("inf")):
+            steps = steps.clamp(min=c.time_step_limit[0], max=c.time_step_limit[1])
+        A = -torch.exp(_wide(self.A_log))  # [H]
+        per_group = c.num_heads // c.n_groups
+        B, C = (
+            rearrange(t.to(wide), "b (g n) -> b g n", g=c.n_groups).repeat_interleave(per_group, 1)
+            for t in (B, C)
+        )  # [B, H, N]
+        xh = rearrange(x.to(wide), "b (h p) -> b h p", p=c.head_dim)
+        ssm = torch.exp(steps * A)[..., None, None] * state.ssm + (
+            steps[..., None, None] * xh[..., None] * B[:, :, None, :]
+        )  # [B, H, P, N]
+        y = (ssm * C[:, :, None, :]).sum(-1) + _wide(self.D)[:, None] * xh
+        y = rearrange(y, "b h p -> b (h p)")
+        out = self.out_proj(self.norm(y, gate).to(hidden_states.dtype))
+        return out, MixerState(conv=halo, ssm=ssm)
 
     def _directions(self, link: SegmentLink) -> list[tuple[str, SegmentLink]]:
         """``(parameter suffix, link)`` of every scan direction."""

@@ -36,6 +36,8 @@ from .workload import (
 LM_CONFIGS = {
     "mambalm": {
         "tiny": MambaLMConfig(version=1, hidden_size=32, num_hidden_layers=2, state_size=4),
+        # bytelm-tiny's parameter count (115K), for the shipped mambalm-mini-stdlib
+        "mini": MambaLMConfig(version=1, hidden_size=64, num_hidden_layers=3, state_size=16),
         "small": MambaLMConfig(version=1, hidden_size=128, num_hidden_layers=4, state_size=16),
         "130m": MambaLMConfig(version=1, vocab_size=50280, hidden_size=768, num_hidden_layers=24),
     },

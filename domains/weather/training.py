@@ -377,16 +377,36 @@ def beats_baselines(rows: list[dict[str, Any]]) -> bool:
     )
 
 
+WEATHER_FAMILIES = ("weathertx", "weathermamba")
+
+
+def load_weather_model(folder: str | Path) -> torch.nn.Module:
+    """A saved weather model (:data:`WEATHER_FAMILIES`; a folder or a shipped name), in eval
+    mode; a checkpoint of another family is refused naming both."""
+    from dspzoo.zoo import from_pretrained
+    from dspzoo.zoo.pretrained import CheckpointMismatchError, _read_meta
+    from dspzoo.zoo.shipped import resolve_pretrained
+
+    folder = resolve_pretrained(folder)
+    family = _read_meta(folder)["family"]
+    if family not in WEATHER_FAMILIES:
+        raise CheckpointMismatchError(
+            f"checkpoint {folder} is for model family {family!r}, but a weather model "
+            f"({', '.join(WEATHER_FAMILIES)}) was expected"
+        )
+    return from_pretrained(folder)
+
+
 def evaluate_saved(
     path: str, batch: int = 16, sp: Any = None
 ) -> tuple[list[dict[str, Any]], torch.nn.Module, WeatherData]:
     """Load a trained model (a folder or a shipped name), rebuild its held-out data with the
     statistics saved with it, and return ``(table rows, model, data)``."""
-    from dspzoo.zoo import from_pretrained, load_extra
+    from dspzoo.zoo import load_extra
     from dspzoo.zoo.shipped import resolve_pretrained
 
     folder = resolve_pretrained(path)
-    model = from_pretrained(folder, expected_family="weathertx").float().eval()
+    model = load_weather_model(folder).float().eval()
     extra = load_extra(folder)
     if "weather" not in extra:
         raise WeatherDataError(f"{folder}: no 'weather' settings in its config.json extra")
@@ -523,14 +543,14 @@ def ship_trained(
 
     Returns the card. ``root``: another folder than ``zoo/weights`` (tests).
     """
-    from dspzoo.zoo import from_pretrained, load_extra
+    from dspzoo.zoo import load_extra
     from dspzoo.zoo.pretrained import ship_pretrained
     from dspzoo.zoo.shipped import round_to_shipped_precision
 
     from .metrics import metric_dict
 
     final = Path(folder) / "final" if (Path(folder) / "final").is_dir() else Path(folder)
-    model = round_to_shipped_precision(from_pretrained(final, expected_family="weathertx"))
+    model = round_to_shipped_precision(load_weather_model(final))
     extra = load_extra(final)
     data = data_from_extra(extra)
     rows = evaluate(model.eval(), data)
