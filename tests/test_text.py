@@ -464,7 +464,7 @@ def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) ->
     assert "bits per byte" in text and "``" not in text and ":func:" not in text
     cfg = parse_args(["--model", "bytelm-tiny", "--activation-checkpointing", "yes"])
     assert cfg.output_dir == "outputs/bytelm-tiny" and cfg.activation_checkpointing is True
-    assert cfg.sp_strategy == "lss" and cfg.data == "stdlib"
+    assert cfg.sp_strategy == "lss_zigzag" and cfg.data == "stdlib"
     assert "{" + ",".join(STRATEGIES) + "}" in text  # the registry's names are the choices
     assert parse_args(["--activation-checkpointing", "false"]).activation_checkpointing is False
     for bad in (

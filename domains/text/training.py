@@ -49,9 +49,10 @@ class TextTrainConfig(RunConfig):
 
     model: str = flag("bytelm-small", "zoo model name (see `dspzoo list`)")
     sp_strategy: str = flag(
-        "lss",
+        "lss_zigzag",
         "sequence-parallel strategy, i.e. how causal attention over the sharded sequence "
-        "communicates (dsp plans a hybrid with an embedded method for this 1-D model)",
+        "communicates (dsp plans a hybrid with an embedded method for this 1-D model; "
+        "lss_zigzag: LSS with balanced causal work, lss: the paper's contiguous layout)",
         tuple(STRATEGIES),
     )
     seq_len: int = flag(512, "bytes per training window (the model's sequence length)")
