@@ -41,3 +41,15 @@ class CommandParser(argparse.ArgumentParser):
             signal.signal(signal.SIGTERM, lambda *_: os._exit(USAGE_STATUS))
             time.sleep(PEER_WAIT_S)
         self.exit(USAGE_STATUS)
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer ≥ 1 (a size or a count), else a usage error naming
+    the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value

@@ -25,6 +25,12 @@ when installed ``transformers`` (``modeling_mamba2.mamba2_chunk_scan``: ``Mamba2
 ``torch_forward`` scan), and ``sequential`` (one step at a time; up to
 ``--skip-sequential-above``).
 
+The step-by-step loops' backward is quadratic in ``L`` (every step's slice of a ``[B, L, …]``
+tensor gets a full-size gradient), so above ``--sequential-forward-above`` they are timed
+forward only (their fwd+bwd cells read ``fwd only``; memory is forward's)::
+
+    python scripts/bench_scan.py --kernels mamba1 --lengths 16384 --sequential-forward-above 4096
+
 A missing peer (transformers, mambapy) is named and skipped. Ratios are ``variant time / ours``
 (> 1: ours is faster), taken on CPU time: on a shared, oversubscribed machine a process's
 CPU time (one thread) measures its work where wall time measures the queue; wall time is shown.
@@ -279,28 +285,37 @@ def _forward_backward(fn: Callable[[Inputs], torch.Tensor], t: Inputs) -> torch.
     return out.detach()
 
 
-def measure_memory(fn: Callable[[Inputs], torch.Tensor], t: Inputs) -> tuple[int, int]:
-    """Saved-for-backward bytes and peak bytes of forward + backward (one untimed run)."""
+def measure_memory(
+    fn: Callable[[Inputs], torch.Tensor], t: Inputs, backward: bool = True
+) -> tuple[int, int]:
+    """Saved-for-backward bytes and peak bytes of forward + backward (of forward alone when not
+    ``backward``), one untimed run."""
     leaves = list(t.values())
     with PeakMemory() as peak:
         with SavedTensorMeter(exclude=leaves) as meter:
             out = fn(t)
         saved = meter.bytes
-        grads = torch.autograd.grad(out.float().pow(2).sum(), leaves, allow_unused=True)
-        del grads, out
+        if backward:
+            grads = torch.autograd.grad(out.float().pow(2).sum(), leaves, allow_unused=True)
+            del grads
+        del out
     return saved, peak.peak
 
 
-def run_once(fn: Callable[[Inputs], torch.Tensor], t: Inputs) -> tuple[list[float], torch.Tensor]:
+def run_once(
+    fn: Callable[[Inputs], torch.Tensor], t: Inputs, backward: bool = True
+) -> tuple[list[float], torch.Tensor]:
     """``[forward, forward + backward]`` in CPU seconds of this process, the same in wall
-    seconds, and the output."""
+    seconds, and the output (forward + backward ``nan`` when not ``backward``)."""
     leaves = list(t.values())
     wall, cpu = time.perf_counter(), time.process_time()
     out = fn(t)
     forward = [time.process_time() - cpu, time.perf_counter() - wall]
-    grads = torch.autograd.grad(out.float().pow(2).sum(), leaves, allow_unused=True)
-    total = [time.process_time() - cpu, time.perf_counter() - wall]
-    del grads
+    total = [float("nan")] * 2
+    if backward:
+        grads = torch.autograd.grad(out.float().pow(2).sum(), leaves, allow_unused=True)
+        total = [time.process_time() - cpu, time.perf_counter() - wall]
+        del grads
     return [forward[0], total[0], forward[1], total[1]], out.detach()
 
 
@@ -315,7 +330,12 @@ SEQUENTIAL = ("transformers", "sequential")  # the step-by-step loops (slowest b
 
 
 def bench(
-    title: str, variants: dict[str, Callable], t: Inputs, rounds: int, sequential_rounds: int
+    title: str,
+    variants: dict[str, Callable],
+    t: Inputs,
+    rounds: int,
+    sequential_rounds: int,
+    forward_only: frozenset[str] = frozenset(),
 ) -> dict[str, dict]:
     """One warm-up round (memory), then ``rounds`` interleaved timed rounds; prints a table.
 
@@ -323,13 +343,14 @@ def bench(
     whatever else the shared machine runs) and, for reference, of wall time. The step-by-step
     loops (:data:`SEQUENTIAL`) run only in the first ``sequential_rounds`` rounds. Every run's
     times go to stderr as they come (a run stopped by a time limit keeps what it measured).
+    Variants in ``forward_only`` run forward alone (time, saved bytes and peak of forward).
     """
     times: dict[str, list[list[float]]] = {name: [] for name in variants}
     memory: dict[str, tuple[int, int]] = {}
     outputs: dict[str, torch.Tensor] = {}
     load_before = load_average()
     for name, fn in variants.items():  # warm-up round: imports, allocator, memory
-        memory[name] = measure_memory(fn, t)
+        memory[name] = measure_memory(fn, t, name not in forward_only)
         print(
             f"  warm-up {name}: peak {format_bytes(memory[name][1])}", file=sys.stderr, flush=True
         )
@@ -337,11 +358,11 @@ def bench(
         for name, fn in variants.items():
             if name in SEQUENTIAL and i >= sequential_rounds:
                 continue
-            measured, out = run_once(fn, t)
+            measured, out = run_once(fn, t, name not in forward_only)
             times[name].append(measured)
             outputs[name] = out
-            print(f"  round {i} {name}: fwd+bwd {measured[1]:.3f} CPU s, {measured[3]:.2f} wall s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(f"  round {i} {name}: fwd {measured[0]:.3f}, fwd+bwd {measured[1]:.3f} CPU s, "
+                  f"{measured[3]:.2f} wall s", file=sys.stderr, flush=True)  # fmt: skip
     medians = {n: [statistics.median(col) for col in zip(*ts)] for n, ts in times.items()}
     ours = medians["ours"]
     print(f"\n{title}  (load average {load_before} before, {load_average()} after)")
@@ -352,14 +373,26 @@ def bench(
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
     for name in variants:
-        f, tt, _, wall = medians[name]
+        f, tt, fwall, wall = medians[name]
         diff = (
             (outputs[name] - ref).abs().max().item() if (ref := outputs["ours"]) is not None else 0
         )
         saved, peak = memory[name]
         rows[name] = dict(forward=f, total=tt, wall=wall, saved=saved, peak=peak, diff=diff)
-        print(f"| {name} | {f:.3f} | {tt:.3f} | {f / ours[0]:.2f}× | {tt / ours[1]:.2f}× | "
-              f"{wall:.2f} | {format_bytes(saved)} | {format_bytes(peak)} | {diff:.1e} |")  # fmt: skip
+        ratio = f"{f / ours[0]:.2f}×"
+        if name in forward_only:  # fwd+bwd CPU s, fwd ratio, fwd+bwd ratio, fwd+bwd wall s
+            cells = [
+                "fwd only",
+                ratio,
+                "—",
+                f"{fwall:.2f} (fwd)",
+                format_bytes(saved),
+                f"{format_bytes(peak)} (fwd)",
+            ]
+        else:
+            cells = [f"{tt:.3f}", ratio, f"{tt / ours[1]:.2f}×", f"{wall:.2f}",
+                     format_bytes(saved), format_bytes(peak)]  # fmt: skip
+        print(f"| {name} | {f:.3f} | " + " | ".join(cells) + f" | {diff:.1e} |")
     sys.stdout.flush()
     return rows
 
@@ -387,6 +420,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--skip-sequential-above", type=int, default=1 << 30,
                         help="drop the sequential loops for longer sequences")  # fmt: skip
+    parser.add_argument("--sequential-forward-above", type=int, default=1 << 30,
+                        help="time the step-by-step loops' forward only for longer sequences "
+                        "(their backward is quadratic in L: every step's slice gets a "
+                        "full-size gradient)")  # fmt: skip
     parser.add_argument("--no-before", action="store_true",
                         help="drop the ours-before variants (the speed-ups' baselines)")  # fmt: skip
     parser.add_argument("--own-sequential", action="store_true",
@@ -410,8 +447,10 @@ def main() -> None:
                     variants["sequential"] = mamba1_sequential
             if has["mambapy"]:
                 variants["pscan"] = mamba1_pscan
+            fwd_only = SEQUENTIAL if length > args.sequential_forward_above else ()
             bench(f"Mamba-1 selective scan, L={length}, d_inner 256, state 16, batch 1",
-                  variants, mamba1_inputs(length), args.rounds, seq_rounds)  # fmt: skip
+                  variants, mamba1_inputs(length), args.rounds, seq_rounds,
+                  frozenset(fwd_only))  # fmt: skip
     if "ssd" in args.kernels:
         for length in args.ssd_lengths or args.lengths:
             variants = {"ours": ssd_ours}
@@ -421,8 +460,10 @@ def main() -> None:
                 variants["transformers"] = ssd_transformers
             if length <= args.skip_sequential_above:
                 variants["sequential"] = ssd_sequential
+            fwd_only = ("sequential",) if length > args.sequential_forward_above else ()
             bench(f"Mamba-2 SSD scan, L={length}, mamba2-130m heads (24 × 64, state 128), batch 1",
-                  variants, ssd_inputs(length), args.rounds, seq_rounds)  # fmt: skip
+                  variants, ssd_inputs(length), args.rounds, seq_rounds,
+                  frozenset(fwd_only))  # fmt: skip
 
 
 if __name__ == "__main__":

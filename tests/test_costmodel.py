@@ -482,3 +482,19 @@ def test_bench_auto_column() -> None:
     assert choice["vs_best_paired"]["median"] == pytest.approx(1.0 / 0.9)
     assert "auto / best = 1.10" in auto_line(choice)
     assert auto_choice({**result, "sp": 1}, case) is None
+
+
+@pytest.mark.parametrize("strategy", ["dsp", "ulysses", "lss", "ring"])
+def test_recomputation_sends_the_forwards_collectives_again(strategy: str) -> None:
+    """Activation checkpointing reruns each block's forward, communication included: the
+    prediction adds the forward's bytes and collectives (not the per-step validate) once."""
+    wl = text_workload("bytelm-tiny", get_config("bytelm-tiny"), batch=2, seq_len=64)
+    counts = comm_bytes(wl, strategy, 2, 0)
+    plain = predict(wl, strategy, 2, "h100-nvlink-ib", exact_ranks=False)
+    again = predict(wl, strategy, 2, "h100-nvlink-ib", recompute=True, exact_ranks=False)
+    forward = counts.bytes(phase="forward") - counts.bytes(op="validate", phase="forward")
+    assert forward > 0
+    assert again.bytes == plain.bytes + forward
+    forward_calls = counts.count(phase="forward") - counts.count(op="validate")
+    assert again.collectives == plain.collectives + forward_calls
+    assert again.comm_s > plain.comm_s

@@ -119,6 +119,20 @@ def test_mamba_lm_under_dsp_equals_one_process():
                 workload=mamba_lm_workload("mamba2lm", LM, batch=2, seq_len=13))  # fmt: skip
 
 
+def make_lm_checkpointed() -> MambaLM:
+    from dspzoo.domains.mamba import Mamba2LM
+
+    return _perturb(Mamba2LM(replace(LM, checkpoint=True)))
+
+
+@pytest.mark.timeout(600)
+def test_checkpointed_mamba_lm_under_dsp_equals_one_process():
+    """Activation checkpointing recomputes each layer in backward, after the region closed: the
+    recomputation must scan the same segment by the same method (state passing) as forward.
+    (No bytes check: the recomputation repeats the forward's halo and summary exchanges.)"""
+    check_model(make_lm_checkpointed, lm_inputs, strategies=["dsp"], timeout=560)
+
+
 def test_mamba_lm_workload_describes_the_model():
     wl = mamba_lm_workload("mamba2lm", LM, batch=2, seq_len=13)
     assert wl.dims == ("l",) and wl.lengths == (13,) and wl.depth == LM.num_hidden_layers

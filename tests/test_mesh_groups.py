@@ -29,6 +29,7 @@ from dspzoo.core.parallel.mesh import SPMesh, build_mesh
 from dspzoo.core.parallel.nodes import (
     NodeLayout,
     RankPlace,
+    agreed_sp_across_nodes,
     check_sp_placement,
     code_fingerprint,
     node_layout,
@@ -212,8 +213,12 @@ def test_this_place_reads_the_launchers_variables() -> None:
     slurm = this_place(3, {"SLURM_NODEID": "2", "NODE_RANK": ""})
     assert (slurm.node_var, slurm.node_id, slurm.local_rank) == ("SLURM_NODEID", "2", None)
     assert this_place(0, {}).node_var is None
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two' in the environment"):
-        this_place(0, {"LOCAL_WORLD_SIZE": "two"})
+    # a malformed variable never raises before the gather: it travels in the record and
+    # node_layout raises it on every rank
+    bad = this_place(1, {"LOCAL_WORLD_SIZE": "two"})
+    assert "LOCAL_WORLD_SIZE='two' in the environment" in bad.problem
+    with pytest.raises(ValueError, match=r"rank 1 \(host .*\): LOCAL_WORLD_SIZE='two'"):
+        node_layout([this_place(0, {}), bad])
 
 
 def test_node_layout_of_a_torchrun_job() -> None:
@@ -325,6 +330,21 @@ def test_sp_across_nodes_setting() -> None:
         sp_across_nodes_requested({"DSPZOO_SP_ACROSS_NODES": "maybe"})
 
 
+def test_sp_across_nodes_is_agreed_from_every_ranks_record() -> None:
+    def places(*values: str) -> list[RankPlace]:
+        env = "DSPZOO_SP_ACROSS_NODES"
+        return [this_place(r, {env: v} if v else {}) for r, v in enumerate(values)]
+
+    assert agreed_sp_across_nodes(places("1", "yes")) is True
+    assert agreed_sp_across_nodes(places("", "0")) is False
+    with pytest.raises(ValueError, match=r"ranks \[0\] allow it, ranks \[1\] do not"):
+        agreed_sp_across_nodes(places("1", ""))  # exported on one machine only
+    with pytest.raises(ValueError, match="rank 1 .*'maybe'"):
+        agreed_sp_across_nodes(places("1", "maybe"))
+    explicit = [this_place(r, {}, sp_across_nodes=True) for r in range(2)]
+    assert agreed_sp_across_nodes(explicit) is True
+
+
 def _simulated_nodes(rank: int, world: int) -> dict[str, Any]:
     """Two nodes of two, as two torchrun launchers on this host would say; meshes at sp 2,
     sp 4 (an error), sp 4 across nodes on purpose."""
@@ -347,7 +367,22 @@ def _simulated_nodes(rank: int, world: int) -> dict[str, Any]:
         warnings.simplefilter("always")
         across = build_mesh(4, timeout_s=30, sp_across_nodes=True)
     found["across"] = (across.sp_is_node_local, across.sp_ranks_per_node)
+    found["spanned"] = (mesh.sp_nodes_spanned, across.sp_nodes_spanned)
     found["warned"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    # records that only some ranks get wrong still raise on every rank (nobody hangs)
+    if rank < 2:
+        os.environ["DSPZOO_SP_ACROSS_NODES"] = "1"  # exported on node 0 only
+    try:
+        build_mesh(4, timeout_s=30)
+    except ValueError as exc:
+        found["disagree"] = str(exc)
+    os.environ.pop("DSPZOO_SP_ACROSS_NODES", None)
+    if rank == 3:
+        os.environ["LOCAL_RANK"] = "x"
+    try:
+        build_mesh(2, timeout_s=30)
+    except ValueError as exc:
+        found["unreadable"] = str(exc)
     return found
 
 
@@ -362,6 +397,8 @@ def test_build_mesh_on_two_simulated_nodes() -> None:
             in found["summary"]
         )
         assert "sp=4 is larger than the 2 processes of a node" in found["error"]  # every rank
-        assert found["across"] == (False, 2)
+        assert found["across"] == (False, 2) and found["spanned"] == (1, 2)
+        assert "ranks [0, 1] allow it, ranks [2, 3] do not" in found["disagree"]
+        assert "rank 3 (host " in found["unreadable"] and "LOCAL_RANK='x'" in found["unreadable"]
         assert len(found["warned"]) == (1 if rank == 0 else 0)  # said once, by rank 0
     assert "inter-node link" in results[0]["warned"][0]

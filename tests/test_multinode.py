@@ -84,6 +84,13 @@ def test_a_switch_spanning_nodes_is_priced_on_the_inter_node_link() -> None:
         nbytes / 3 / cluster.intra_bw, nbytes * 2 / 3 / cluster.inter_bw
     )
     assert half.transfer_time(nbytes, 4, collectives) == pytest.approx(expected, rel=1e-12)
+    # NCCL's ring steps: an SP group split 3 + 1 over two nodes of three crosses the node
+    # boundary once (like 2 + 2), not once per rank of its smallest part
+    uneven = cluster.placed(_mesh(((0, 1, 2), (3, 4, 5)), sp=4, node_local=False))
+    assert uneven.sp_layout == (4, 1, 2) and half.sp_layout == (4, 2, 2)
+    gather = cluster.coll_base_lat + 2 * cluster.coll_step_lat_intra + cluster.coll_step_lat_inter
+    for placed in (uneven, half):
+        assert placed.collective_latency("all_gather", 4) == pytest.approx(gather, rel=1e-12)
     # another group size than the mesh's keeps the preset's consecutive-ranks pricing
     assert half.transfer_time(nbytes, 8, collectives) == cluster.transfer_time(
         nbytes, 8, collectives

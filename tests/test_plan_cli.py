@@ -195,6 +195,9 @@ def test_a_users_image_model_is_planned_by_its_own_dim_names(capsys) -> None:
         (["evoformer-tiny", "--dims", "i=8"], "the pair's i and j follow it); --dims names ['i']"),
         (["axial3d-tiny", "--dims", "t=8"], "name all of them (missing ['h', 'w'])"),
         (["latte1-tiny", "--frames", "3"], "takes video_length=5 latent frames or 1 (an image)"),
+        (["mambalm-tiny", "--seq-len", "0"], "--seq-len: expected a positive integer, got 0"),
+        (["bytelm-tiny", "--seq-len", "-5"], "--seq-len: expected a positive integer, got -5"),
+        (["evoformer-tiny", "--residues", "x"], "--residues: expected a positive integer, got 'x'"),
     ],
 )
 def test_sizes_a_model_does_not_take_are_refused_by_name(capsys, argv, message) -> None:

@@ -387,6 +387,33 @@ def test_bad_inputs_name_the_problem():
         causal_conv1d(torch.randn(1, 3, 5), torch.randn(3, 4), halo=torch.zeros(1, 3, 2))
 
 
+def test_integer_inputs_and_mismatched_initial_states_are_refused():
+    inp = mamba1_inputs(torch.float32)
+    args = [inp[k].detach() for k in ("u", "delta", "A", "B", "C")]
+    h0 = inp["h0"].detach()
+    with pytest.raises(
+        TypeError, match=r"selective_scan: u must be a floating-point.*u\.float\(\)"
+    ):
+        selective_scan(args[0].long(), *args[1:])
+    with pytest.raises(TypeError, match="selective_scan: delta_bias must be a floating-point"):
+        selective_scan(*args, delta_bias=torch.zeros(args[0].shape[1], dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"initial_state is torch.float64 .* torch.float32"):
+        selective_scan(*args, initial_state=h0.double())
+    with pytest.raises(TypeError, match=r"pass initial_state.to\(torch.float32\)"):
+        selective_scan(*(a.bfloat16() for a in args), initial_state=h0.bfloat16())
+    _, final = selective_scan(*(a.bfloat16() for a in args), initial_state=h0,
+                                return_final_state=True)  # fmt: skip
+    selective_scan(*(a.bfloat16() for a in args), initial_state=final)  # the state it returns
+    s = ssd_inputs(torch.float32)
+    sargs = [s[k].detach() for k in ("x", "dt", "A", "B", "C")]
+    with pytest.raises(TypeError, match="ssd_scan: dt must be a floating-point"):
+        ssd_scan(sargs[0], sargs[1].int(), *sargs[2:], 8)
+    with pytest.raises(
+        TypeError, match=r"ssd_scan: initial_states is torch.float32 .* torch.float64"
+    ):
+        ssd_scan(*(a.double() for a in sargs), 8, initial_states=s["h0"].detach())
+
+
 # ----------------------------------------------------------------------------- CUDA dispatch
 
 

@@ -50,7 +50,7 @@ from dspzoo.core.costmodel import (
     recommend,
 )
 
-from ..core.argparser import CommandParser
+from ..core.argparser import CommandParser, positive_int
 from .registry import count_parameters, create_model, format_count, get_config, resolve_name
 from .workloads import workload_for
 
@@ -80,29 +80,33 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "yours gets --frames, --size/--latent, --seq-len and --context as they are given."
     )
     video = p.add_argument_group("video models: stdit, latte, latte1, videomamba")
-    video.add_argument("--frames", type=int, help="latent frames (default 1: an image)")
+    video.add_argument("--frames", type=positive_int, help="latent frames (default 1: an image)")
     video.add_argument("--size", type=str, help="pixel size H or HxW")
     video.add_argument("--latent", type=str, help="latent size H or HxW (instead of --size)")
-    video.add_argument("--vae-stride", type=int, default=8, help="pixels per latent (default 8)")
-    video.add_argument("--context", type=int, help="conditioning tokens (default 0)")
+    video.add_argument(
+        "--vae-stride", type=positive_int, default=8, help="pixels per latent (default 8)"
+    )
+    video.add_argument("--context", type=positive_int, help="conditioning tokens (default 0)")
     text = p.add_argument_group("language models: bytelm; Mamba LMs mambalm, mamba2lm, hybridlm")
     text.add_argument(
         "--seq-len",
-        type=int,
+        type=positive_int,
         help=f"tokens per sequence (default: bytelm's max_len; Mamba LMs {MAMBA_SEQ_LEN})",
     )
     weather = p.add_argument_group("weather models: weathertx, weathermamba")
     weather.add_argument("--grid", type=str, help="grid points HxW (default: the config's)")
-    weather.add_argument("--history", type=int, help="input states (default: the config's)")
+    weather.add_argument(
+        "--history", type=positive_int, help="input states (default: the config's)"
+    )
     protein = p.add_argument_group("protein models: evoformer")
-    protein.add_argument("--residues", type=int, help="residues (default 256)")
-    protein.add_argument("--msa-depth", type=int, help="MSA rows (default 128)")
+    protein.add_argument("--residues", type=positive_int, help="residues (default 256)")
+    protein.add_argument("--msa-depth", type=positive_int, help="MSA rows (default 128)")
     p.add_argument(
         "--dims",
         type=str,
         help="token lengths by the model's dim names, e.g. t=16,h=64,w=64 (any model)",
     )
-    p.add_argument("--batch", type=int, default=1, help="samples per SP group")
+    p.add_argument("--batch", type=positive_int, default=1, help="samples per SP group")
     p.add_argument("--sp", type=str, default="1,2,4,8", help="SP sizes, comma-separated")
     p.add_argument(
         "--strategies",
@@ -110,12 +114,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)})",
     )
     p.add_argument("--cluster", default="h100-nvlink-ib", choices=CLUSTERS)
-    p.add_argument("--dtype-bytes", type=int, default=2, help="activation bytes (bf16: 2)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel groups (ZeRO sharding)")
+    p.add_argument("--dtype-bytes", type=positive_int, default=2, help="activation bytes (bf16: 2)")
+    p.add_argument(
+        "--dp", type=positive_int, default=1, help="data-parallel groups (ZeRO sharding)"
+    )
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
     p.add_argument("--recompute", action="store_true", help="activation checkpointing")
     p.add_argument("--inference", action="store_true", help="forward only")
-    p.add_argument("--steps", type=int, default=1, help="forward passes per prediction")
+    p.add_argument("--steps", type=positive_int, default=1, help="forward passes per prediction")
     return p
 
 

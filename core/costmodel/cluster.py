@@ -42,9 +42,10 @@ class Cluster:
             ``intra_lat``/``inter_lat`` per collective).
         fused_attention: the device runs a fused (flash) attention kernel; without one
             (Volta) the score matrix goes through device memory (written and read twice).
-        sp_layout: ``(sp size, ranks of an SP group per node)`` as a real mesh placed them
-            (:meth:`placed`); an SP group of that size is priced by it instead of by
-            ``gpus_per_node``. ``None``: consecutive ranks, ``gpus_per_node`` to a node.
+        sp_layout: ``(sp size, fewest ranks of an SP group on one node, most nodes one SP
+            group spans)`` as a real mesh placed them (:meth:`placed`); an SP group of that
+            size is priced by it instead of by ``gpus_per_node``. ``None``: consecutive ranks,
+            ``gpus_per_node`` to a node.
     """
 
     name: str
@@ -62,7 +63,7 @@ class Cluster:
     coll_step_lat_intra: float = 0.0
     coll_step_lat_inter: float = 0.0
     fused_attention: bool = True
-    sp_layout: tuple[int, int] | None = None
+    sp_layout: tuple[int, int, int] | None = None
 
     @property
     def flops(self) -> float:
@@ -77,7 +78,9 @@ class Cluster:
         :class:`~dspzoo.core.parallel.mesh.SPMesh`) put them: a node-local SP group is priced
         on the intra-node link, one spanning nodes (``DSPZOO_SP_ACROSS_NODES``) partly or
         wholly on the inter-node link."""
-        return replace(self, sp_layout=(mesh.sp_size, mesh.sp_ranks_per_node))
+        return replace(
+            self, sp_layout=(mesh.sp_size, mesh.sp_ranks_per_node, mesh.sp_nodes_spanned)
+        )
 
     def link(self, group: int) -> tuple[float, float, float]:
         """``(fraction of peers off-node, intra bw, inter bw)`` for an SP group of ``group``.
@@ -119,10 +122,9 @@ class Cluster:
         if group <= 1:
             return 0.0
         if self.sp_layout is not None and self.sp_layout[0] == group:
-            per_node = max(1, min(self.sp_layout[1], group))
+            nodes = self.sp_layout[2]
         else:
-            per_node = max(self.gpus_per_node, 1)
-        nodes = -(-group // per_node)
+            nodes = -(-group // max(self.gpus_per_node, 1))
         if not self.coll_step_lat_intra:
             return self.inter_lat if nodes > 1 else self.intra_lat
         if op in ("all_gather", "reduce_scatter", "validate"):

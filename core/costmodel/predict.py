@@ -81,6 +81,18 @@ def _busiest(counts: list[CommCount], phases: tuple[str, ...]) -> CommCount:
     return out
 
 
+def _with_recomputation(counts: CommCount) -> CommCount:
+    """``counts`` plus the forward's collectives again in phase ``"recompute"``: activation
+    checkpointing reruns each block's forward, its all-to-alls and gathers included, before
+    that block's backward (the once-per-step ``validate`` all-reduce is not rerun)."""
+    out = CommCount()
+    for (op, phase), (count, nbytes) in counts.items():
+        out.add(op, phase, nbytes, count)
+        if phase == "forward" and op != "validate":
+            out.add(op, "recompute", nbytes, count)
+    return out
+
+
 def predict(
     workload: Workload,
     strategy: str,
@@ -100,7 +112,8 @@ def predict(
 
     ``training=False``: forward only (inference; no optimizer state, activations not kept).
     ``dp``/``zero``: data-parallel ranks and the ZeRO stage sharding the model states.
-    ``recompute``: activation checkpointing (one extra forward, block inputs kept).
+    ``recompute``: activation checkpointing (one extra forward, block inputs kept; its
+    collectives are sent again: :func:`_with_recomputation`).
     ``ulysses_size``: USP's Ulysses degree (default: the most square grid, Ulysses larger).
     ``exact_ranks``: evaluate the byte formulas on every rank (else rank 0 only: faster).
     ``micro_batching``: a training step that does not fit runs its batch in the fewest
@@ -134,6 +147,8 @@ def predict(
         why = plan_unsupported(plan, workload, strategy) if plan is not None else None
         if why:
             note = f"not runnable: {why}"
+    if training and recompute:
+        busiest = _with_recomputation(busiest)
     flops = flops_per_rank(workload, plan, recompute)
     if not training:
         flops = forward_flops(workload).forward / n

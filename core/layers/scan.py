@@ -76,6 +76,35 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float32
 
 
+def _check_dtypes(
+    fn: str,
+    inputs: dict[str, torch.Tensor | None],
+    state_name: str,
+    state: torch.Tensor | None,
+) -> None:
+    """Every tensor floating point; the initial state in the dtype the scan keeps its state in.
+
+    The state is fp32 (fp64 when an input is fp64) whatever the inputs' precision, and the final
+    state is returned in it; an initial state of another dtype would silently change the compute
+    precision (fp64 state, fp32 inputs) or round the state (half state), so it is refused.
+    """
+    for name, t in {**inputs, state_name: state}.items():
+        if t is not None and not t.is_floating_point():
+            raise TypeError(
+                f"{fn}: {name} must be a floating-point tensor (fp16, bf16, fp32 or fp64); got "
+                f"{t.dtype}. Convert it first, e.g. {name}.float()"
+            )
+    if state is None:
+        return
+    expected = _compute_dtype(*inputs.values())
+    if state.dtype != expected:
+        raise TypeError(
+            f"{fn}: {state_name} is {state.dtype} but the scan keeps its state in {expected} for "
+            f"these inputs (fp32, or fp64 when an input is fp64; the final state it returns has "
+            f"that dtype); pass {state_name}.to({expected})"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # The diagonal linear recurrence h_t = exp(δ_t A) ⊙ h_{t-1} + x_t (Mamba-1's core)
 # ---------------------------------------------------------------------------------------------
@@ -286,6 +315,8 @@ def selective_scan(
         ``[B, D, L]`` output in ``u``'s dtype, and the final state when asked.
     """
     _check_mamba1(u, delta, A, B, C, initial_state)
+    _check_dtypes("selective_scan", dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z,
+                  delta_bias=delta_bias), "initial_state", initial_state)  # fmt: skip
     kernel = None
     if initial_state is None and not return_final_state and not reverse:
         kernel = cuda_kernel(
@@ -447,6 +478,8 @@ def ssd_scan(
         ``[B, L, H, P]`` in ``x``'s dtype, and the final states when asked.
     """
     _check_ssd(x, dt, A, B, C, chunk_size, initial_states)
+    _check_dtypes("ssd_scan", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias),
+                  "initial_states", initial_states)  # fmt: skip
     kernel = None
     if not reverse:
         kernel = cuda_kernel(

@@ -37,9 +37,10 @@ import torch.distributed as dist
 from ..entry import release_communicators_at_exit
 from .nodes import (
     NodeLayout,
+    RankPlace,
+    agreed_sp_across_nodes,
     check_sp_placement,
     node_layout,
-    sp_across_nodes_requested,
     sp_placement_warning,
     this_place,
 )
@@ -107,6 +108,17 @@ class SPMesh:
             return self.sp_size
         blocks = [range(d * self.sp_size, (d + 1) * self.sp_size) for d in range(self.dp_size)]
         return min(self.node_layout.ranks_per_node_of(list(b)) for b in blocks)
+
+    @property
+    def sp_nodes_spanned(self) -> int:
+        """The most nodes one SP group spans (1 when node-local); what
+        :meth:`~dspzoo.core.costmodel.cluster.Cluster.placed` counts a collective's
+        inter-node ring steps with."""
+        if self.node_layout is None:
+            return 1
+        node_of = self.node_layout.node_of
+        blocks = [range(d * self.sp_size, (d + 1) * self.sp_size) for d in range(self.dp_size)]
+        return max(len({node_of(r) for r in b}) for b in blocks)
 
     def describe_topology(self) -> str:
         """One line for a run's start-up summary: nodes, and where the SP and DP groups lie."""
@@ -237,10 +249,10 @@ def build_mesh(
         )
         mesh["ring", "ulysses"]._flatten("sp")
     # after the DeviceMesh, which selects this process's GPU (the gather's device under NCCL)
-    layout = gather_node_layout()
-    if sp_across_nodes is None:
-        sp_across_nodes = sp_across_nodes_requested()
-    node_local = check_sp_placement(layout, sp_size, across_nodes=sp_across_nodes)
+    # every rank's record, validated after the gather so that every rank raises the same error
+    places = gather_places(sp_across_nodes)
+    layout = node_layout(places)
+    node_local = check_sp_placement(layout, sp_size, across_nodes=agreed_sp_across_nodes(places))
     if not node_local and rank == 0:
         warnings.warn(sp_placement_warning(layout, sp_size), RuntimeWarning, stacklevel=2)
     sp_blocks = [list(range(d * sp_size, (d + 1) * sp_size)) for d in range(dp_size)]
@@ -271,12 +283,19 @@ def build_mesh(
     )
 
 
-def gather_node_layout() -> NodeLayout:
-    """The job's :class:`NodeLayout`: every rank's launcher environment and host name,
-    all-gathered on the default group (collective: call on every rank)."""
+def gather_places(sp_across_nodes: bool | None = None) -> list[RankPlace]:
+    """Every rank's :class:`RankPlace` (launcher environment, host name, code fingerprint,
+    its SP-across-nodes setting), all-gathered on the default group (collective: call on
+    every rank). Nothing is validated before the gather: :func:`node_layout` and
+    :func:`agreed_sp_across_nodes` check the records on every rank alike."""
     places: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(places, this_place(dist.get_rank()))
-    return node_layout(places)
+    dist.all_gather_object(places, this_place(dist.get_rank(), sp_across_nodes=sp_across_nodes))
+    return places
+
+
+def gather_node_layout() -> NodeLayout:
+    """The job's :class:`NodeLayout` from :func:`gather_places` (collective)."""
+    return node_layout(gather_places())
 
 
 def own_group(blocks: list[list[int]], timeout_s: float | None = None) -> Any:

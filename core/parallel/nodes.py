@@ -19,8 +19,10 @@ SP groups are blocks of ``sp`` consecutive ranks (:mod:`dspzoo.core.parallel.mes
 :func:`check_sp_placement` says whether each lies on one node (its all-to-alls then stay on the
 intra-node link, DP's gradient all-reduce crosses nodes) and raises a clear error when one does
 not, unless SP across nodes is asked for (``DSPZOO_SP_ACROSS_NODES=1`` or
-``build_mesh(..., sp_across_nodes=True)``). Everything here is a pure function of the gathered
-records, so every rank reaches the same verdict and raises the same error.
+``build_mesh(..., sp_across_nodes=True)``, agreed by every rank: :func:`agreed_sp_across_nodes`).
+Reading a record never raises (what a rank cannot read travels in the record); everything
+after the gather is a pure function of the records, so every rank reaches the same verdict and
+raises the same error.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class RankPlace:
         node_id: its value (``None`` without one).
         local_rank, local_world_size: ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` when set.
         code: :func:`code_fingerprint` (``""``: not compared).
+        sp_across_nodes: this rank's SP-across-nodes setting as given: ``"True"``/``"False"``
+            from ``build_mesh(sp_across_nodes=...)``, else the raw ``DSPZOO_SP_ACROSS_NODES``
+            value (parsed after the gather, :func:`agreed_sp_across_nodes`).
+        problem: what this rank could not read (a malformed variable, unreadable sources);
+            :func:`node_layout` raises it on every rank after the gather.
     """
 
     rank: int
@@ -61,6 +68,8 @@ class RankPlace:
     local_rank: int | None = None
     local_world_size: int | None = None
     code: str = ""
+    sp_across_nodes: str = ""
+    problem: str = ""
 
 
 @functools.cache
@@ -95,19 +104,47 @@ def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}={value!r} in the environment is not an integer") from None
 
 
-def this_place(rank: int, environ: Mapping[str, str] | None = None) -> RankPlace:
-    """This process's :class:`RankPlace` from ``environ`` (default ``os.environ``) and its
-    :func:`code_fingerprint`."""
+def this_place(
+    rank: int, environ: Mapping[str, str] | None = None, *, sp_across_nodes: bool | None = None
+) -> RankPlace:
+    """This process's :class:`RankPlace` from ``environ`` (default ``os.environ``), its
+    :func:`code_fingerprint` and its SP-across-nodes setting (``sp_across_nodes`` when given,
+    else ``DSPZOO_SP_ACROSS_NODES``).
+
+    Never raises: it runs before the all-gather, where an error on one rank would leave the
+    others waiting; what it cannot read goes into ``problem``, raised by :func:`node_layout`
+    on every rank.
+    """
     env = os.environ if environ is None else environ
     node_var = next((v for v in NODE_ENV_VARS if env.get(v, "") != ""), None)
+    problems: list[str] = []
+
+    def read_int(name: str) -> int | None:
+        try:
+            return _int_or_none(env, name)
+        except ValueError as exc:
+            problems.append(str(exc))
+            return None
+
+    local_rank, local_world_size = read_int("LOCAL_RANK"), read_int("LOCAL_WORLD_SIZE")
+    try:
+        code = code_fingerprint()
+    except OSError as exc:
+        problems.append(f"cannot read dspzoo's sources for the code check: {exc}")
+        code = ""
+    across = (
+        str(sp_across_nodes) if sp_across_nodes is not None else env.get(SP_ACROSS_NODES_ENV, "")
+    )
     return RankPlace(
         rank=rank,
         host=socket.gethostname(),
         node_var=node_var,
         node_id=env[node_var] if node_var else None,
-        local_rank=_int_or_none(env, "LOCAL_RANK"),
-        local_world_size=_int_or_none(env, "LOCAL_WORLD_SIZE"),
-        code=code_fingerprint(),
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        code=code,
+        sp_across_nodes=across,
+        problem="; ".join(problems),
     )
 
 
@@ -171,6 +208,13 @@ def node_layout(places: Sequence[RankPlace]) -> NodeLayout:
     if ranks != list(range(len(places))):
         raise ValueError(
             f"node layout: expected one record per rank 0..{len(places) - 1}, got {ranks}"
+        )
+    troubled = [p for p in places if p.problem]
+    if troubled:
+        raise ValueError(
+            "some processes could not read their launcher environment: "
+            + "; ".join(f"rank {p.rank} (host {p.host}): {p.problem}" for p in troubled)
+            + ". Fix the variables the launcher (or the job script) sets on those machines"
         )
     codes = {p.code for p in places if p.code}
     if len(codes) > 1:
@@ -240,6 +284,32 @@ def sp_across_nodes_requested(environ: Mapping[str, str] | None = None) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{SP_ACROSS_NODES_ENV}={value!r}: expected one of {list(_TRUE + _FALSE[1:])}")
+
+
+def agreed_sp_across_nodes(places: Sequence[RankPlace]) -> bool:
+    """The job's SP-across-nodes setting from every rank's record: each parsed as
+    :func:`sp_across_nodes_requested` does; ``ValueError`` (the same on every rank) naming the
+    ranks when a value is malformed or the ranks disagree (e.g. the variable exported on one
+    machine only)."""
+    parsed: dict[int, bool] = {}
+    bad: list[str] = []
+    for p in places:
+        try:
+            parsed[p.rank] = sp_across_nodes_requested({SP_ACROSS_NODES_ENV: p.sp_across_nodes})
+        except ValueError as exc:
+            bad.append(f"rank {p.rank} (host {p.host}): {exc}")
+    if bad:
+        raise ValueError("; ".join(bad))
+    values = set(parsed.values())
+    if len(values) > 1:
+        on = [r for r, v in parsed.items() if v]
+        off = [r for r, v in parsed.items() if not v]
+        raise ValueError(
+            f"the processes disagree on SP across nodes: ranks {on} allow it, ranks {off} do "
+            f"not; set {SP_ACROSS_NODES_ENV} the same on every machine (or pass the same "
+            f"build_mesh(sp_across_nodes=...) everywhere)"
+        )
+    return values.pop() if values else False
 
 
 def _why_not_local(layout: NodeLayout, sp_size: int) -> str:

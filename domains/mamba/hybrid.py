@@ -221,7 +221,7 @@ class HybridLM(nn.Module):
                     if isinstance(layer, AttentionLayer):
                         x = layer(x, rope, recompute)
                     elif recompute:
-                        x = checkpoint(layer.mix, stage("scan", x), use_reentrant=False)
+                        x = layer.checkpointed(stage("scan", x))
                     else:
                         x = layer(x)
             x = self.backbone.norm_f(x.to(self.backbone.norm_f.weight.dtype))

@@ -21,7 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dspzoo.core import SeqParallel, SeqTensor, comm_region
+from dspzoo.core.parallel import context
 from dspzoo.core.parallel.context import stage
+from dspzoo.core.parallel.layout import SeqSpec
 from dspzoo.core.parallel.plan import Stage
 from dspzoo.core.parallel.validate import validate_collectively
 
@@ -136,14 +138,26 @@ class MambaLMBlock(nn.Module):
         """``x`` local ``[B, L_l, C]`` → ``[B, L, C]`` (``L`` whole after the stage)."""
         return self.mix(stage("scan", x))
 
-    def mix(self, x: torch.Tensor) -> torch.Tensor:
+    def mix(
+        self, x: torch.Tensor, sp: SeqParallel | None = None, spec: SeqSpec | None = None
+    ) -> torch.Tensor:
         """The layer's computation on ``x`` already in the stage's layout (what activation
-        checkpointing recomputes: the stage's switch stays outside it)."""
+        checkpointing recomputes: the stage's switch stays outside it).
+
+        ``sp``/``spec``: the runtime and ``x``'s layout, for a call outside the open region —
+        checkpointing's recomputation runs in backward, after the region has closed, and
+        must scan the segment with the same method as the forward did."""
         # fp32 residuals (fp64 stays fp64)
         residual = x.to(torch.promote_types(x.dtype, torch.float32)) if self.residual_in_fp32 else x
         return residual + run_scan(
-            self.mixer, self.norm(x.to(self.norm.weight.dtype)), SEQ_DIMS, ("l",)
+            self.mixer, self.norm(x.to(self.norm.weight.dtype)), SEQ_DIMS, ("l",), sp, spec
         )
+
+    def checkpointed(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`mix` under activation checkpointing, on ``x`` in the stage's layout: the open
+        region's runtime and layout go in explicitly, so the recomputation in backward (the
+        region closed by then) runs the same scan method on the same segment."""
+        return checkpoint(self.mix, x, context.runtime(), context.layout(), use_reentrant=False)
 
 
 class MambaBackbone(nn.Module):
@@ -216,7 +230,7 @@ class MambaLM(nn.Module):
             for i, layer in enumerate(self.backbone.layers):
                 with comm_region(f"block{i}"):
                     if self.config.checkpoint and torch.is_grad_enabled():
-                        x = checkpoint(layer.mix, stage("scan", x), use_reentrant=False)
+                        x = layer.checkpointed(stage("scan", x))
                     else:
                         x = layer(x)
             x = self.backbone.norm_f(x.to(self.backbone.norm_f.weight.dtype))
