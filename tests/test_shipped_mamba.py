@@ -57,7 +57,10 @@ def test_shipped_video_mamba_reproduces_its_held_out_loss_and_samples() -> None:
     assert loss == pytest.approx(card.metrics["heldout_flow_loss"], abs=2e-3)
     torch.manual_seed(0)
     untrained = type(model)(model.config).eval()
-    assert loss < 0.6 * heldout_flow_loss(untrained, settings)  # it learnt the data somewhat
+    assert loss < 0.5 * heldout_flow_loss(untrained, settings)  # it learnt the data
+    # and beat what any width-32 model (the first shipping's) could reach: its final layer
+    # spans 32 of a patch's 48 values, leaving 16/48 of the unit-variance noise out of reach
+    assert model.config.hidden >= model.out_patch_dim == 48 and loss < 16 / 48
     clips = inference.sample_video(VIDEO, per_class=1, steps=2, seed=0)
     assert clips.video.shape == (4, 3, settings["frames"], settings["size"], settings["size"])
     assert torch.isfinite(clips.video).all() and clips.video.abs().max() <= 1

@@ -153,6 +153,14 @@ class VideoMamba(nn.Module):
         pt, ph, pw = c.patch
         self.patch_dim = c.in_channels * pt * ph * pw
         self.out_patch_dim = c.out_channels * pt * ph * pw
+        if c.hidden < max(self.patch_dim, self.out_patch_dim):
+            raise ValueError(
+                f"hidden {c.hidden} is narrower than a patch: {self.patch_dim} input and "
+                f"{self.out_patch_dim} output values per patch ({c.in_channels} channels, patch "
+                f"{tuple(c.patch)}); the final layer could predict only {c.hidden} of them, a "
+                f"floor under the flow loss whatever the training. Give hidden >= "
+                f"{max(self.patch_dim, self.out_patch_dim)} or a smaller patch"
+            )
         self.x_embed = nn.Linear(self.patch_dim, c.hidden)
         self.t_embed = TimestepEmbedder(c.hidden)
         self.y_embed = nn.Embedding(c.num_classes + 1, c.hidden) if c.num_classes else None
