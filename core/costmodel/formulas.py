@@ -50,6 +50,7 @@ from ..parallel.methods.registry import (
     switch_bytes,
 )
 from ..parallel.methods.ring import zigzag_lengths
+from ..parallel.methods.scan import mixer_saved_elements
 from ..parallel.plan import Plan
 from ..parallel.strategies import Strategy, get_strategy
 from .workload import StageSpec, Workload
@@ -342,6 +343,11 @@ def _stage_elements(
             # dims are folded out of place), proj output (gated), lse
             local += 9 * c + 2 + h
         local += get_method(method).saved_elements_per_token(ckv, n)
+    if spec.scan is not None:  # the block around the mixer (the mixer: _scan_elements)
+        if spec.adaln:  # LayerNorm input and statistics, its output, the mixer output (gated)
+            local += 3 * c + 2
+        else:  # RMSNorm: the input, its statistic, the normalised input
+            local += 2 * c + 1
     if spec.cross and wl.context:
         local += 3 * c + h  # q input, q, out
     if spec.mlp:
@@ -353,6 +359,28 @@ def _stage_elements(
         else:
             local += 4 * c + 2 + 2 * wl.mlp_hidden
     return local, full
+
+
+def _scan_elements(
+    wl: Workload, spec: StageSpec, method: str, sharded: str | None, sizes: list[int], rank: int
+) -> float:
+    """Elements the mixers of scan stage ``spec`` save on rank ``rank``, every line of the
+    batch: ``scan_routes`` mixers per line of the scanned dims (``scan_over``, or the
+    stage's dims for a generic stage), with the ``sharded`` dim at its local size, plus what
+    the method keeps beyond one process (state passing's summaries and correction)."""
+    full = dict(zip(wl.dims, wl.lengths))
+    local = dict(full)
+    if sharded is not None and method != "gather":
+        local[sharded] = sizes[rank]
+    over = spec.scan_over or spec.stage.mixes
+    length = math.prod(local[d] for d in over)
+    lines = wl.batch * math.prod(v for d, v in local.items() if d not in over)
+    total = spec.scan_routes * lines * mixer_saved_elements(spec.scan, length)
+    if sharded in spec.scan_over and method not in ("local", "gather"):
+        per_row = math.prod(full[d] for d in spec.scan_over[1:])
+        shape = replace(spec.scan, seq=tuple(s * per_row for s in sizes), batch=lines)
+        total += get_method(method).scan_saved_elements(shape, rank)
+    return total
 
 
 def activation_bytes(
@@ -374,6 +402,7 @@ def activation_bytes(
     ``checkpoint=True`` keeps only each block's input), temporary buffers of collectives.
     """
     n = sp_size
+    sizes: list[int] = []
     if n == 1:
         plan = None
         local = workload.tokens
@@ -394,6 +423,9 @@ def activation_bytes(
                 continue
             per_local, per_full = _stage_elements(workload, spec, method, n, rank)
             elements += workload.batch * (local * per_local + workload.tokens * per_full)
+            if spec.scan is not None:
+                sharded = None if plan is None else step.sharded
+                elements += _scan_elements(workload, spec, method, sharded, sizes, rank)
             if spec.cross and workload.context:
                 elements += workload.batch * workload.context * 2 * c  # its K and V
     head_local = workload.exit_tokens  # the tokens the head runs on (one process)

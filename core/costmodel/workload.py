@@ -47,6 +47,9 @@ class StageSpec:
         scan_over: the dims its selective scan runs over, in order (``()``: no scan).
         scan: the scan mixer's :class:`~dspzoo.core.parallel.methods.scan.ScanShape` for one
             line (``seq`` and ``batch`` are filled in per plan: ``mixer.scan_shape(1, ())``).
+        scan_routes: mixers run per token (a ``cross`` order's 4 routes, a circular scan's
+            ring of ``X`` columns: ``X`` lines of ``X`` tokens per ring), each over the stage's
+            dims whole, for the activation memory.
     """
 
     stage: Stage
@@ -57,6 +60,7 @@ class StageSpec:
     adaln: bool = True
     scan_over: tuple[str, ...] = ()
     scan: ScanShape | None = None
+    scan_routes: int = 1
 
     @property
     def name(self) -> str:

@@ -26,6 +26,7 @@ from einops import rearrange
 from torch import nn
 
 from dspzoo.core.layers.scan import (
+    MAX_SCAN_CHUNK,
     causal_conv1d,
     exclusive_combine,
     selective_scan,
@@ -381,7 +382,29 @@ class Mamba1Mixer(nn.Module):
             conv_channels=inner, conv_halo=c.conv_kernel - 1,
             summary=2 * inner * c.state_size, summary_itemsize=_summary_itemsize(itemsize),
             heads=inner, head_in=2, head_out=1, gathered=2 * c.state_size, itemsize=itemsize,
-            decay=inner * c.state_size, correction=5 * inner,
+            decay=inner * c.state_size, correction=5 * inner, **self._saved_fields(),
+        )  # fmt: skip
+
+    def _saved_fields(self) -> dict[str, float]:
+        """What :meth:`forward` saves for backward (:class:`ScanShape`'s ``saved_*``), with
+        ``C`` hidden, ``D`` inner, ``N`` state, ``R`` the Δ rank, ``K`` the conv width:
+        shared by the directions per token the input ``C``, ``in_proj``'s output ``2D`` and
+        ``out_proj``'s input ``D``; per direction and token the conv's padded input, output
+        and its transposed copy, Δ before and after softplus, the scan input ``u``, ``Δ·u``,
+        the output before the skip and ``silu(z)`` (``9D``), ``x_proj``'s output ``R + 2N``
+        and the scan's states ``D·N`` per token of the line padded to whole chunks of at most
+        ``MAX_SCAN_CHUNK`` (the adjoint backward keeps no more); the reversed direction also
+        its flipped gate, ``B`` and ``C`` (``D + 2N``); per line and direction the conv halo
+        ``D·(K−1)`` and the initial state ``D·N``."""
+        c = self.config
+        d, n, directions = c.intermediate_size, c.state_size, 2 if c.bidirectional else 1
+        per_direction = 9 * d + c.dt_rank + 2 * n
+        return dict(
+            saved_token=c.hidden_size + 3 * d + directions * per_direction
+            + (directions - 1) * (d + 2 * n),
+            saved_line=directions * (d * (c.conv_kernel - 1) + d * n),
+            chunk=MAX_SCAN_CHUNK,
+            saved_padded=directions * d * n,
         )  # fmt: skip
 
     def _direction(
@@ -629,6 +652,34 @@ class Mamba2Mixer(nn.Module):
             summary_itemsize=_summary_itemsize(itemsize), heads=c.num_heads,
             head_in=c.head_dim + 1, head_out=c.head_dim, gathered=2 * c.n_groups * c.state_size,
             itemsize=itemsize, decay=c.num_heads, correction=c.intermediate_size + 6 * c.num_heads,
+            chunk=c.chunk_size, **self._saved_fields(),
+        )  # fmt: skip
+
+    def _saved_fields(self) -> dict[str, float]:
+        """What :meth:`forward` saves for backward (:class:`ScanShape`'s ``saved_*``), with
+        ``C`` hidden, ``D`` inner, ``N`` state, ``G`` B/C groups, ``H`` heads, ``K`` the conv
+        width, ``W = D + 2GN`` the conv's channels. Shared by the directions, per token: the
+        input ``C``, ``in_proj``'s output ``D + W + H``, the gated norm's ``4D + G`` and
+        ``out_proj``'s input ``D``. Per direction: per token the conv's padded input, output
+        and SiLU output ``3W`` and Δ before and after softplus ``2H``; per line the conv halo
+        ``W·(K−1)``; the SSD's chunked tensors per padded token (``B``/``C`` copies ``2GN``,
+        ``Δ·x`` and the off-diagonal output ``2D``, the cumulative decays ``2H``, ``B``
+        spread over the heads ``HN``; with more than one chunk the einsums' copies of ``B``,
+        ``C`` and ``Δ·x``, ``2GN + D``), per padded token and chunk position (``Q'``) the decay
+        blocks twice and the scores ``2H + G``, per chunk state ``D·N`` and per pair of chunk
+        boundaries ``H``."""
+        c = self.config
+        d, n, g, h = c.intermediate_size, c.state_size, c.n_groups, c.num_heads
+        w, directions = self.conv_dim, 2 if c.bidirectional else 1
+        return dict(
+            saved_token=c.hidden_size + (d + w + h) + (4 * d + g) + d
+            + directions * (3 * w + 2 * h),
+            saved_line=directions * w * (c.conv_kernel - 1),
+            saved_padded=directions * (2 * g * n + 2 * d + 2 * h + h * n),
+            saved_batched=directions * (2 * g * n + d),
+            saved_square=directions * (2 * h + g),
+            saved_state=directions * d * n,
+            saved_decay=directions * h,
         )  # fmt: skip
 
     def _direction(

@@ -40,6 +40,7 @@ from einops import rearrange
 # even when multiplied by large inputs; fp64 has room for much more.
 _SAFE_LOG_DECAY = {torch.float32: 40.0, torch.float64: 300.0}
 _MAX_CHUNK = 64  # longest chunk the Mamba-1 kernel tries (working set vs. Python overhead)
+MAX_SCAN_CHUNK = _MAX_CHUNK  # the cost model's bound on the padding of the saved states
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def scan_spec(
     flops = routes * sum(mixer_flops_per_token(mixer.config).values())
     shape = replace(mixer.scan_shape(1, (), itemsize), flops_per_token=flops)
     over = stage.mixes if stage.op == "scan" else ()
-    return StageSpec(stage, scan_over=over, scan=shape, **fields)
+    return StageSpec(stage, scan_over=over, scan=shape, scan_routes=routes, **fields)
 
 
 def mamba_lm_workload(

@@ -263,6 +263,17 @@ class ScanShape:
     of state passing: ``decay``, the elements of ``summary`` that are the decay (the rest is
     the state), and ``correction``, the elements per token the incoming state's correction
     keeps for backward.
+
+    What one process's mixer saves for backward (:func:`mixer_saved_elements`), every
+    direction: ``saved_token`` elements per token, ``saved_line`` per line (the conv halo, an
+    initial state); a chunked scan (``chunk`` ``Q`` > 0, Mamba-2's SSD) also ``saved_padded``
+    per token of the line padded to whole chunks of ``Q' = min(Q, L)``, ``saved_square`` per
+    padded token and position of its chunk (the ``[Q', Q']`` decay and score blocks),
+    ``saved_batched`` per padded token only when there are several chunks (the copies the
+    einsums make to batch them; a single chunk is a view),
+    ``saved_state`` per chunk state (``2k + 1`` of them for ``k`` chunks: the states entering
+    the chunks, and those with the initial one stacked) and ``saved_decay`` per pair of chunk
+    boundaries (the ``[k+1, k+1]`` decays between them).
     """
 
     seq: tuple[int, ...]
@@ -280,6 +291,30 @@ class ScanShape:
     flops_per_token: float = 0.0
     decay: int = 0
     correction: int = 0
+    saved_token: float = 0.0
+    saved_line: float = 0.0
+    chunk: int = 0
+    saved_padded: float = 0.0
+    saved_square: float = 0.0
+    saved_batched: float = 0.0
+    saved_state: float = 0.0
+    saved_decay: float = 0.0
+
+
+def mixer_saved_elements(shape: ScanShape, length: int) -> float:
+    """Elements one process's mixer of ``shape`` saves for backward on one line of ``length``
+    tokens (see :class:`ScanShape`; 0 for an empty line)."""
+    if length <= 0:
+        return 0.0
+    total = length * shape.saved_token + shape.saved_line
+    if shape.chunk > 0:
+        chunk = min(shape.chunk, length)
+        chunks = -(-length // chunk)
+        padded = chunks * chunk
+        total += padded * (shape.saved_padded + chunk * shape.saved_square)
+        total += padded * shape.saved_batched if chunks > 1 else 0.0
+        total += (2 * chunks + 1) * shape.saved_state + (chunks + 1) ** 2 * shape.saved_decay
+    return float(total)
 
 
 def state_passing_saved_elements(shape: ScanShape, rank: int) -> float:
