@@ -393,13 +393,22 @@ def activation_bytes(
     fp32 values per token) and output, the modulated input of the adaLN models, q/k/v, the
     attention output and its log-sum-exp (one per head), the projection's input and (gated
     models) output; the MLP's input, hidden pre- and post-activation and output; a cross-
-    attention's query input, query and output. Per method: LSS adds the gathered K and V of
+    attention's query input, query and output; a scan stage's (Mamba) norm and residual around
+    its mixers (adaLN models: LayerNorm input, statistics and output and the gated mixer
+    output; LMs: RMSNorm input, statistic and normalised input) and, per line of the scanned
+    dims at their local length, what each mixer saves (:class:`ScanShape`'s ``saved_*``, from
+    the mixer's config: projections, conv, the Mamba-1 states per token, the Mamba-2 SSD's
+    chunk blocks and chunk states; :func:`mixer_saved_elements`) times its routes; state
+    passing adds its summaries and correction (the method's ``scan_saved_elements``), the head
+    all-to-all is counted as its local tokens. Per method: LSS adds the gathered K and V of
     the other ranks; Megatron-SP saves the gathered full-sequence input of each column linear
     (``N·C`` per local token) in place of the local one. Ulysses, Ring, DSP save the same
     amount as one process on their shard. Plus the model's ends: patch / byte input, the final
     LayerNorm and output linear input; conditioning tokens and their K/V per cross-attention.
-    Not counted: per-sample modulation vectors, activation checkpointing (ByteLM's
-    ``checkpoint=True`` keeps only each block's input), temporary buffers of collectives.
+    Not counted: per-sample modulation vectors, activation checkpointing (ByteLM's and the
+    Mamba LMs' ``checkpoint=True`` keeps only each block's input), temporary buffers of
+    collectives, tensors derived from the parameters alone (a mixer's ``A``), the scans' fp32
+    state under a bf16 ``itemsize`` (everything is counted at ``itemsize``).
     """
     n = sp_size
     sizes: list[int] = []
