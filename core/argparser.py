@@ -53,3 +53,20 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated integers ≥ 1 (``"1,2,4"``), else a usage error
+    naming the bad item."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers, got {text!r}"
+        )
+    values = []
+    for item in items:
+        try:
+            values.append(positive_int(item))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} (in {text!r})") from None
+    return values

@@ -13,6 +13,13 @@ bash scripts/setup_env.sh
 OUT="${DSPZOO_OUT:-outputs/demo}"
 LAUNCH=(accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no)
 "${LAUNCH[@]}" scripts/sample_video.py --model-dir stdit-mini-shapes --out "$OUT/shipped.gif" --guidance 3
+# a re-run starts a new fine-tune: the previous one is kept as finetuned.previous (the trainer
+# refuses to start fresh beside an earlier run's checkpoints); pass --resume latest to continue it
+if [[ " $* " != *" --resume "* && -d "$OUT/finetuned" ]]; then
+    rm -rf "$OUT/finetuned.previous"
+    mv "$OUT/finetuned" "$OUT/finetuned.previous"
+    echo "previous fine-tune moved to $OUT/finetuned.previous"
+fi
 "${LAUNCH[@]}" scripts/train_video.py --sp 2 --init-from stdit-mini-shapes --steps "${DSPZOO_STEPS:-200}" \
     --lr 1e-4 --warmup 20 --log-every 50 --save-every 0 --output-dir "$OUT/finetuned" "$@"
 "${LAUNCH[@]}" scripts/sample_video.py --model-dir "$OUT/finetuned/final" --out "$OUT/finetuned/samples.gif" --guidance 3

@@ -199,6 +199,8 @@ def test_a_users_image_model_is_planned_by_its_own_dim_names(capsys) -> None:
         (["mambalm-tiny", "--seq-len", "0"], "--seq-len: expected a positive integer, got 0"),
         (["bytelm-tiny", "--seq-len", "-5"], "--seq-len: expected a positive integer, got -5"),
         (["evoformer-tiny", "--residues", "x"], "--residues: expected a positive integer, got 'x'"),
+        (["stdit-tiny", "--sp", "1,0"], "--sp: expected a positive integer, got 0 (in '1,0')"),
+        (["stdit-tiny", "--sp", "two"], "--sp: expected a positive integer, got 'two'"),
     ],
 )
 def test_sizes_a_model_does_not_take_are_refused_by_name(capsys, argv, message) -> None:

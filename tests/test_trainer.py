@@ -39,6 +39,31 @@ def test_the_last_step_is_checkpointed_and_more_steps_resume_from_it(tmp_path: P
 def test_without_periodic_saves_the_last_step_is_still_checkpointed(tmp_path: Path) -> None:
     train(_config(tmp_path, steps=2, save_every=0))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+    # a fresh run into the same folder would put its checkpoints beside the old run's, where
+    # --resume latest could pick the old run's last step: refused, naming the way out
+    with pytest.raises(FileExistsError, match=r"step_2\): pass --resume latest to continue it"):
+        train(_config(tmp_path, steps=1, save_every=0))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+
+
+def _stale_checkpoints_on_one_rank(rank: int, world: int, folder: str) -> str:
+    from dspzoo.core.parallel.mesh import build_mesh
+    from dspzoo.core.train.resume import refuse_stale_checkpoints
+
+    ckpts = Path(folder) / f"rank{rank}"  # as if each machine had its own output folder
+    if rank == 1:
+        (ckpts / "step_7").mkdir(parents=True)
+        (ckpts / "step_7" / "progress.json").write_text("{}")
+    try:
+        refuse_stale_checkpoints(build_mesh(world, timeout_s=30), ckpts)
+    except FileExistsError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_stale_checkpoints_on_one_machine_stop_every_rank(tmp_path: Path) -> None:
+    errors = run_distributed(_stale_checkpoints_on_one_rank, 2, str(tmp_path), timeout=120)
+    assert "(step_7)" in errors[1] and "(1 on another machine)" in errors[0]
 
 
 def _find_latest(rank: int, world: int, folder: str) -> tuple[str, list[tuple[str, str]]]:

@@ -50,7 +50,7 @@ from dspzoo.core.costmodel import (
     recommend,
 )
 
-from ..core.argparser import CommandParser, positive_int
+from ..core.argparser import CommandParser, positive_int, positive_int_list
 from .registry import count_parameters, create_model, format_count, get_config, resolve_name
 from .workloads import workload_for
 
@@ -107,7 +107,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="token lengths by the model's dim names, e.g. t=16,h=64,w=64 (any model)",
     )
     p.add_argument("--batch", type=positive_int, default=1, help="samples per SP group")
-    p.add_argument("--sp", type=str, default="1,2,4,8", help="SP sizes, comma-separated")
+    p.add_argument(
+        "--sp", type=positive_int_list, default=[1, 2, 4, 8], help="SP sizes, comma-separated"
+    )
     p.add_argument(
         "--strategies",
         type=str,
@@ -393,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
     config = get_config(name)
     sizing = sizing_of(name.split("-", 1)[0])
     _check_flags(name, sizing, args)
-    sizes = [int(s) for s in args.sp.split(",") if s.strip()]
+    sizes = list(args.sp)
     if sizing is PROTEIN:
         return _protein(name, config, args, sizes)
     wl, notes = workload_from_args(name, config, sizing, args)

@@ -16,7 +16,12 @@ from typing import Any
 
 from ..parallel.mesh import SPMesh, seed_everything
 from ..parallel.rng import mix_key
-from .checkpoint import latest_checkpoint, read_progress, recover_interrupted_save
+from .checkpoint import (
+    complete_checkpoints,
+    latest_checkpoint,
+    read_progress,
+    recover_interrupted_save,
+)
 
 logger = logging.getLogger("dspzoo.resume")
 
@@ -53,6 +58,25 @@ def find_checkpoint(
             f"existing step_N folder, or --resume latest for the newest in {ckpt_dir})"
         )
     return ckpt
+
+
+def refuse_stale_checkpoints(mesh: SPMesh, ckpt_dir: Path) -> None:
+    """A fresh run (no ``--resume``) into an output folder that already holds an earlier run's
+    checkpoints raises ``FileExistsError`` on every rank: its checkpoints would sit beside the
+    old ones and ``--resume latest`` could pick an old run's step (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    found = complete_checkpoints(ckpt_dir)
+    stale = torch.tensor([len(found)], dtype=torch.int64)
+    if mesh.world_size > 1:
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=mesh.grad_group)
+    if int(stale):
+        names = ", ".join(p.name for p in found[-3:]) or f"{int(stale)} on another machine"
+        raise FileExistsError(
+            f"{ckpt_dir} already holds checkpoints of an earlier run ({names}): pass --resume "
+            f"latest to continue it, or give another --output-dir (or delete the old one)"
+        )
 
 
 def resume_from(

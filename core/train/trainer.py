@@ -32,7 +32,7 @@ from .config import start_run, train_loader, warmup_cosine
 from .ema import EMA
 from .fsdp import ShardingSettings
 from .loop import LoopSettings, run_training_loop
-from .resume import layout_of, mean_step_time, resume_from
+from .resume import layout_of, mean_step_time, refuse_stale_checkpoints, resume_from
 from .step import OptimisationStep
 from .sync import GradientSync
 from .task import Task
@@ -184,6 +184,8 @@ class Trainer:
          "activation_bytes", "output_dir", "is_main", ...the task's result_extra}
         """
         self.setup()
+        if not self.cfg.resume:
+            refuse_stale_checkpoints(self.mesh, self.checkpoint_dir)
         start_step, history = self.restore() if self.cfg.resume else (0, [])
         settings = LoopSettings.of_run(
             self.cfg, start_step, self.tokens_per_step, self.task.loss_name
