@@ -20,7 +20,7 @@ so its threads outlive the release, idle: DDP waits for its all-reduces inside `
 :func:`dspzoo.core.parallel.mesh.build_mesh` registers it to run at exit for other callers.
 
 **Bad input under a launcher.** :func:`run_entry_point` turns ``UsageError``, ``ValueError``,
-``KeyError`` and ``FileNotFoundError`` into one line on stderr and exit status 2. With several
+``KeyError``, ``FileNotFoundError`` and ``FileExistsError`` into one line on stderr and exit status 2. With several
 ranks, the ranks that saw the error post it on the default group's store; the lowest of them
 prints it (once), every rank exits with status 2 (a rank whose collective failed because a peer
 left, or that the launcher stops with SIGTERM after that exit, too), and none prints a
@@ -53,7 +53,13 @@ class UsageError(Exception):
     """Bad usage of a command (printed as one line, exit status 2)."""
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (UsageError, FileNotFoundError, KeyError, ValueError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    UsageError,
+    FileNotFoundError,
+    FileExistsError,
+    KeyError,
+    ValueError,
+)
 """Exceptions that mean bad input: printed as one line, exit status 2, no traceback."""
 
 
