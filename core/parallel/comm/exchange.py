@@ -53,6 +53,10 @@ class _SwitchMeta:
         src_sizes: list[int] | None = None,
         dst_sizes: list[int] | None = None,
     ) -> _SwitchMeta:
+        # the meta keeps its own lists: a caller reusing and changing its lists must not
+        # change a meta (the unchecked ones are cached)
+        src_sizes = None if src_sizes is None else list(src_sizes)
+        dst_sizes = None if dst_sizes is None else list(dst_sizes)
         if src_sizes is None:
             src_sizes = shard_sizes(src_length, n)
         elif len(src_sizes) != n or sum(src_sizes) != src_length or min(src_sizes) < 0:
@@ -421,10 +425,7 @@ def _unchecked_meta(
         src, dst = norm_dim(x, src, primitive), norm_dim(x, dst, primitive)
         length = sum(src_sizes) if src_sizes is not None else src_length
         assert length is not None, "an unchecked switch needs src_length or src_sizes"
-        # copies: a caller reusing and changing its size lists must not change a cached meta
-        own_src = list(src_sizes) if src_sizes is not None else None
-        own_dst = list(dst_sizes) if dst_sizes is not None else None
-        meta = _SwitchMeta.build(x, src, dst, length, n, r, own_src, own_dst)
+        meta = _SwitchMeta.build(x, src, dst, length, n, r, src_sizes, dst_sizes)
         _METAS[key] = meta
         while len(_METAS) > 256:
             _METAS.pop(next(iter(_METAS)))
