@@ -17,9 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dspzoo.core import SeqParallel
-from dspzoo.domains.video.codec import PixelUnshuffleCodec
 from dspzoo.domains.video.diffusion import TIMESTEP_SCALE
-from dspzoo.domains.video.evaluation import colour_stability, heldout_flow_loss, palette_fidelity
+from dspzoo.domains.video.evaluation import heldout_flow_loss, sample_metrics
 from dspzoo.domains.video.sampling import SampleResult
 
 from .video import VideoMamba
@@ -69,34 +68,9 @@ def sample_video(
     return SampleResult(latents=x, seconds=seconds, seconds_per_step=seconds / steps)
 
 
-@torch.no_grad()
-def sample_metrics(
-    model: VideoMamba,
-    settings: dict[str, Any],
-    per_class: int = 1,
-    steps: int = 20,
-    guidance: float = 3.0,
-    seed: int = 0,
-) -> dict[str, float]:
-    """``palette_fidelity`` and ``colour_stability`` of seeded samples (one process), with the
-    settings :func:`dspzoo.domains.video.evaluation.sample_metrics` uses for the DiTs."""
-    codec = PixelUnshuffleCodec(settings.get("codec_factor", 2))
-    labels = torch.arange(max(1, model.config.num_classes)).repeat_interleave(per_class)
-    latent = settings["size"] // codec.factor
-    shape = (len(labels), model.config.in_channels, settings["frames"], latent, latent)
-    result = sample_video(
-        model, SeqParallel(), shape, steps, labels, guidance, seed=seed, progress=False
-    )
-    video = codec.decode(result.latents.float().cpu()).clamp(-1, 1)
-    return {
-        "palette_fidelity": palette_fidelity(video),
-        "colour_stability": colour_stability(video),
-    }
-
-
 def evaluate(model: VideoMamba, settings: dict[str, Any]) -> dict[str, float]:
     """Every figure of a video Mamba DiT's model card: the video domain's held-out flow loss,
     palette fidelity and colour stability, measured as for ``stdit-mini-shapes``."""
     return {"heldout_flow_loss": heldout_flow_loss(model, settings)} | sample_metrics(
-        model, settings
+        model, settings, sampler=sample_video
     )
