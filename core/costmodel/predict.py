@@ -111,6 +111,9 @@ def predict(
     """Predict one step of ``workload`` under ``strategy`` at SP size ``sp_size``.
 
     ``training=False``: forward only (inference; no optimizer state, activations not kept).
+    The output's exit all-gather is counted where the step sends it
+    (:func:`sends_exit_gather`): in inference, not in a training step whose loss runs on
+    each rank's shard.
     ``dp``/``zero``: data-parallel ranks and the ZeRO stage sharding the model states.
     ``recompute``: activation checkpointing (one extra forward, block inputs kept; its
     collectives are sent again: :func:`_with_recomputation`).
@@ -139,8 +142,16 @@ def predict(
         if strategy == "usp" and ulysses_size is None:
             ulysses_size = _square_ulysses(n)
         ranks = range(n) if exact_ranks else range(1)
+        exit_gather = sends_exit_gather(workload, training)
         counts = [
-            comm_bytes(workload, plan or strategy, n, r, ulysses_size=ulysses_size or 1)
+            comm_bytes(
+                workload,
+                plan or strategy,
+                n,
+                r,
+                ulysses_size=ulysses_size or 1,
+                exit_gather=exit_gather,
+            )
             for r in ranks
         ]
         busiest = _busiest(counts, phases)
@@ -211,6 +222,15 @@ def predict(
         copy_s=copies,
         latency_s=latency,
     )
+
+
+def sends_exit_gather(workload: Workload, training: bool) -> bool:
+    """Whether one step all-gathers the model's output at its exit: inference does (the
+    samplers, forecasts and evaluation take the replicated output), a training step only when
+    its loss needs the whole output (``workload.loss_on_shard`` false, e.g. the weather
+    forecast's MSE); the LMs and video DiTs train on each rank's shard
+    (``gather_output=False``) and send no exit gather."""
+    return not (training and workload.loss_on_shard)
 
 
 def micro_batches(activation: float, states: float, budget: float, batch: int) -> int:

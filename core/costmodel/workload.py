@@ -77,6 +77,10 @@ class Workload:
     cross-attention. ``itemsize`` is the activation dtype's bytes (2 for bf16 training).
     ``exit_last``: dims of which the head runs on, and the exit gathers, the last row alone
     (weather: ``t``, the forecast reads the last state's outputs only).
+    ``loss_on_shard``: training computes its loss on each rank's output shard
+    (``gather_output=False``: the LMs' cross-entropy, the video DiTs' flow MSE), so a training
+    step sends no exit all-gather; ``False`` where training gathers the output first (the
+    weather forecast's replicated MSE). Inference gathers the output either way.
     """
 
     name: str
@@ -98,6 +102,7 @@ class Workload:
     params: int = 0
     itemsize: int = 4
     exit_last: tuple[str, ...] = ()
+    loss_on_shard: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property

@@ -122,6 +122,7 @@ def mamba_lm_workload(
         period=stages,
         in_width=1,
         exit_width=config.vocab_size,
+        loss_on_shard=True,  # training's cross-entropy runs on each rank's logits
         causal=True,
         params=params,
         itemsize=itemsize,
@@ -175,6 +176,7 @@ def video_mamba_workload(
         period=stages,
         in_width=config.in_channels * pt * ph * pw,
         exit_width=config.out_channels * pt * ph * pw,
+        loss_on_shard=True,  # training's flow MSE runs on each rank's tokens
         params=params,
         itemsize=itemsize,
         extra={
@@ -278,6 +280,7 @@ def hybrid_lm_workload(
         period=tuple(stages.values()),
         in_width=1,
         exit_width=config.vocab_size,
+        loss_on_shard=True,  # training's cross-entropy runs on each rank's logits
         causal=True,
         params=params,
         itemsize=itemsize,

@@ -41,6 +41,7 @@ def text_workload(
         period=period,
         in_width=1,
         exit_width=config.vocab_size,
+        loss_on_shard=True,  # training's cross-entropy runs on each rank's logits
         causal=True,
         params=params,
         itemsize=itemsize,

@@ -51,6 +51,7 @@ def toy_workload(
         period=STAGES,
         in_width=config.in_channels,
         exit_width=config.in_channels,
+        loss_on_shard=True,  # scripts/dsp_demo.py: the MSE on each rank's shard
         params=params,
         itemsize=itemsize,
     )

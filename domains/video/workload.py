@@ -71,6 +71,7 @@ def latte1_workload(
         period=Latte1.STAGES,
         in_width=config.in_channels * p * p,
         exit_width=config.channels_out * p * p,
+        loss_on_shard=True,  # training's flow MSE runs on each rank's tokens
         context=context if config.cross_attention else 0,
         cond_dim=config.caption_channels,
         params=params,
@@ -154,6 +155,7 @@ def video_workload(
         period=period,
         in_width=config.in_channels * patch,
         exit_width=config.out_channels * patch,
+        loss_on_shard=True,  # training's flow MSE runs on each rank's tokens
         causal=False,
         context=context if config.cond_dim else 0,
         cond_dim=config.cond_dim,

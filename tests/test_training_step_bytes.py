@@ -1,0 +1,203 @@
+"""The cost model's training step sends what a real training step sends: ``predict``'s bytes
+per rank (the busiest) equal the tracer's over the domains' own training losses.
+
+One spawn of 3 gloo workers runs SP 2 (ranks 0, 1) and SP 3 (L = 11, T' = 5, S = 9, a 10 × 13
+weather patch grid: nothing divisible by 2 or 3). The LMs (ByteLM, Mamba) and the video DiT
+take their loss on each rank's shard (``gather_output=False``) and send no exit all-gather; the
+weather transformer's MSE needs the replicated forecast, so its training step does send it.
+Inference (``training=False``) gathers the output in every family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dspzoo.domains.mamba  # noqa: F401  (registers the families)
+import dspzoo.domains.text  # noqa: F401
+import dspzoo.domains.video  # noqa: F401
+import dspzoo.domains.weather  # noqa: F401
+from dspzoo.core import SeqParallel, trace_comm
+from dspzoo.core.costmodel import predict
+from dspzoo.core.loss import sp_mse
+from dspzoo.core.parallel.mesh import SPMesh
+from dspzoo.core.testing import run_distributed
+from dspzoo.domains.text.training import TextTask
+from dspzoo.domains.video.diffusion import TIMESTEP_SCALE
+from dspzoo.domains.weather.training import weighted_mse
+from dspzoo.zoo import create_model
+from dspzoo.zoo.workloads import workload_for
+
+TEXT = {"hidden": 24, "heads": 4, "depth": 2}
+VIDEO = {"hidden": 32, "heads": 4, "depth": 2, "num_classes": 3, "cond_dim": 0}
+WEATHER = {"grid": (37, 49), "patch": 4, "history": 3}
+# (model, strategy): every attention method on the LM, the scan method DSP picks for Mamba
+CASES = (
+    ("bytelm-tiny", "dsp"),
+    ("bytelm-tiny", "ulysses"),
+    ("bytelm-tiny", "ring"),
+    ("bytelm-tiny", "lss"),
+    ("mambalm-tiny", "dsp"),
+    ("stdit-tiny", "dsp"),
+    ("stdit-tiny", "ulysses"),
+    ("weathertx-tiny", "dsp"),
+    ("weathertx-tiny", "ulysses"),
+)
+OVERRIDES = {
+    "bytelm-tiny": TEXT,
+    "mambalm-tiny": {},
+    "stdit-tiny": VIDEO,
+    "weathertx-tiny": WEATHER,
+}
+
+
+def _workload(name: str):
+    """The workload of the model the workers build, as ``dspzoo plan`` describes it."""
+    sizes: dict[str, Any] = {"seq_len": 11}
+    if name == "stdit-tiny":
+        sizes = {"frames": 5, "spatial": 6}
+    elif name == "weathertx-tiny":
+        sizes = {}
+    return workload_for(name, batch=2, overrides=OVERRIDES[name], **sizes)
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = create_model(name, **OVERRIDES[name])
+    with torch.no_grad():  # zero-initialised heads and gates would hide nothing, but be safe
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _inputs(name: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if name in ("bytelm-tiny", "mambalm-tiny"):
+        tokens = torch.randint(0, 256, (2, 12), generator=g)
+        return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if name == "stdit-tiny":
+        c = model.config
+        return {
+            "x": torch.randn(2, c.in_channels, 5, 6, 6, generator=g),
+            "target": torch.randn(2, c.in_channels, 5, 6, 6, generator=g),
+            "t": torch.rand(2, generator=g),
+            "y": torch.tensor([0, 2]),
+        }
+    c = model.config
+    return {
+        "x": torch.randn(2, c.history, len(c.variables), *c.grid, generator=g),
+        "lead_time": torch.tensor([1.0, 3.0]),
+        "target": torch.randn(2, len(c.variables), *c.grid, generator=g),
+    }
+
+
+def _training_loss(name: str, model: torch.nn.Module, batch: dict, sp: SeqParallel) -> torch.Tensor:
+    """The loss of one training step, as the family's training task takes it."""
+    if name in ("bytelm-tiny", "mambalm-tiny"):  # the LMs train with the text Task
+        return TextTask.loss(object.__new__(TextTask), model, batch, 0, sp)
+    if name == "stdit-tiny":  # VideoTask.loss: the flow MSE on this rank's output tokens
+        out = model(
+            batch["x"], batch["t"] * TIMESTEP_SCALE, y=batch["y"], sp=sp, gather_output=False
+        )
+        target = sp.shard_like(model.patchify_target(batch["target"]), out)
+        return sp_mse(out.tensor, target, sp.group)
+    # WeatherTask.loss: the latitude-weighted MSE of the replicated forecast
+    pred = model(batch["x"], batch["lead_time"], None, sp=sp)
+    mask = torch.ones_like(batch["target"])
+    return weighted_mse(pred, batch["target"], mask, torch.ones(pred.shape[-2]))
+
+
+def _inference(name: str, model: torch.nn.Module, batch: dict, sp: SeqParallel) -> None:
+    """One forward returning the replicated output (the samplers', forecasts' and
+    evaluations' call)."""
+    with torch.no_grad():
+        if name in ("bytelm-tiny", "mambalm-tiny"):
+            model(batch["tokens"], sp=sp)
+        elif name == "stdit-tiny":
+            model(batch["x"], batch["t"] * TIMESTEP_SCALE, y=batch["y"], sp=sp)
+        else:
+            model(batch["x"], batch["lead_time"], None, sp=sp)
+
+
+def _sub_mesh(ranks: list[int]) -> SPMesh | None:
+    group = dist.new_group(ranks)
+    rank = dist.get_rank()
+    if rank not in ranks:
+        return None
+    return SPMesh(
+        world_size=dist.get_world_size(),
+        rank=rank,
+        dp_size=1,
+        sp_size=len(ranks),
+        dp_rank=0,
+        sp_rank=ranks.index(rank),
+        sp_group=group,
+    )
+
+
+def _by_op(tracer) -> dict[str, int]:
+    """Traced bytes sent by this rank, by collective (both phases)."""
+    return {op: tracer.total_bytes(op) for op in {r.op for r in tracer.records}}
+
+
+def _worker(rank: int, world: int) -> dict:
+    meshes = {2: _sub_mesh([0, 1]), 3: _sub_mesh([0, 1, 2])}
+    out: dict = {}
+    for size, mesh in meshes.items():
+        if mesh is None:
+            continue
+        for name, strategy in CASES:
+            sp = SeqParallel(mesh, strategy)
+            model = _model(name)
+            batch = _inputs(name, model)
+            with trace_comm() as tracer:
+                _training_loss(name, model, batch, sp).backward()
+            assert any(p.grad is not None for p in model.parameters())
+            with trace_comm() as forward:
+                _inference(name, model.eval(), batch, sp)
+            out[(name, strategy, size)] = (_by_op(tracer), _by_op(forward))
+    return out
+
+
+@pytest.fixture(scope="module")
+def traced() -> list[dict]:
+    return run_distributed(_worker, 3, timeout=280)
+
+
+@pytest.mark.timeout(300)
+def test_training_prediction_sends_what_the_training_step_sends(traced) -> None:
+    """``predict(training=True)``'s bytes are the busiest rank's traced bytes of a training
+    step (no exit all-gather where the loss runs on the shard), and ``training=False``'s are
+    those of a forward that gathers the output. The one traced collective the cost model
+    leaves out is the sharded loss's own all-reduce of its fp64 element count (``sp_mean``:
+    8 bytes, the same under every plan)."""
+    checked = 0
+    for name, strategy in CASES:
+        wl = _workload(name)
+        for size in (2, 3):
+            ranks = [r[(name, strategy, size)] for r in traced if (name, strategy, size) in r]
+            assert len(ranks) == size
+            what = f"{name} {strategy} SP {size}"
+            count_sum = {"all_reduce": 2 * (size - 1) * 8 // size} if wl.loss_on_shard else {}
+            for step, _ in ranks:
+                assert {op: b for op, b in step.items() if op == "all_reduce"} == count_sum, what
+            step = max(sum(b for op, b in t.items() if op != "all_reduce") for t, _ in ranks)
+            forward = max(sum(f.values()) for _, f in ranks)
+            assert predict(wl, strategy, size, training=True).bytes == step, what
+            assert predict(wl, strategy, size, training=False).bytes == forward, what
+            checked += 1
+    assert checked == 2 * len(CASES)
+
+
+def test_a_training_step_on_the_shard_counts_no_exit_gather() -> None:
+    """At ``mamba2lm-130m`` scale the logits' exit gather would be nearly all of the bytes:
+    a training step counts none; a forward (inference) does."""
+    wl = workload_for("mamba2lm-130m", seq_len=65536)
+    train, infer = predict(wl, "dsp", 2), predict(wl, "dsp", 2, training=False)
+    logits = wl.batch * 65536 // 2 * wl.exit_width * wl.itemsize  # one rank's half, sent once
+    assert train.bytes < 0.01 * logits <= infer.bytes
+    weather = workload_for("weathertx-tiny", batch=2, overrides=WEATHER)
+    assert predict(weather, "dsp", 2).bytes > predict(weather, "dsp", 2, training=False).bytes
