@@ -285,6 +285,49 @@ def test_a_mamba_model_plan_says_which_method_runs_each_stage(capsys) -> None:
         assert not ("yes" in cells and "runnable:" in " ".join(cells)), cells
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("mambalm-tiny", "--seq-len", "4096"),
+        ("hybridlm-tiny", "--seq-len", "4096"),
+        ("videomamba-tiny", "--frames", "8"),
+        ("stdit-tiny", "--frames", "8", "--latent", "16"),
+    ],
+)
+def test_each_distinct_plan_is_one_row(capsys, argv) -> None:
+    """Strategies that run the same plan with the same figures share one row named
+    ``a,b,...``; every strategy is in exactly one row per SP size, and no two rows of one SP
+    size show the same figures."""
+    rows = _rows(_plan(capsys, *argv))
+    for sp in ("2", "4"):
+        mine = {name: cells[2:] for (size, name), cells in rows.items() if size == sp}
+        named = [s for name in mine for s in name.split(",")]
+        expected = {"dsp", "ulysses", "ring", "lss", "usp", "megatron_sp"}
+        assert sorted(named) == sorted(expected | ({"ulysses_flat"} & set(named))), mine
+        figures = [tuple(cells) for cells in mine.values()]
+        assert len(set(figures)) == len(figures), mine
+
+
+def test_a_scan_only_model_prints_its_one_plan_once(capsys) -> None:
+    """Every stage of a pure-scan LM runs state passing under every attention strategy: one
+    row per SP size (Megatron-SP apart: its sharded weights, and it cannot run the scans)."""
+    rows = _rows(_plan(capsys, "mambalm-tiny", "--seq-len", "4096"))
+    assert set(rows) == {
+        ("1", "none"),
+        *((sp, name) for sp in ("2", "4") for name in ("dsp,ulysses,ring,lss,usp", "megatron_sp")),
+    }
+    assert rows[("2", "dsp,ulysses,ring,lss,usp")][-2:] == ["1.00x", "yes"]
+    hybrid = _rows(_plan(capsys, "hybridlm-tiny", "--seq-len", "4096"))
+    assert {name for sp, name in hybrid if sp == "4"} == {
+        "dsp,ulysses", "ring", "lss", "usp", "megatron_sp"
+    }  # fmt: skip
+    lines = _plan(capsys, "mambalm-130m", "--seq-len", "65536")
+    assert any(
+        x.startswith("recommendation: SP 4 with dsp (the same plan: ulysses, ring, lss, usp)")
+        for x in lines
+    ), lines[-4:]
+
+
 def test_a_mamba1_plan_speaks_of_channels_and_its_default_length(capsys) -> None:
     lines = _plan(capsys, "mambalm-tiny")
     assert "tokens (l=2048)" in lines[0]

@@ -27,7 +27,9 @@ Each kind of model takes its own sizes; a size left out is the config's own:
 * every model: ``--dims name=tokens,...`` sets token lengths (after patching) by the model's
   own dim names, e.g. ``--dims h=64,w=64``; with ``--dims`` alone, name every dim.
 
-Under the table, one line per SP size and plan says which method runs each stage that mixes the
+Strategies that run the same plan with the same prediction share one row of the table, named
+``dsp,ulysses,...`` (a model of scans only runs state passing under every strategy). Under the
+table, one line per SP size and plan says which method runs each stage that mixes the
 sharded dim (strategies with the same plan share a line): a Mamba model's scans run by
 ``state_passing`` or ``head_a2a`` under every strategy, its attention by the strategy's method.
 ``--inference`` predicts a forward pass only (``--steps`` of them, e.g. sampling steps).
@@ -46,6 +48,7 @@ from dspzoo.core.costmodel import (
     DEFAULT_STRATEGIES,
     format_table,
     make_plan,
+    merge_same_plans,
     predict_table,
     recommend,
 )
@@ -410,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         training=not args.inference,
     )
+    rows = merge_same_plans(rows, wl)  # one row per distinct plan and prediction
     if args.steps != 1:
         rows = [
             p.__class__(

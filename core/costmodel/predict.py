@@ -21,7 +21,7 @@ only in the attention over it (4 per axial layer; the DSP paper's Table 3 count)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..parallel.methods.registry import METHODS, get_method
 from ..parallel.plan import Plan
@@ -65,10 +65,21 @@ class Prediction:
     memory_s: float = 0.0
     copy_s: float = 0.0
     latency_s: float = 0.0
+    same_as: tuple[str, ...] = ()  # other strategies with this plan and figures (merged rows)
 
     @property
     def memory(self) -> float:
         return self.activation + self.states
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """The strategy of the row and those merged into it (:func:`merge_same_plans`)."""
+        return (self.strategy, *self.same_as)
+
+    @property
+    def label(self) -> str:
+        """The row's strategies, comma-separated (one word: ``dsp,ulysses,ring``)."""
+        return ",".join(self.strategies)
 
 
 def _busiest(counts: list[CommCount], phases: tuple[str, ...]) -> CommCount:
@@ -309,6 +320,30 @@ def predict_table(
     return rows
 
 
+def merge_same_plans(rows: list[Prediction], workload: Workload) -> list[Prediction]:
+    """``rows`` with the strategies that run the same plan and predict the same figures as one
+    row: the first such strategy's, the others in ``same_as`` (e.g. a model of scans only,
+    whose every stage runs state passing whatever the attention strategy). Strategies with the
+    same plan but other figures (Megatron-SP's sharded weights) keep their own rows, and so
+    does the prediction-only ``ulysses_flat``; the order of first appearance is kept."""
+    out: list[Prediction] = []
+    where: dict[tuple, int] = {}
+    for p in rows:
+        key = None
+        if p.sp > 1 and p.strategy != "ulysses_flat":
+            plan = make_plan(workload, p.strategy, p.sp)
+            figures = tuple(v for k, v in p.__dict__.items() if k not in ("strategy", "same_as"))
+            key = (plan.steps, plan.layout, plan.periodic, figures)
+        if key is not None and key in where:
+            first = out[where[key]]
+            out[where[key]] = replace(first, same_as=(*first.same_as, *p.strategies))
+            continue
+        if key is not None:
+            where[key] = len(out)
+        out.append(p)
+    return out
+
+
 def recommend(rows: list[Prediction]) -> Prediction | None:
     """The paper's rule: the smallest SP size at which a strategy fits memory, and there the
     fastest runnable strategy. ``None`` when nothing fits."""
@@ -337,15 +372,17 @@ def _fmt(x: float, unit: str) -> str:
 
 def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
     """The table ``dspzoo plan`` prints (``memory``: the memory-bound element-wise work and the
-    layout copies around the all-to-alls)."""
+    layout copies around the all-to-alls); a merged row (:func:`merge_same_plans`) names all its
+    strategies, comma-separated."""
+    width = max([13, *(len(p.label) for p in rows)])
     head = (
-        f"{'SP':>3} {'strategy':<13} {'FLOPs/rank':>11} {'bytes/rank':>11} {'coll.':>6} "
+        f"{'SP':>3} {'strategy':<{width}} {'FLOPs/rank':>11} {'bytes/rank':>11} {'coll.':>6} "
         f"{'act/GPU':>10} {'states/GPU':>10} {'compute':>10} {'memory':>10} {'comm':>10} "
         f"{'step':>10} "
         f"{'vs dsp':>7} fits"
     )
     lines = [head, "-" * len(head)]
-    dsp = {p.sp: p.step_s for p in rows if p.strategy == "dsp"}
+    dsp = {p.sp: p.step_s for p in rows if "dsp" in p.strategies}
     for p in rows:
         ratio = f"{p.step_s / dsp[p.sp]:.2f}x" if p.sp in dsp and dsp[p.sp] else ""
         mark = "yes" if p.fits else "no"
@@ -354,15 +391,16 @@ def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
         if best is not None and p is best:
             mark += "  <- recommended"
         lines.append(
-            f"{p.sp:>3} {p.strategy:<13} {_fmt(p.flops, 'F'):>11} {_fmt(p.bytes, 'B'):>11} "
+            f"{p.sp:>3} {p.label:<{width}} {_fmt(p.flops, 'F'):>11} {_fmt(p.bytes, 'B'):>11} "
             f"{p.collectives:>6} {_fmt(p.activation, 'B'):>10} {_fmt(p.states, 'B'):>10} "
             f"{_fmt(p.compute_s, 's'):>10} {_fmt(p.memory_s + p.copy_s, 's'):>10} "
             f"{_fmt(p.comm_s, 's'):>10} {_fmt(p.step_s, 's'):>10} "
             f"{ratio:>7} {mark}"
         )
     if best is not None:
+        same = f" (the same plan: {', '.join(best.same_as)})" if best.same_as else ""
         lines.append(
-            f"recommendation: SP {best.sp} with {best.strategy} "
+            f"recommendation: SP {best.sp} with {best.strategy}{same} "
             f"(smallest SP size that fits; fastest there: {_fmt(best.step_s, 's')} per step)"
         )
     else:
