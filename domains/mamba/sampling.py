@@ -1,8 +1,8 @@
 """Sampling and evaluating the video Mamba DiT: the video domain's Euler sampler and metrics.
 
-:func:`sample_video` integrates the learned velocity from noise (t = 1) to data (t = 0) exactly
-as :func:`dspzoo.domains.video.sampling.sample_video` does for STDiT/Latte (the same noise from
-``seed``, the same Euler steps, classifier-free guidance with the null label), calling
+:func:`sample_video` integrates the learned velocity from noise (t = 1) to data (t = 0) with
+the video domain's Euler loop (:func:`dspzoo.domains.video.sampling.euler_flow`: the same noise
+from ``seed``, the same steps, classifier-free guidance with the null label), calling
 :meth:`VideoMamba.forward` each step: under SP the model shards the tokens itself and returns
 the replicated velocity, so every rank of the group holds the same latents. :func:`evaluate`
 gives the video model card's figures (:mod:`dspzoo.domains.video.evaluation`) with this sampler.
@@ -14,12 +14,11 @@ import time
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from dspzoo.core import SeqParallel
 from dspzoo.domains.video.diffusion import TIMESTEP_SCALE
 from dspzoo.domains.video.evaluation import heldout_flow_loss, sample_metrics
-from dspzoo.domains.video.sampling import SampleResult
+from dspzoo.domains.video.sampling import SampleResult, euler_flow, guided_labels, initial_noise
 
 from .video import VideoMamba
 
@@ -46,24 +45,19 @@ def sample_video(
         raise ValueError(f"labels must be [B={shape[0]}], got {tuple(labels.shape)}")
     start = time.perf_counter()
     device = next(model.parameters()).device
-    # drawn on the CPU from a fixed seed, so every rank (and every device type) starts alike
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
+    x = initial_noise(shape, seed, device)
     use_cfg = guidance != 1.0 and labels is not None and model.config.num_classes > 0
     labels = None if labels is None or not model.config.num_classes else labels.to(device)
-    labels_in = labels
-    if use_cfg:
-        labels_in = torch.cat([labels, torch.full_like(labels, model.config.num_classes)])
+    labels_in = guided_labels(labels, model.config.num_classes) if use_cfg else labels
     channels = shape[1]
-    ts = torch.linspace(1.0, 0.0, steps + 1)
-    for i in tqdm(range(steps), desc="sampling", disable=not progress, leave=False):
-        t, dt = float(ts[i]), float(ts[i + 1] - ts[i])
-        x_in = torch.cat([x, x]) if use_cfg else x
-        tvec = torch.full((x_in.shape[0],), t * TIMESTEP_SCALE, device=device)
-        v = model(x_in, tvec, labels_in, sp=sp)[:, :channels]  # learn_sigma: velocity half
-        if use_cfg:
-            v_cond, v_uncond = v.float().chunk(2)
-            v = v_uncond + guidance * (v_cond - v_uncond)
-        x = x + dt * v.float()
+
+    def velocity(latents: torch.Tensor, t: float) -> torch.Tensor:
+        """The replicated velocity ``[B, C, T, H, W]`` in fp32 (guidance combined in fp32)."""
+        tvec = torch.full((latents.shape[0],), t * TIMESTEP_SCALE, device=device)
+        v = model(latents, tvec, labels_in, sp=sp)[:, :channels]  # learn_sigma: velocity half
+        return v.float()
+
+    x = euler_flow(x, velocity, steps, guidance, use_cfg, progress)
     seconds = time.perf_counter() - start
     return SampleResult(latents=x, seconds=seconds, seconds_per_step=seconds / steps)
 
