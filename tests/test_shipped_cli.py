@@ -101,12 +101,41 @@ def test_cli_lists_and_describes_shipped_models(weights_dir, capsys) -> None:
     code, out, _ = _run(["list", "--pretrained"], capsys)
     assert code == 0 and "no trained models" in out
     ship_pretrained(_bytelm(), "bytelm-tiny-stdlib", config_name="bytelm-tiny", card=CARD)
-    code, out, _ = _run(["list", "--pretrained"], capsys)
+    code, out, _ = _run(["list", "--pretrained", "--markdown"], capsys)
     assert code == 0
     row = [line for line in out.splitlines() if "bytelm-tiny-stdlib" in line]
     assert len(row) == 1 and "val_bpb 2.5" in row[0] and CARD["command"] in row[0]
+    code, out, _ = _run(["list", "--pretrained"], capsys)
+    assert code == 0 and "bytelm-tiny-stdlib" in out and "  metrics: val_bpb 2.5" in out
+    assert "dspzoo info <name>" in out and CARD["command"] not in out
+    code, _, err = _run(["list", "--markdown"], capsys)
+    assert code == 2 and "--markdown goes with --pretrained" in err
     code, out, _ = _run(["info", "bytelm-tiny-stdlib"], capsys)
     assert code == 0 and "trained bytelm-tiny" in out and CARD["eval"] in out
+
+
+def test_the_pretrained_listing_fits_a_narrow_terminal(weights_dir, capsys, monkeypatch) -> None:
+    """``dspzoo list --pretrained`` fits the terminal's width (``COLUMNS``, as
+    ``shutil.get_terminal_size`` reads it): long data and metrics wrap beneath the model's
+    line, whole words kept; a name wider than the terminal is cut with ``…``."""
+    long = {
+        **CARD,
+        "data": "a corpus described at length: " + "many words of description " * 8,
+        "metrics": {f"model/variable_{i}/lead1/rmse": 0.5 + i for i in range(5)},
+    }
+    ship_pretrained(_bytelm(), "bytelm-tiny-stdlib", config_name="bytelm-tiny", card=long)
+    for columns in (40, 60, 100):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        code, out, _ = _run(["list", "--pretrained"], capsys)
+        lines = out.splitlines()
+        assert code == 0 and max(len(line) for line in lines) <= columns, (columns, out)
+        head = "bytelm-tiny-stdlib  bytelm-tiny   115.0K params"
+        assert lines[0] == (head if columns >= len(head) else head[: columns - 1] + "…")
+        text = " ".join(line.strip() for line in lines)
+        assert "trained on: " + long["data"].strip() in text  # wrapped, nothing lost
+        assert "model/variable_2/lead1/rmse 2.5, … (2 more: dspzoo info)" in text
+        assert len(lines) > 4  # the data and the metrics took several lines
+    assert shipped.pretrained_listing(width=24).splitlines()[0] == "bytelm-tiny-stdlib  byt…"
 
 
 def test_passthrough_errors_are_one_line_with_status_2(tmp_path, capsys) -> None:

@@ -29,7 +29,13 @@ from .registry import (
     list_models,
     resolve_name,
 )
-from .shipped import describe_card, model_card, pretrained_table, shipped_names
+from .shipped import (
+    describe_card,
+    model_card,
+    pretrained_listing,
+    pretrained_table,
+    shipped_names,
+)
 
 # dspzoo's own domains; families of installed `dspzoo.families` entry points and DSPZOO_FAMILIES
 # load when a lookup needs them (zoo/families.py; the registry loads all of them by itself)
@@ -65,7 +71,13 @@ def _main(argv: list[str] | None) -> int:
     listing.add_argument(
         "--pretrained",
         action="store_true",
-        help="list the trained models shipped with the package (data, metrics, command)",
+        help="list the trained models shipped with the package (data, metrics), fitted to "
+        "the terminal's width",
+    )
+    listing.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --pretrained: the full markdown table (data, metrics, training command)",
     )
     info = sub.add_parser("info", help="show a model's config and parameter count")
     info.add_argument(
@@ -98,8 +110,10 @@ def _main(argv: list[str] | None) -> int:
         except (KeyError, ValueError, ZeroDivisionError) as exc:
             plan.error(str(exc.args[0]) if exc.args else str(exc))
     if args.command == "list" and args.pretrained:
-        print(pretrained_table())
+        print(pretrained_table() if args.markdown else pretrained_listing())
         return 0
+    if args.command == "list" and args.markdown:
+        listing.error("--markdown goes with --pretrained (the shipped models' table)")
     if args.command == "list":
         for name in list_models():
             print(f"{name:<24} {_meta_count(name):>8}")

@@ -7,7 +7,8 @@ exact command that trained it and how to recompute the figures.
 
 Names are ``<family>-<config>-<data>``, e.g. ``stdit-mini-shapes`` or ``evoformer-small-pdb``;
 they ignore case. ``from_pretrained("stdit-mini-shapes")`` loads one;
-``dspzoo list --pretrained`` prints the table (also ``docs/zoo.md``).
+``dspzoo list --pretrained`` lists them fitted to the terminal, ``--markdown`` prints the table
+(also ``docs/zoo.md``).
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def _metric_text(metrics: dict[str, float], limit: int | None = None) -> str:
 
 
 def pretrained_table(cards: list[ModelCard] | None = None) -> str:
-    """A markdown table of the shipped models (``dspzoo list --pretrained``, ``docs/zoo.md``)."""
+    """A markdown table of the shipped models (``dspzoo list --pretrained --markdown``,
+    ``docs/zoo.md``)."""
     cards = list_pretrained() if cards is None else cards
     if not cards:
         return "no trained models are shipped with this install"
@@ -152,6 +154,51 @@ def pretrained_table(cards: list[ModelCard] | None = None) -> str:
             f"{_metric_text(c.metrics, limit=3)} | `{c.command}` |"
         )
     return "\n".join(rows)
+
+
+def _fit(line: str, width: int) -> str:
+    """``line`` cut to ``width`` characters, the cut marked with ``…``."""
+    return line if len(line) <= width else line[: max(0, width - 1)] + "…"
+
+
+def pretrained_listing(cards: list[ModelCard] | None = None, width: int | None = None) -> str:
+    """The shipped models for a terminal ``width`` columns wide (``dspzoo list --pretrained``;
+    default: the terminal's width, ``shutil.get_terminal_size``: ``$COLUMNS``, else 80 when
+    the output is not a terminal).
+
+    Per model a line with its name, config and parameters (cut with ``…`` only when the
+    terminal is narrower than they are), then its training data and first three metrics,
+    each wrapped to ``width`` beneath it; no line is longer than ``width``. Every metric and
+    the training command: ``dspzoo info <name>``; the whole table: :func:`pretrained_table`.
+    """
+    import shutil
+    import textwrap
+
+    from .registry import format_count
+
+    width = max(20, shutil.get_terminal_size().columns if width is None else width)
+    cards = list_pretrained() if cards is None else cards
+    if not cards:
+        return "no trained models are shipped with this install"
+    name_w = max(len(c.name) for c in cards)
+    model_w = max(len(c.model) for c in cards)
+    lines: list[str] = []
+
+    def wrapped(label: str, text: str) -> list[str]:
+        return textwrap.wrap(
+            f"{label} {text}", width, initial_indent="  ", subsequent_indent="    "
+        )
+
+    for c in cards:
+        params = f"{format_count(c.parameters):>7} params"
+        lines.append(_fit(f"{c.name:<{name_w}}  {c.model:<{model_w}}  {params}", width))
+        lines += wrapped("trained on:", c.data)
+        lines += wrapped("metrics:", _metric_text(c.metrics, limit=3).replace("`", ""))
+    footer = (
+        "Every metric, the training command and the evaluation: dspzoo info <name>; the "
+        "markdown table of docs/zoo.md: dspzoo list --pretrained --markdown."
+    )
+    return "\n".join([*lines, "", *textwrap.wrap(footer, width)])
 
 
 def describe_card(card: ModelCard) -> str:
