@@ -12,6 +12,7 @@ forward + backward, and compares every ``(op, phase)`` count and byte total on e
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -498,3 +499,19 @@ def test_recomputation_sends_the_forwards_collectives_again(strategy: str) -> No
     forward_calls = counts.count(phase="forward") - counts.count(op="validate")
     assert again.collectives == plain.collectives + forward_calls
     assert again.comm_s > plain.comm_s
+
+
+@pytest.mark.timeout(120)
+def test_this_cpu_probe_measures_caches_and_reads_back(tmp_path, monkeypatch) -> None:
+    """``measure_this_cpu`` probes a 2-process gloo group (per-call medians), caches the
+    figures atomically with their time, and reads the cache back as the same cluster."""
+    from dspzoo.core.costmodel import measure_this_cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    probed = measure_this_cpu(refresh=True)
+    assert probed.name == "this-cpu" and probed.mfu == 1.0
+    assert probed.flops > 1e8 and probed.intra_bw > 1e6 and 0 < probed.intra_lat < 1.0
+    path = tmp_path / "dspzoo" / "this-cpu.json"
+    assert json.loads(path.read_text())["measured_at"] > 0
+    assert not list(path.parent.glob("*.tmp"))
+    assert measure_this_cpu() == probed
