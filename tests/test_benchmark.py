@@ -38,16 +38,18 @@ from dspzoo.zoo.workloads import workload_for
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _launch(tmp_path: Path, *flags: str, timeout: float = 150) -> dict:
-    """One 2-process launch of scripts/benchmark.py; its results.json."""
+def _launch(tmp_path: Path, *flags: str, timeout: float = 150, cluster: str = "none") -> dict:
+    """One 2-process launch of scripts/benchmark.py; its results.json (the cache, where the
+    ``this-cpu`` probe lands, under ``tmp_path``)."""
     out = tmp_path / "bench"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
         "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", "0", str(REPO / "scripts" / "benchmark.py"),
-        "--peer", "off", "--cluster", "none", "--no-progress", "--out", str(out), *flags,
+        "--peer", "off", "--cluster", cluster, "--no-progress", "--out", str(out), *flags,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "reproduce: `accelerate launch" in proc.stdout
@@ -68,8 +70,18 @@ def _assert_exact_and_agrees(rows: dict) -> None:
 @pytest.mark.timeout(170)
 def test_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path: Path) -> None:
     result = _launch(tmp_path, "--model", "stdit-tiny", "--frames", "4", "--latent", "8",
-                     "--warmup", "1", "--reps", "2")  # fmt: skip
+                     "--warmup", "1", "--reps", "2", cluster="this-cpu")  # fmt: skip
     rows = {r["strategy"]: r for r in result["rows"]}
+    # the cost model predicts on the rates this run probed on its SP group (and caches them)
+    probe = result["probe"]
+    assert probe["ranks"] == 2 and probe["flops"] > 0 and probe["bandwidth"] > 0
+    assert 0 < probe["latency"] < 1.0
+    assert result["cluster"]["intra_lat"] == probe["latency"]
+    assert result["cluster"]["peak_tflops"] == pytest.approx(probe["flops"] / 1e12)
+    cached = json.loads((tmp_path / "cache" / "dspzoo" / "this-cpu.json").read_text())
+    assert cached["intra_bw"] == probe["bandwidth"] and cached["measured_at"] > 0
+    assert all(r["prediction"]["step_s"] > 0 for r in rows.values())
+    assert "probed in this run" in (result["_out"] / "results.md").read_text()
     # the one strategy list: every registered strategy ran, dsp first
     assert list(rows) == ["dsp", *[s for s in STRATEGIES if s != "dsp"]]
     assert result["skipped"]["deepspeed_ulysses"] == "--peer off"

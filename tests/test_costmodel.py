@@ -12,6 +12,7 @@ forward + backward, and compares every ``(op, phase)`` count and byte total on e
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -482,6 +483,30 @@ def test_bench_auto_column() -> None:
     assert choice["vs_best_paired"]["median"] == pytest.approx(1.0 / 0.9)
     assert "auto / best = 1.10" in auto_line(choice)
     assert auto_choice({**result, "sp": 1}, case) is None
+    # plans against plans: two rows running auto's plan pool their repetitions, and the best
+    # plan is timed the same way — a fast twin makes auto's plan the best, whatever the other
+    # twin's luck (the first version set the pooled twins against the fastest single row)
+    twins_result = {
+        "sp": 2,
+        "dp": 1,
+        "rows": [
+            row("dsp", [0.5, 0.6, 0.7]),
+            row("ulysses", [0.8, 0.9, 1.0]),
+            row("ring", [0.7, 0.8, 0.9]),
+        ],
+    }
+    video = auto_choice(twins_result, case)  # axial video: dsp's plan is its own
+    assert video["best"] == "dsp" and video["vs_best"] == 1.0
+    text_args = build_parser().parse_args(["--model", "bytelm-tiny", "--seq-len", "64"])
+    text = build_case(text_args, 1)
+    assert twins(text, names, 2, 1) == ["dsp", "ulysses"]  # 1-D: DSP's plan is Ulysses
+    choice = auto_choice(twins_result, text)
+    # dsp + ulysses pooled: median of 0.5…1.0 = 0.75 against ring's 0.8
+    assert choice["runs_as"] == ["dsp", "ulysses"] and choice["best"] == "dsp, ulysses"
+    assert choice["vs_best"] == 1.0 and choice["vs_best_paired"]["median"] == 1.0
+    slow = {**twins_result, "rows": [*twins_result["rows"][:2], row("ring", [0.5, 0.55, 0.6])]}
+    lost = auto_choice(slow, text)
+    assert lost["best"] == "ring" and lost["vs_best"] == pytest.approx(0.75 / 0.55)
 
 
 @pytest.mark.parametrize("strategy", ["dsp", "ulysses", "lss", "ring"])
@@ -498,3 +523,19 @@ def test_recomputation_sends_the_forwards_collectives_again(strategy: str) -> No
     forward_calls = counts.count(phase="forward") - counts.count(op="validate")
     assert again.collectives == plain.collectives + forward_calls
     assert again.comm_s > plain.comm_s
+
+
+@pytest.mark.timeout(120)
+def test_this_cpu_probe_measures_caches_and_reads_back(tmp_path, monkeypatch) -> None:
+    """``measure_this_cpu`` probes a 2-process gloo group (per-call medians), caches the
+    figures atomically with their time, and reads the cache back as the same cluster."""
+    from dspzoo.core.costmodel import measure_this_cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    probed = measure_this_cpu(refresh=True)
+    assert probed.name == "this-cpu" and probed.mfu == 1.0
+    assert probed.flops > 1e8 and probed.intra_bw > 1e6 and 0 < probed.intra_lat < 1.0
+    path = tmp_path / "dspzoo" / "this-cpu.json"
+    assert json.loads(path.read_text())["measured_at"] > 0
+    assert not list(path.parent.glob("*.tmp"))
+    assert measure_this_cpu() == probed

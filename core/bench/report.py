@@ -121,7 +121,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"cost model on `{cl['name']}` ({cl['peak_tflops'] * 1e3:.1f} GFLOP/s per process, "
-            f"{cl['intra_bw'] / 1e6:.0f} MB/s, {cl['intra_lat'] * 1e3:.1f} ms per collective): "
+            f"{cl['intra_bw'] / 1e6:.0f} MB/s, {cl['intra_lat'] * 1e3:.2f} ms per collective"
+            f"{'; probed in this run' if 'probe' in result and cl['name'] == 'this-cpu' else ''}): "
             f"step-time prediction error median {e['median_abs']:.0%}, max {e['max_abs']:.0%}",
         ]
     lines += ["", f"reproduce: `{result['command']}`", ""]

@@ -22,11 +22,13 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..costmodel.probe import Rates, probe_group
 from ..parallel.methods.registry import METHODS
 from ..parallel.strategies import STRATEGIES
 from .auto_choice import AUTO, auto_choice, needs_own_row
@@ -358,6 +360,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                 r.times.clear()
     if bar:
         bar.close()
+    probed = None
+    if args.cluster == "this-cpu" and args.reps:  # the rates of this run, at this run's load
+        probed = probe_group(runners[0].mesh.sp_group if sp_size > 1 else None)
     for r in runners:
         mine[r.name]["times"] = r.times
         mine[r.name]["train_losses"] = r.train_losses
@@ -373,7 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         dist.all_gather_object(gathered, mine)
     result = None
     if main:
-        result = summarise(args, case, gathered, names, skipped, sp_size, world, layout)
+        result = summarise(args, case, gathered, names, skipped, sp_size, world, layout, probed)
         result["threads_per_process"] = threads
         result["meshes"] = len(meshes)
         if base_times:
@@ -382,8 +387,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     return result
 
 
-def summarise(args, case, gathered, names, skipped, sp, world, layout) -> dict[str, Any]:
-    """Worst-rank figures per strategy; step time of a repetition = its slowest rank's."""
+def summarise(
+    args, case, gathered, names, skipped, sp, world, layout, probed: Rates | None = None
+) -> dict[str, Any]:
+    """Worst-rank figures per strategy; step time of a repetition = its slowest rank's.
+
+    ``probed``: this run's rates (:func:`~dspzoo.core.costmodel.probe.probe_group`), the
+    ``this-cpu`` cluster of the prediction."""
     dp = world // sp
     rows = []
     for name in names:
@@ -460,6 +470,8 @@ def summarise(args, case, gathered, names, skipped, sp, world, layout) -> dict[s
         "args": vars(args),
         "command": reproduce_command(args, world),
     }
+    if probed is not None:
+        result["probe"] = asdict(probed)
     if args.cluster != "none" and args.reps:
         add_prediction(result, case, args.cluster)
     choice = auto_choice(result, case)
@@ -469,10 +481,21 @@ def summarise(args, case, gathered, names, skipped, sp, world, layout) -> dict[s
 
 
 def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
-    """The cost model's step time on ``cluster`` beside the measured median, and its error."""
-    from ..costmodel import get_cluster, predict
+    """The cost model's step time on ``cluster`` beside the measured median, and its error.
 
-    cl = get_cluster(cluster)
+    ``this-cpu`` is the rates this run probed (``result["probe"]``, measured after the timed
+    repetitions on the SP group; also cached as the machine's ``this-cpu``), so the prediction
+    sees the load the steps saw.
+    """
+    from ..costmodel import get_cluster, predict
+    from ..costmodel.cluster import cache_this_cpu, this_cpu
+
+    if cluster == "this-cpu" and "probe" in result:
+        cl = this_cpu(Rates(**result["probe"]))
+        if result["probe"]["ranks"] > 1:  # a full probe: the machine's figures from now on
+            cache_this_cpu(cl)
+    else:
+        cl = get_cluster(cluster)
     sp, dp = result["sp"], result["dp"]
     wl = case.workload(case.batch // dp)
     errors = []

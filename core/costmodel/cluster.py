@@ -3,7 +3,8 @@
 Bandwidths are *achievable per-GPU* figures (bytes a rank can send per second in a collective,
 one direction), not link peaks; latencies are per collective (``α``). Presets are from vendor
 sheets with the usual derating (sources in ``docs/cost_model.md``); ``this-cpu`` is measured
-on the spot (a matmul FLOP-rate probe and a 2-process gloo all-to-all probe) and cached in
+(:mod:`.probe`: a matmul FLOP-rate probe and a gloo all-to-all probe): by a benchmark in its
+own run, else in a 2-process group spawned for it, and cached in
 ``~/.cache/dspzoo/this-cpu.json``.
 """
 
@@ -15,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from .probe import Rates, probe_group
 
 GB = 1e9
 
@@ -187,76 +190,53 @@ def _cache_path() -> Path:
     return Path(root) / "dspzoo" / "this-cpu.json"
 
 
-def _matmul_rate(size: int = 512, seconds: float = 0.5) -> float:
-    """FLOP/s of fp32 matmuls on this process's threads (one thread per SP rank, as the
-    benchmarks pin them)."""
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    return 2.0 * size**3 * count / (time.perf_counter() - start)
+def _probe_worker(rank: int, world: int) -> Rates:
+    return probe_group()
 
 
-def _probe_worker(rank: int, world: int, nbytes: int, reps: int) -> tuple[float, float]:
-    import torch
-    import torch.distributed as dist
-
-    x = torch.zeros(nbytes // 4)
-    small = torch.zeros(world)
-    dist.all_to_all_single(torch.empty_like(x), x)
-    start = time.perf_counter()
-    for _ in range(reps):
-        dist.all_to_all_single(torch.empty_like(small), small)
-    latency = (time.perf_counter() - start) / reps
-    start = time.perf_counter()
-    for _ in range(reps):
-        dist.all_to_all_single(torch.empty_like(x), x)
-    elapsed = (time.perf_counter() - start) / reps
-    sent = nbytes * (world - 1) / world
-    return sent / max(elapsed - latency, 1e-9), latency
-
-
-def measure_this_cpu(refresh: bool = False) -> Cluster:
-    """Probe this machine (cached): one-thread matmul FLOP/s, 2-process gloo all-to-all."""
-    path = _cache_path()
-    if not refresh and path.exists():
-        try:
-            return Cluster(**json.loads(path.read_text()))
-        except (TypeError, ValueError):
-            pass
-    import torch
-
-    from ..testing import run_distributed
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rate = _matmul_rate()
-    finally:
-        torch.set_num_threads(threads)
-    results = run_distributed(_probe_worker, 2, 8 << 20, 10, timeout=120)
-    bw = min(r[0] for r in results)
-    lat = max(r[1] for r in results)
-    cluster = Cluster(
+def this_cpu(rates: Rates) -> Cluster:
+    """The ``this-cpu`` cluster of measured :class:`~.probe.Rates` (one thread per rank)."""
+    return Cluster(
         name="this-cpu",
-        peak_tflops=rate / 1e12,
+        peak_tflops=rates.flops / 1e12,
         mfu=1.0,  # the probe measures the achieved rate
-        intra_bw=bw,
-        inter_bw=bw,
-        intra_lat=lat,
-        inter_lat=lat,
+        intra_bw=rates.bandwidth,
+        inter_bw=rates.bandwidth,
+        intra_lat=rates.latency,
+        inter_lat=rates.latency,
         gpus_per_node=os.cpu_count() or 1,
         memory_gib=_memory_gib(),
     )
+
+
+def cache_this_cpu(cluster: Cluster) -> None:
+    """Keep ``cluster`` as this machine's ``this-cpu`` (best effort, atomic)."""
+    path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(cluster), indent=1))
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**asdict(cluster), "measured_at": time.time()}, indent=1))
+        os.replace(tmp, path)
     except OSError:
         pass
+
+
+def measure_this_cpu(refresh: bool = False) -> Cluster:
+    """This machine's ``this-cpu`` cluster: cached, else probed in a 2-process gloo group
+    (:func:`~.probe.probe_group`). A benchmark probes its own group instead, in the same run."""
+    path = _cache_path()
+    if not refresh and path.exists():
+        try:
+            fields = json.loads(path.read_text())
+            fields.pop("measured_at", None)
+            return Cluster(**fields)
+        except (TypeError, ValueError):
+            pass
+    from ..testing import run_distributed
+
+    results = run_distributed(_probe_worker, 2, timeout=120)
+    cluster = this_cpu(results[0])
+    cache_this_cpu(cluster)
     return cluster
 
 

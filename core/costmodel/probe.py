@@ -1,0 +1,101 @@
+"""Measure this machine's rates for the ``this-cpu`` cluster: matmul FLOP/s and all-to-all α-β.
+
+Two ways in, one measurement:
+
+* :func:`probe_group` runs on every rank of a live process group (a benchmark probes its own
+  SP group in the same run, at the same load, as the steps it predicts);
+* :func:`~.cluster.measure_this_cpu` spawns a 2-process gloo group for it when nothing is
+  running (the cached fallback of ``get_cluster("this-cpu")``).
+
+Each collective is timed call by call behind a barrier and summarised by its median, so one
+call delayed by another process's burst does not move the figure (the first version averaged
+10 back-to-back calls, and one such delay made the latency 10× too large).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SMALL_ELEMENTS_PER_RANK = 1
+LARGE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the probe measured (the slowest rank's).
+
+    Attributes:
+        flops: fp32 matmul FLOP/s of one thread.
+        bandwidth: bytes/s a rank sends in an all-to-all, beyond its fixed cost.
+        latency: seconds of one all-to-all of (almost) nothing: the fixed cost per collective.
+        ranks: size of the group probed (1: no collective measured).
+    """
+
+    flops: float
+    bandwidth: float
+    latency: float
+    ranks: int
+
+
+def matmul_rate(size: int = 512, seconds: float = 0.3) -> float:
+    """FLOP/s of ``[size, size] @ [size, size]`` fp32 matmuls on one thread (as the benchmarks
+    pin one thread per rank)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b  # warm-up
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        return 2.0 * size**3 * count / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _median_call_s(group: Any, x: torch.Tensor, calls: int) -> float:
+    """Median seconds of ``all_to_all_single(x)`` over ``calls`` calls, each behind a barrier."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)  # warm-up: connections, buffers
+    times = []
+    for _ in range(calls):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_to_all_single(out, x, group=group)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def probe_group(
+    group: Any = None, large_bytes: int = LARGE_BYTES, calls: int = 15, seconds: float = 0.3
+) -> Rates:
+    """Collective: every rank of ``group`` (default: the world; ``None`` outside a process group
+    measures only the FLOP rate) calls it and gets the same :class:`Rates`.
+
+    Latency = median time of an all-to-all of one element per rank; bandwidth = the bytes a rank
+    sends in an all-to-all of ``large_bytes`` over its median time beyond that latency. The
+    slowest rank's figures are kept (a step waits for it).
+    """
+    flops = matmul_rate(seconds=seconds)
+    if not dist.is_initialized():
+        return Rates(flops, 0.0, 0.0, 1)
+    n = dist.get_world_size(group)
+    if n == 1:
+        return Rates(flops, 0.0, 0.0, 1)
+    small = torch.zeros(n * SMALL_ELEMENTS_PER_RANK)
+    large = torch.zeros(max(large_bytes // 4 // n, 1) * n)
+    latency = _median_call_s(group, small, calls)
+    big = _median_call_s(group, large, max(calls // 2, 3))
+    # the slowest rank's: max of the times, min of the rate
+    worst = torch.tensor([latency, big, -flops], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    latency, big, flops = worst[0].item(), worst[1].item(), -worst[2].item()
+    sent = large.numel() * 4 * (n - 1) / n
+    return Rates(flops, sent / max(big - latency, 1e-9), latency, n)
