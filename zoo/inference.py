@@ -23,7 +23,7 @@ of a mesh (``accelerator, mesh, sp = dspzoo.core.accelerate.setup_accelerate(sp_
 ``accelerate launch``): the model then runs sharded over the SP group; every rank of the group
 calls the function with the same arguments and gets the same result. Without ``sp`` it runs in
 this process alone. Text generation runs on one process (a ByteLM decodes with a KV cache, a
-Mamba LM with one recurrent step per byte).
+Mamba LM with one recurrent step per byte, the hybrid LM with both).
 
 The command-line tools — ``dspzoo sample|generate|predict|forecast`` and the scripts behind
 them (``scripts/sample_video.py``, ``generate_text.py``, ``predict_protein.py``,
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 VIDEO_FAMILIES = ("stdit", "latte", "videomamba")
-TEXT_FAMILIES = ("bytelm", "mambalm", "mamba2lm")
+TEXT_FAMILIES = ("bytelm", "mambalm", "mamba2lm", "hybridlm")
 WEATHER_FAMILIES = ("weathertx", "weathermamba")
 
 
@@ -231,8 +231,9 @@ def generate_text(
     seed: int = 0,
 ) -> GeneratedText:
     """Continue ``prompt`` by ``max_new`` bytes with a byte LM (one process): a ``bytelm``
-    (KV cache) or a byte-level Mamba LM, ``mambalm`` / ``mamba2lm`` (prompt prefilled, then one
-    recurrent step per byte: :mod:`dspzoo.domains.mamba.generate`).
+    (KV cache), a byte-level Mamba LM, ``mambalm`` / ``mamba2lm`` (prompt prefilled, then one
+    recurrent step per byte: :mod:`dspzoo.domains.mamba.generate`), or the hybrid ``hybridlm``
+    (the same, with a KV cache in its attention layers).
 
     ``temperature`` 0 always takes the likeliest byte; ``top_k`` samples among the k likeliest
     (``None`` or 0: all). The draws come from a generator seeded with ``seed``.

@@ -57,7 +57,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "generate": Command(
         "continue a prompt with a byte LM (shipped name or folder)",
-        {"bytelm": "generate_text", "mambalm": "generate_text", "mamba2lm": "generate_text"},
+        dict.fromkeys(("bytelm", "mambalm", "mamba2lm", "hybridlm"), "generate_text"),
         by_family=True,
         model_flag="--model-dir",
     ),

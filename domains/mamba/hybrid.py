@@ -197,6 +197,18 @@ class HybridLM(nn.Module):
 
     check_tokens = MambaLM.check_tokens
 
+    def rotary(
+        self, length: int, start: int = 0, device: torch.device | None = None
+    ) -> torch.Tensor | None:
+        """The attention layers' rotary table ``[length, head_dim]`` for the global positions
+        ``start … start+length−1`` (the whole sequence in :meth:`forward`, the new tokens after
+        a KV cache of ``start`` in :mod:`.generate`); ``None`` without ``rope``."""
+        cfg = self.config
+        if not cfg.rope:
+            return None
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        return rotary_table(length, head_dim, cfg.rope_base, start).to(device)
+
     def forward(
         self, tokens: torch.Tensor, sp: SeqParallel | None = None, gather_output: bool = True
     ) -> torch.Tensor | SeqTensor:
@@ -207,12 +219,8 @@ class HybridLM(nn.Module):
         validate_collectively(
             lambda: self.check_tokens(tokens), sp.group, "HybridLM inputs", tokens.device
         )
-        cfg = self.config
-        rope = None
-        if cfg.rope:
-            head_dim = cfg.hidden_size // cfg.num_attention_heads
-            rope = rotary_table(tokens.shape[1], head_dim, cfg.rope_base).to(tokens.device)
-        recompute = cfg.checkpoint and torch.is_grad_enabled()
+        rope = self.rotary(tokens.shape[1], device=tokens.device)
+        recompute = self.config.checkpoint and torch.is_grad_enabled()
         act = sp.enter(tokens.long(), SEQ_DIMS, self.stages)  # [B, L_local] ids of this rank
         with sp.region(act) as region:
             x = self.backbone.embeddings(act.tensor)
