@@ -236,22 +236,30 @@ def mamba_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             create_model("mambalm-tiny"), root / "lm", "mambalm-tiny", {"training": {"seq_len": 8}}
         ),
         "mamba2lm": save_pretrained(create_model("mamba2lm-tiny"), root / "lm2", "mamba2lm-tiny"),
+        "hybridlm": save_pretrained(
+            create_model("hybridlm-tiny", rope=True), root / "hybrid", "hybridlm-tiny"
+        ),
         "video": save_pretrained(video, root / "video", "videomamba-tiny", {"sampling": sampling}),
         "weather": save_pretrained(weather, root / "weather", "weathermamba-tiny", weather_extra),
     }
 
 
-@pytest.mark.parametrize("family", ["mambalm", "mamba2lm"])
+@pytest.mark.parametrize("family", ["mambalm", "mamba2lm", "hybridlm"])
 def test_generate_text_with_a_mamba_lm(mamba_folders, family, capsys) -> None:
+    """The Python API, the script and ``dspzoo generate`` give the same seeded text; greedy
+    decoding (recurrent states, and the hybrid's KV caches) = the argmax of full forwards."""
+    from dspzoo.zoo.cli import main as cli_main
+
     folder = mamba_folders[family]
     result = inference.generate_text(folder, "def ", max_new=12, seed=3)
     assert result.prompt == b"def " and len(result.new) == 12
     again = inference.generate_text(inference.load(folder), "def ", max_new=12, seed=3)
     assert again.new == result.new  # seeded: reproducible
-    printed = _script("generate_text")(
-        ["--model-dir", str(folder), "--prompt", "def ", "--max-new", "12", "--seed", "3"]
-    )
+    flags = ["--prompt", "def ", "--max-new", "12", "--seed", "3"]
+    printed = _script("generate_text")(["--model-dir", str(folder), *flags])
     assert printed == result.text and capsys.readouterr().out == result.text + "\n"
+    assert cli_main(["generate", str(folder), *flags]) == 0
+    assert capsys.readouterr().out == result.text + "\n"
     # greedy decoding with the recurrent state = the argmax of a full forward over the text
     model = inference.load(folder).model
     greedy = inference.generate_text(folder, "ab", max_new=5, temperature=0).new
