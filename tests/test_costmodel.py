@@ -525,6 +525,32 @@ def test_recomputation_sends_the_forwards_collectives_again(strategy: str) -> No
     assert again.comm_s > plain.comm_s
 
 
+@pytest.mark.parametrize("strategy", ["dsp", "ulysses", "ring", "lss"])
+@pytest.mark.parametrize("name", ["weathertx-tiny", "weathermamba-tiny"])
+def test_recomputation_does_not_resend_the_exit_gather(name: str, strategy: str) -> None:
+    """A model whose training step gathers its output at the exit (the weather models' loss
+    needs the whole forecast): checkpointing reruns the blocks' collectives, not the exit
+    all-gather, which is counted once."""
+    import dspzoo.domains.mamba  # noqa: F401  (registers the weather families)
+    import dspzoo.domains.weather  # noqa: F401
+    from dspzoo.core.costmodel.formulas import exit_gather_bytes, make_plan
+
+    wl = workload_for(name)
+    assert not wl.loss_on_shard
+    counts = comm_bytes(wl, strategy, 3, 0)  # the exit gather included, as training sends it
+    exit_bytes = exit_gather_bytes(wl, make_plan(wl, strategy, 3), 3)
+    assert exit_bytes > 0
+    assert counts.bytes() - comm_bytes(wl, strategy, 3, 0, exit_gather=False).bytes() == exit_bytes
+    plain = predict(wl, strategy, 3, "h100-nvlink-ib", exact_ranks=False)
+    again = predict(wl, strategy, 3, "h100-nvlink-ib", recompute=True, exact_ranks=False)
+    assert plain.bytes == counts.bytes()  # the step's exit gather is counted ...
+    blocks = counts.bytes(phase="forward") - counts.bytes(op="validate") - exit_bytes
+    assert blocks > 0
+    assert again.bytes == plain.bytes + blocks  # ... and not rerun
+    calls = counts.count(phase="forward") - counts.count(op="validate") - 1
+    assert again.collectives == plain.collectives + calls
+
+
 @pytest.mark.timeout(120)
 def test_this_cpu_probe_measures_caches_and_reads_back(tmp_path, monkeypatch) -> None:
     """``measure_this_cpu`` probes a 2-process gloo group (per-call medians), caches the

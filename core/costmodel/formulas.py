@@ -130,11 +130,26 @@ def comm_bytes(
             elif spec.scan is not None and cur in spec.scan_over and method.name != "local":
                 scan_bytes(out, workload, spec, step.method, sizes(cur), rank)
     if exit_gather:
-        kept = {d: 1 if d in workload.exit_last else v for d, v in lengths.items()}
-        z = _sizes(kept[cur], n, layout)
-        others = b * math.prod(v for d, v in kept.items() if d != cur)
-        out.add("all_gather", "forward", (n - 1) * max(z) * others * workload.exit_width * isz)
+        out.add("all_gather", "forward", exit_gather_bytes(workload, plan, n))
     return out
+
+
+def exit_gather_bytes(workload: Workload, plan: Plan, sp_size: int) -> int:
+    """Bytes every rank sends in the exit all-gather of the output (the same on every rank:
+    the padded chunk of the dim sharded after the last stage, ``exit_width`` per token, one row
+    of each ``exit_last`` dim); 0 on one process."""
+    n = sp_size
+    if n == 1:
+        return 0
+    cur = plan.entry
+    for layer in workload.layers:
+        for spec in layer:
+            cur = plan.step_for(spec.name).sharded
+    lengths = dict(zip(workload.dims, workload.lengths))
+    kept = {d: 1 if d in workload.exit_last else v for d, v in lengths.items()}
+    z = _sizes(kept[cur], n, plan.layout)
+    others = workload.batch * math.prod(v for d, v in kept.items() if d != cur)
+    return (n - 1) * max(z) * others * workload.exit_width * workload.itemsize
 
 
 def attention_bytes(

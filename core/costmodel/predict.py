@@ -32,6 +32,7 @@ from .formulas import (
     activation_bytes,
     comm_bytes,
     elementwise_bytes,
+    exit_gather_bytes,
     flops_per_rank,
     forward_flops,
     layout_copy_bytes,
@@ -92,15 +93,19 @@ def _busiest(counts: list[CommCount], phases: tuple[str, ...]) -> CommCount:
     return out
 
 
-def _with_recomputation(counts: CommCount) -> CommCount:
+def _with_recomputation(counts: CommCount, exit_gather: int = 0) -> CommCount:
     """``counts`` plus the forward's collectives again in phase ``"recompute"``: activation
     checkpointing reruns each block's forward, its all-to-alls and gathers included, before
-    that block's backward (the once-per-step ``validate`` all-reduce is not rerun)."""
+    that block's backward. What runs once per step outside the blocks is not rerun: the
+    ``validate`` all-reduce, and the output's exit all-gather (``exit_gather``: its bytes, one
+    of the forward's ``all_gather`` calls; 0 where the step sends none)."""
     out = CommCount()
     for (op, phase), (count, nbytes) in counts.items():
         out.add(op, phase, nbytes, count)
         if phase == "forward" and op != "validate":
             out.add(op, "recompute", nbytes, count)
+    if exit_gather:
+        out.add("all_gather", "recompute", -exit_gather, -1)
     return out
 
 
@@ -126,8 +131,9 @@ def predict(
     (:func:`sends_exit_gather`): in inference, not in a training step whose loss runs on
     each rank's shard.
     ``dp``/``zero``: data-parallel ranks and the ZeRO stage sharding the model states.
-    ``recompute``: activation checkpointing (one extra forward, block inputs kept; its
-    collectives are sent again: :func:`_with_recomputation`).
+    ``recompute``: activation checkpointing (one extra forward of the blocks, block inputs
+    kept; their collectives are sent again, not the validation or the exit gather:
+    :func:`_with_recomputation`).
     ``ulysses_size``: USP's Ulysses degree (default: the most square grid, Ulysses larger).
     ``exact_ranks``: evaluate the byte formulas on every rank (else rank 0 only: faster).
     ``micro_batching``: a training step that does not fit runs its batch in the fewest
@@ -140,6 +146,7 @@ def predict(
     note = ""
     plan: Plan | None = None
     busiest = CommCount()
+    exit_bytes = 0  # the exit all-gather's bytes where the step sends it
     if strategy == "ulysses_flat":
         plan = make_plan(workload, "ulysses", n) if n > 1 else None
         attentions = sum(1 for layer in workload.layers for s in layer if s.attention)
@@ -166,11 +173,13 @@ def predict(
             for r in ranks
         ]
         busiest = _busiest(counts, phases)
+        if exit_gather and plan is not None:
+            exit_bytes = exit_gather_bytes(workload, plan, n)
         why = plan_unsupported(plan, workload, strategy) if plan is not None else None
         if why:
             note = f"not runnable: {why}"
     if training and recompute:
-        busiest = _with_recomputation(busiest)
+        busiest = _with_recomputation(busiest, exit_bytes)
     flops = flops_per_rank(workload, plan, recompute)
     if not training:
         flops = forward_flops(workload).forward / n
