@@ -144,6 +144,20 @@ def test_the_guide_quotes_the_example_as_it_is() -> None:
     assert model_lines <= 130, model_lines
 
 
+def test_the_guide_quotes_the_plan_command_as_it_prints(capsys) -> None:
+    """The ``dspzoo plan axial3d-mini ...`` listing of the guide is that command's output."""
+    from dspzoo.zoo.plan_cli import main as plan_main
+
+    doc = (ROOT / "docs" / "new_architecture.md").read_text()
+    found = re.search(
+        r"```bash\ndspzoo plan (axial3d-mini [^\n]*)\n```.*?```text\n(.*?)```", doc, re.S
+    )
+    assert found, "the guide's dspzoo plan command and its listing"
+    command, listing = found.groups()
+    assert plan_main(command.split()) == 0
+    assert capsys.readouterr().out == listing
+
+
 def test_axial3d_trains_and_resumes_exactly(tmp_path: Path) -> None:
     from dspzoo.examples.axial3d_training import Axial3DTrainConfig, train
     from dspzoo.zoo import from_pretrained, load_extra
