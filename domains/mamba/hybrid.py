@@ -21,6 +21,10 @@ a scan method for ``scan`` (state passing, or the head all-to-all) and an attent
 ``scan_method`` / ``attention_method`` force a method for every stage of that kind (``None``:
 the planner's choice). ``rope``: rotary positions in the attention layers (Jamba has none: the
 Mamba layers carry the order).
+
+Generation (one process): :mod:`.generate` prefills the prompt and steps one token at a time,
+the Mamba layers with their recurrent state, the attention layers with a KV cache
+(:meth:`HybridLM.rotary` gives both paths their positions).
 """
 
 from __future__ import annotations
