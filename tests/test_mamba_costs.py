@@ -29,6 +29,7 @@ from dspzoo.domains.mamba import (
     VideoMamba,
     WeatherMamba,
 )
+from dspzoo.domains.mamba.hybrid import HybridLM
 from dspzoo.domains.mamba.lm import Mamba2LM, MambaLM
 from dspzoo.domains.mamba.workload import (
     hybrid_lm_workload,
@@ -286,3 +287,47 @@ def test_activation_bytes_within_10_percent_of_the_saved_tensors_at_sp_2() -> No
             assert abs(formula / measured - 1) < 0.10, (name, method, rank, measured, formula)
             checked += 1
     assert checked == 2 * 4
+
+
+# -- the hybrid LM's attention layers ---------------------------------------------------------
+def _hybrid_case(rope: bool, length: int = 100) -> tuple:
+    """hybridlm-tiny (2 Mamba-2 layers, 2 attention layers of 4 query and 2 K/V heads)."""
+    torch.manual_seed(0)
+    config = replace(HYBRID_CONFIGS["tiny"], rope=rope)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, length))
+    workload = hybrid_lm_workload("hybridlm-tiny", config, batch=BATCH, seq_len=length)
+    return HybridLM(config), {"tokens": tokens}, workload
+
+
+def test_hybrid_attention_layers_are_priced_as_pre_norm_blocks_at_sp_1() -> None:
+    """The attention layers are the text domain's pre-norm blocks: their stages say so
+    (``pre_norm``), and the model's activation bytes are within 3 % of the saved tensors
+    (priced as DiT blocks they were 8.9 % over)."""
+    for rope in (False, True):
+        model, inputs, workload = _hybrid_case(rope)
+        attention = [s for layer in workload.layers for s in layer if s.attention or s.mlp]
+        assert attention and all(s.pre_norm for s in attention)
+        measured = _model_saved_bytes(model, inputs, SeqParallel())
+        formula = activation_bytes(workload)
+        assert abs(formula / measured - 1) < 0.03, (rope, measured, formula)
+
+
+def _hybrid_sp2_worker(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    mesh = SPMesh(world, rank, 1, world, 0, rank, sp_group=dist.group.WORLD)
+    out = {}
+    for rope in (False, True):
+        model, inputs, _workload = _hybrid_case(rope, length=101)
+        out[rope] = _model_saved_bytes(model, inputs, SeqParallel(mesh, "dsp"))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_attention_layers_are_priced_as_pre_norm_blocks_at_sp_2() -> None:
+    """Per rank at SP 2 (101 tokens: 51 and 50) under DSP's plan (the scan stages by state
+    passing, the attention by its method): within 3 % of the saved tensors."""
+    results = run_distributed(_hybrid_sp2_worker, 2, timeout=110)
+    for rank, per_rank in enumerate(results):
+        for rope, measured in per_rank.items():
+            formula = activation_bytes(_hybrid_case(rope, length=101)[2], "dsp", 2, rank)
+            assert abs(formula / measured - 1) < 0.03, (rank, rope, measured, formula)

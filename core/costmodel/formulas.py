@@ -346,7 +346,7 @@ def _stage_elements(
     tp = get_method(method).tensor_parallel and spec.tp_pairs
     local = full = 0.0
     if spec.attention:
-        if wl.family == "bytelm":
+        if spec.pre_norm:
             # x, LN out (qkv input), rotated q and k, v's storage, out (proj input), lse
             local += 2 * c + 2 + (c + ckv) + 2 * ckv + c + h
         elif tp:
@@ -366,7 +366,7 @@ def _stage_elements(
     if spec.cross and wl.context:
         local += 3 * c + h  # q input, q, out
     if spec.mlp:
-        if wl.family == "bytelm":
+        if spec.pre_norm:
             local += 2 * c + 2 + 2 * wl.mlp_hidden  # x, LN out, up out, gelu out
         elif tp:
             local += 3 * c + 2  # x, LN out, gated output

@@ -44,6 +44,10 @@ class StageSpec:
         cross: it holds a cross-attention to replicated conditioning tokens.
         mlp: it holds the token-wise MLP.
         adaln: the attention/MLP input is adaLN-modulated and the output gated (video DiTs).
+        pre_norm: the attention and MLP are those of a pre-norm transformer block (the text
+            domain's ``Block``: LayerNorm, q and k/v, attention, projection added to the
+            residual; LayerNorm, up, GELU, down), whose saved tensors the activation memory
+            counts as such (ByteLM's layers, the hybrid LM's attention layers).
         scan_over: the dims its selective scan runs over, in order (``()``: no scan).
         scan: the scan mixer's :class:`~dspzoo.core.parallel.methods.scan.ScanShape` for one
             line (``seq`` and ``batch`` are filled in per plan: ``mixer.scan_shape(1, ())``).
@@ -58,6 +62,7 @@ class StageSpec:
     cross: bool = False
     mlp: bool = False
     adaln: bool = True
+    pre_norm: bool = False
     scan_over: tuple[str, ...] = ()
     scan: ScanShape | None = None
     scan_routes: int = 1

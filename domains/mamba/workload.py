@@ -258,8 +258,9 @@ def hybrid_lm_workload(
     for i in range(config.num_hidden_layers):
         if config.is_attention(i):
             layers.append(
-                (StageSpec(stages["attn"], attention=("l",), tp_pairs=1, adaln=False),
-                 StageSpec(stages["mlp"], mlp=True, tp_pairs=1, adaln=False))
+                (StageSpec(stages["attn"], attention=("l",), tp_pairs=1, adaln=False,
+                           pre_norm=True),
+                 StageSpec(stages["mlp"], mlp=True, tp_pairs=1, adaln=False, pre_norm=True))
             )  # fmt: skip
         else:
             layers.append(

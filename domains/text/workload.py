@@ -24,8 +24,8 @@ def text_workload(
     attn = replace(STAGES[0], heads=config.heads)
     period = (attn, STAGES[1])
     layer = (
-        StageSpec(attn, attention=("l",), tp_pairs=1, adaln=False),
-        StageSpec(STAGES[1], mlp=True, tp_pairs=1, adaln=False),
+        StageSpec(attn, attention=("l",), tp_pairs=1, adaln=False, pre_norm=True),
+        StageSpec(STAGES[1], mlp=True, tp_pairs=1, adaln=False, pre_norm=True),
     )
     return Workload(
         name=name,
