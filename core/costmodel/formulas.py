@@ -376,13 +376,19 @@ def _stage_elements(
     return local, full
 
 
+#: Scan methods that scan whole sequences for a share of the heads (their saved tensors are the
+#: mixer's :class:`~.workload.HeadScanSaved`, not one process's on the local tokens).
+HEAD_SCAN_METHODS = ("head_a2a",)
+
+
 def _scan_elements(
     wl: Workload, spec: StageSpec, method: str, sharded: str | None, sizes: list[int], rank: int
 ) -> float:
     """Elements the mixers of scan stage ``spec`` save on rank ``rank``, every line of the
     batch: ``scan_routes`` mixers per line of the scanned dims (``scan_over``, or the
     stage's dims for a generic stage), with the ``sharded`` dim at its local size, plus what
-    the method keeps beyond one process (state passing's summaries and correction)."""
+    the method keeps beyond one process (state passing's summaries and correction); under the
+    head all-to-all, the mixer's :class:`~.workload.HeadScanSaved` instead."""
     full = dict(zip(wl.dims, wl.lengths))
     local = dict(full)
     if sharded is not None and method != "gather":
@@ -390,12 +396,17 @@ def _scan_elements(
     over = spec.scan_over or spec.stage.mixes
     length = math.prod(local[d] for d in over)
     lines = wl.batch * math.prod(v for d, v in local.items() if d not in over)
-    total = spec.scan_routes * lines * mixer_saved_elements(spec.scan, length)
     if sharded in spec.scan_over and method not in ("local", "gather"):
         per_row = math.prod(full[d] for d in spec.scan_over[1:])
-        shape = replace(spec.scan, seq=tuple(s * per_row for s in sizes), batch=lines)
-        total += get_method(method).scan_saved_elements(shape, rank)
-    return total
+        seq = tuple(s * per_row for s in sizes)
+        if method in HEAD_SCAN_METHODS and spec.scan_heads_saved is not None:
+            # the scan runs on whole sequences for the rank's heads: its own count
+            saved = spec.scan_heads_saved.elements(seq, spec.scan.heads, rank)
+            return spec.scan_routes * lines * saved
+        shape = replace(spec.scan, seq=seq, batch=lines)
+        extra = get_method(method).scan_saved_elements(shape, rank)
+        return spec.scan_routes * lines * mixer_saved_elements(spec.scan, length) + extra
+    return spec.scan_routes * lines * mixer_saved_elements(spec.scan, length)
 
 
 def activation_bytes(
@@ -414,8 +425,10 @@ def activation_bytes(
     dims at their local length, what each mixer saves (:class:`ScanShape`'s ``saved_*``, from
     the mixer's config: projections, conv, the Mamba-1 states per token, the Mamba-2 SSD's
     chunk blocks and chunk states; :func:`mixer_saved_elements`) times its routes; state
-    passing adds its summaries and correction (the method's ``scan_saved_elements``), the head
-    all-to-all is counted as its local tokens. Per method: LSS adds the gathered K and V of
+    passing adds its summaries and correction (the method's ``scan_saved_elements``); under the
+    head all-to-all a mixer saves its projections and conv for the local tokens and its scan
+    for the whole sequence and the rank's heads (the stage's ``scan_heads_saved``,
+    :class:`~.workload.HeadScanSaved`). Per method: LSS adds the gathered K and V of
     the other ranks; Megatron-SP saves the gathered full-sequence input of each column linear
     (``N·C`` per local token) in place of the local one. Ulysses, Ring, DSP save the same
     amount as one process on their shard. Plus the model's ends: patch / byte input, the final

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..parallel.layout import shard_sizes
 from ..parallel.methods.scan import ScanShape
 from ..parallel.plan import Stage
 
@@ -31,6 +32,58 @@ def register_workload(family: str, builder: Callable[..., Workload]) -> None:
     builder raises ``ValueError`` naming the ones its family needs).
     """
     _BUILDERS[family] = builder
+
+
+@dataclass(frozen=True)
+class HeadScanSaved:
+    """What one scan mixer saves for backward under the head all-to-all, per line of the batch.
+
+    A rank keeps the parts of the mixer that run on its segment (``L_r`` tokens: projections,
+    conv, gate, norm) and those that run on the whole sequence (``L`` tokens) for its ``H_r``
+    of the ``heads`` scan heads (the all-to-all's output, the scan's own tensors, ``B``/``C``
+    gathered for local use). Per line: ``token`` per local token, ``line`` once (the conv
+    halo), ``whole`` per whole-sequence token (the gathered ``B``/``C``), ``whole_head`` per
+    whole token and head of the rank, ``line_head`` per head (an initial state). A chunked scan
+    (``chunk`` ``Q`` > 0) adds, per head of the rank, the terms of
+    :func:`~dspzoo.core.parallel.methods.scan.mixer_saved_elements` over the whole line:
+    ``padded_head`` per token padded to whole chunks of ``Q' = min(Q, L)``, ``square_head`` per
+    padded token and chunk position, ``batched_head`` per padded token with several chunks and heads (the
+    einsums' copies that batch them; one chunk or one head is a view),
+    ``state_head`` per chunk state (``2k + 1`` for ``k`` chunks), ``decay_head`` per pair of
+    chunk boundaries. Tensors of the parameters alone (``A`` of the rank's heads) are not
+    counted, as for one process.
+    """
+
+    token: float
+    line: float
+    whole: float
+    whole_head: float
+    line_head: float = 0.0
+    chunk: int = 0
+    padded_head: float = 0.0
+    square_head: float = 0.0
+    batched_head: float = 0.0
+    state_head: float = 0.0
+    decay_head: float = 0.0
+
+    def elements(self, seq: tuple[int, ...] | list[int], heads: int, rank: int) -> float:
+        """Elements rank ``rank`` saves per line when the line's ``sum(seq)`` tokens are split
+        ``seq`` over the ranks and the ``heads`` scan heads balanced over them."""
+        n, length = len(seq), sum(seq)
+        if length <= 0:
+            return 0.0
+        mine = shard_sizes(heads, n)[rank]
+        total = seq[rank] * self.token + self.line + mine * self.line_head
+        total += length * (self.whole + mine * self.whole_head)
+        if self.chunk > 0:
+            q = min(self.chunk, length)
+            chunks = -(-length // q)
+            padded = chunks * q
+            per_head = padded * (self.padded_head + q * self.square_head)
+            per_head += padded * self.batched_head if chunks > 1 and mine > 1 else 0.0
+            per_head += (2 * chunks + 1) * self.state_head + (chunks + 1) ** 2 * self.decay_head
+            total += mine * per_head
+        return float(total)
 
 
 @dataclass(frozen=True)
@@ -51,6 +104,8 @@ class StageSpec:
         scan_over: the dims its selective scan runs over, in order (``()``: no scan).
         scan: the scan mixer's :class:`~dspzoo.core.parallel.methods.scan.ScanShape` for one
             line (``seq`` and ``batch`` are filled in per plan: ``mixer.scan_shape(1, ())``).
+        scan_heads_saved: what the mixer saves under the head all-to-all
+            (:class:`HeadScanSaved`; ``None``: counted as one process on the local tokens).
         scan_routes: mixers run per token (a ``cross`` order's 4 routes, a circular scan's
             ring of ``X`` columns: ``X`` lines of ``X`` tokens per ring), each over the stage's
             dims whole, for the activation memory.
@@ -66,6 +121,7 @@ class StageSpec:
     scan_over: tuple[str, ...] = ()
     scan: ScanShape | None = None
     scan_routes: int = 1
+    scan_heads_saved: HeadScanSaved | None = None
 
     @property
     def name(self) -> str:

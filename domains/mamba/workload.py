@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from dspzoo.core.costmodel.workload import StageSpec, Workload
+from dspzoo.core.costmodel.workload import HeadScanSaved, StageSpec, Workload
 from dspzoo.core.layers.mamba import Mamba1Config, Mamba2Config
+from dspzoo.core.layers.scan import MAX_SCAN_CHUNK
 from dspzoo.core.parallel.plan import Stage
 
 from .hybrid import HybridLMConfig, hybrid_stages
@@ -86,7 +87,9 @@ def scan_spec(
     flops = routes * sum(mixer_flops_per_token(mixer.config).values())
     shape = replace(mixer.scan_shape(1, (), itemsize), flops_per_token=flops)
     over = stage.mixes if stage.op == "scan" else ()
-    return StageSpec(stage, scan_over=over, scan=shape, scan_routes=routes, **fields)
+    heads_saved = head_a2a_saved(mixer.config)
+    return StageSpec(stage, scan_over=over, scan=shape, scan_routes=routes,
+                     scan_heads_saved=heads_saved, **fields)  # fmt: skip
 
 
 def mamba_lm_workload(
@@ -299,4 +302,45 @@ def hybrid_lm_workload(
                 1,
             ),
         },  # fmt: skip
+    )
+
+
+def head_a2a_saved(config: Mamba1Config | Mamba2Config) -> HeadScanSaved:
+    """What a mixer's ``forward_heads`` saves for backward (see :class:`HeadScanSaved`).
+
+    Mamba-1 (``C`` hidden, ``D`` inner = its scan heads, ``N`` state, ``R`` the Δ rank, ``K``
+    the conv width): per local token the input ``C``, ``in_proj``'s output ``2D``, the gated
+    output, ``silu(z)`` and ``out_proj``'s input ``3D``, per direction the conv's padded input,
+    its output and ``x_proj``'s input ``3D`` and ``x_proj``'s output ``R + 2N``; per line and
+    direction the conv halo ``D·(K−1)``; per whole token and direction the gathered (or, reversed,
+    flipped) ``B`` and ``C`` ``2N``; per whole token and channel of the rank the all-to-all's
+    output ``u, Δ`` and the scan's copies (5 one way, 9 both ways); per channel the initial
+    state ``N`` and the states ``N`` per token padded to chunks of ``MAX_SCAN_CHUNK``, per
+    direction.
+    """
+    d, n = config.intermediate_size, config.state_size
+    directions = 2 if config.bidirectional else 1
+    if isinstance(config, Mamba1Config):
+        return HeadScanSaved(
+            token=config.hidden_size + 5 * d + directions * (3 * d + config.dt_rank + 2 * n),
+            line=directions * d * (config.conv_kernel - 1),
+            whole=directions * 2 * n,
+            whole_head=5 + 4 * (directions - 1),
+            line_head=directions * n,
+            chunk=MAX_SCAN_CHUNK,
+            padded_head=directions * n,
+        )
+    g, h, p = config.n_groups, config.num_heads, config.head_dim
+    w = d + 2 * g * n
+    return HeadScanSaved(
+        token=config.hidden_size + (d + w + h) + (4 * d + g) + d + directions * (2 * w),
+        line=directions * w * (config.conv_kernel - 1),
+        whole=0,
+        whole_head=directions * (p + 3),
+        chunk=config.chunk_size,
+        padded_head=directions * (2 * n + 2 * p + 2 + n),
+        batched_head=directions * (2 * n + p),
+        square_head=directions * 3,
+        state_head=directions * p * n,
+        decay_head=directions,
     )
