@@ -46,9 +46,12 @@ class Pricing:
     """How the planner weighs lost compute against bytes (see the module docstring).
 
     ``compute_weight``: one element's forward + backward compute through one stage, in units
-    of sending one element once. The default (4) is the cost model's ratio for a mid-sized
-    transformer on its reference clusters; ``dspzoo.core.costmodel.pricing_for`` derives it
-    for a workload and a cluster.
+    of sending one element once. The default, 16, is one fixed figure for every model: in the
+    cost model (bf16, ``h100-nvlink-ib``) trading balance for switches pays from a hidden
+    width of about 2K, so narrow models on uneven shapes switch more than they should (the
+    video Mamba DiT at hidden 64, t = 5 at SP 3: 0.22 ms per step planned against 0.16 ms
+    without its MLP's two switches; docs/mamba.md). A weight derived from the workload and
+    the cluster is not built; pass a ``Pricing`` to the planner to choose another.
     """
 
     compute_weight: float = DEFAULT_COMPUTE_WEIGHT
