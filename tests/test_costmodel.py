@@ -562,6 +562,32 @@ def test_this_cpu_probe_measures_caches_and_reads_back(tmp_path, monkeypatch) ->
     assert probed.name == "this-cpu" and probed.mfu == 1.0
     assert probed.flops > 1e8 and probed.intra_bw > 1e6 and 0 < probed.intra_lat < 1.0
     path = tmp_path / "dspzoo" / "this-cpu.json"
-    assert json.loads(path.read_text())["measured_at"] > 0
+    record = json.loads(path.read_text())
+    assert record["measured_at"] > 0 and record["probe"] == {"ranks": 2, "threads": 1}
     assert not list(path.parent.glob("*.tmp"))
     assert measure_this_cpu() == probed
+    from dspzoo.core.costmodel.cluster import this_cpu_note
+
+    assert "on 2 ranks × 1 thread(s)" in this_cpu_note()
+
+
+def test_a_bench_at_sp_1_predicts_on_the_cached_cluster(tmp_path, monkeypatch) -> None:
+    """SP 1 has no collective to probe: the prediction uses the cached ``this-cpu`` (the
+    in-run probe once made every SP 1 row a ZeroDivisionError), and ``probe_group`` outside a
+    group of 2 or more refuses with the way out."""
+    from dspzoo.core.bench.case import build_case
+    from dspzoo.core.bench.runner import add_prediction, build_parser
+    from dspzoo.core.costmodel.cluster import PRESETS, cache_this_cpu
+    from dspzoo.core.costmodel.probe import Rates, probe_group
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cached = PRESETS["h100-nvlink-ib"].with_(name="this-cpu")
+    cache_this_cpu(cached, Rates(1e12, 1e9, 1e-4, 2))
+    case = build_case(build_parser().parse_args(["--model", "bytelm-tiny", "--seq-len", "64"]), 1)
+    time = {"median": 0.5}
+    result = {"sp": 1, "dp": 1, "rows": [{"strategy": "dsp", "time": time, "times": [0.5]}]}
+    add_prediction(result, case, "this-cpu")
+    assert result["rows"][0]["prediction"]["step_s"] > 0
+    assert result["cluster"]["peak_tflops"] == cached.peak_tflops
+    with pytest.raises(ValueError, match="group of 2 or more"):
+        probe_group()

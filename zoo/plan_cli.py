@@ -437,6 +437,10 @@ def run(args: argparse.Namespace) -> int:
         f"{wl.name}: {format_count(wl.params)} parameters, batch {wl.batch}, tokens ({dims}), "
         f"{what} x{args.steps} on {args.cluster}"
     )
+    if args.cluster == "this-cpu":
+        from dspzoo.core.costmodel.cluster import this_cpu_note
+
+        print(f"  {this_cpu_note()}")
     for note in notes:
         print(f"  default size: {note}")
     for line in describe_scans(wl):

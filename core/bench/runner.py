@@ -360,9 +360,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                 r.times.clear()
     if bar:
         bar.close()
-    probed = None
-    if args.cluster == "this-cpu" and args.reps:  # the rates of this run, at this run's load
-        probed = probe_group(runners[0].mesh.sp_group if sp_size > 1 else None)
+    probed = None  # the rates of this run, at its load, on its SP group (SP 1 sends nothing)
+    if args.cluster == "this-cpu" and args.reps and sp_size > 1:
+        probed = probe_group(runners[0].mesh.sp_group, threads=threads)
     for r in runners:
         mine[r.name]["times"] = r.times
         mine[r.name]["train_losses"] = r.train_losses
@@ -484,16 +484,17 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
     """The cost model's step time on ``cluster`` beside the measured median, and its error.
 
     ``this-cpu`` is the rates this run probed (``result["probe"]``, measured after the timed
-    repetitions on the SP group; also cached as the machine's ``this-cpu``), so the prediction
-    sees the load the steps saw.
+    repetitions on the SP group with the run's threads; also cached as the machine's
+    ``this-cpu``), so the prediction sees the load the steps saw. At SP 1 nothing is probed
+    (no collective to time) and the cached ``this-cpu`` is used.
     """
     from ..costmodel import get_cluster, predict
     from ..costmodel.cluster import cache_this_cpu, this_cpu
 
     if cluster == "this-cpu" and "probe" in result:
-        cl = this_cpu(Rates(**result["probe"]))
-        if result["probe"]["ranks"] > 1:  # a full probe: the machine's figures from now on
-            cache_this_cpu(cl)
+        rates = Rates(**result["probe"])
+        cl = this_cpu(rates)
+        cache_this_cpu(cl, rates)  # the machine's figures from now on
     else:
         cl = get_cluster(cluster)
     sp, dp = result["sp"], result["dp"]

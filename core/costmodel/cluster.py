@@ -209,16 +209,52 @@ def this_cpu(rates: Rates) -> Cluster:
     )
 
 
-def cache_this_cpu(cluster: Cluster) -> None:
-    """Keep ``cluster`` as this machine's ``this-cpu`` (best effort, atomic)."""
+_PROBE_KEYS = ("measured_at", "probe")  # what the cache file adds to a Cluster's fields
+
+
+def cache_this_cpu(cluster: Cluster, rates: Rates) -> None:
+    """Keep ``cluster`` as this machine's ``this-cpu`` (best effort, atomic), with when and how
+    it was probed (ranks and threads of the group: a probe at SP 4 differs from one at SP 2)."""
     path = _cache_path()
+    record = {
+        **asdict(cluster),
+        "measured_at": time.time(),
+        "probe": {"ranks": rates.ranks, "threads": rates.threads},
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**asdict(cluster), "measured_at": time.time()}, indent=1))
+        tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def cached_probe(path: Path | None = None) -> dict[str, Any] | None:
+    """When and how the cached ``this-cpu`` was probed (``measured_at``, ``probe``), if known."""
+    try:
+        record = json.loads((path or _cache_path()).read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: record[k] for k in _PROBE_KEYS if k in record} or None
+
+
+def this_cpu_note() -> str:
+    """One line saying where the cached ``this-cpu`` figures come from."""
+    info = cached_probe()
+    if info is None or "measured_at" not in info:
+        return "this-cpu: measured now or by an older probe (no record of when)"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(info["measured_at"]))
+    probe = info.get("probe", {})
+    how = (
+        f" on {probe['ranks']} ranks × {probe['threads']} thread(s)"
+        if {"ranks", "threads"} <= set(probe)
+        else ""
+    )
+    return (
+        f"this-cpu: probed {when}{how}; a `dspzoo bench` run or "
+        "measure_this_cpu(refresh=True) probes again"
+    )
 
 
 def measure_this_cpu(refresh: bool = False) -> Cluster:
@@ -228,7 +264,8 @@ def measure_this_cpu(refresh: bool = False) -> Cluster:
     if not refresh and path.exists():
         try:
             fields = json.loads(path.read_text())
-            fields.pop("measured_at", None)
+            for key in _PROBE_KEYS:
+                fields.pop(key, None)
             return Cluster(**fields)
         except (TypeError, ValueError):
             pass
@@ -236,7 +273,7 @@ def measure_this_cpu(refresh: bool = False) -> Cluster:
 
     results = run_distributed(_probe_worker, 2, timeout=120)
     cluster = this_cpu(results[0])
-    cache_this_cpu(cluster)
+    cache_this_cpu(cluster, results[0])
     return cluster
 
 

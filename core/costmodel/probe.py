@@ -34,20 +34,22 @@ class Rates:
         flops: fp32 matmul FLOP/s of one thread.
         bandwidth: bytes/s a rank sends in an all-to-all, beyond its fixed cost.
         latency: seconds of one all-to-all of (almost) nothing: the fixed cost per collective.
-        ranks: size of the group probed (1: no collective measured).
+        ranks: size of the group probed.
+        threads: torch threads per rank the FLOP rate was measured with.
     """
 
     flops: float
     bandwidth: float
     latency: float
     ranks: int
+    threads: int = 1
 
 
-def matmul_rate(size: int = 512, seconds: float = 0.3) -> float:
-    """FLOP/s of ``[size, size] @ [size, size]`` fp32 matmuls on one thread (as the benchmarks
-    pin one thread per rank)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def matmul_rate(size: int = 512, seconds: float = 0.3, threads: int = 1) -> float:
+    """FLOP/s of ``[size, size] @ [size, size]`` fp32 matmuls on ``threads`` torch threads (a
+    benchmark's ranks run ``cores // ranks`` each, one on this 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         a, b = torch.randn(size, size), torch.randn(size, size)
         a @ b  # warm-up
@@ -57,7 +59,7 @@ def matmul_rate(size: int = 512, seconds: float = 0.3) -> float:
             count += 1
         return 2.0 * size**3 * count / (time.perf_counter() - start)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _median_call_s(group: Any, x: torch.Tensor, calls: int) -> float:
@@ -74,21 +76,26 @@ def _median_call_s(group: Any, x: torch.Tensor, calls: int) -> float:
 
 
 def probe_group(
-    group: Any = None, large_bytes: int = LARGE_BYTES, calls: int = 15, seconds: float = 0.3
+    group: Any = None,
+    large_bytes: int = LARGE_BYTES,
+    calls: int = 15,
+    seconds: float = 0.3,
+    threads: int = 1,
 ) -> Rates:
-    """Collective: every rank of ``group`` (default: the world; ``None`` outside a process group
-    measures only the FLOP rate) calls it and gets the same :class:`Rates`.
+    """Collective: every rank of ``group`` (default: the world, of at least 2 ranks) calls it
+    and gets the same :class:`Rates`.
 
     Latency = median time of an all-to-all of one element per rank; bandwidth = the bytes a rank
-    sends in an all-to-all of ``large_bytes`` over its median time beyond that latency. The
-    slowest rank's figures are kept (a step waits for it).
+    sends in an all-to-all of ``large_bytes`` over its median time beyond that latency; FLOP/s
+    of matmuls on ``threads`` threads. The slowest rank's figures are kept (a step waits for it).
     """
-    flops = matmul_rate(seconds=seconds)
-    if not dist.is_initialized():
-        return Rates(flops, 0.0, 0.0, 1)
+    if not dist.is_initialized() or dist.get_world_size(group) < 2:
+        raise ValueError(
+            "probe_group times collectives: call it on every rank of a group of 2 or more "
+            "(outside one, measure_this_cpu() spawns a 2-process group for it)"
+        )
     n = dist.get_world_size(group)
-    if n == 1:
-        return Rates(flops, 0.0, 0.0, 1)
+    flops = matmul_rate(seconds=seconds, threads=threads)
     small = torch.zeros(n * SMALL_ELEMENTS_PER_RANK)
     large = torch.zeros(max(large_bytes // 4 // n, 1) * n)
     latency = _median_call_s(group, small, calls)
@@ -98,4 +105,4 @@ def probe_group(
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     latency, big, flops = worst[0].item(), worst[1].item(), -worst[2].item()
     sent = large.numel() * 4 * (n - 1) / n
-    return Rates(flops, sent / max(big - latency, 1e-9), latency, n)
+    return Rates(flops, sent / max(big - latency, 1e-9), latency, n, threads)
