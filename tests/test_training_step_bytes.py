@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dspzoo.domains.mamba  # noqa: F401  (registers the families)
 import dspzoo.domains.text  # noqa: F401
@@ -27,7 +26,7 @@ from dspzoo.core import SeqParallel, trace_comm
 from dspzoo.core.costmodel import comm_bytes, make_plan, predict
 from dspzoo.core.costmodel.formulas import exit_gather_bytes
 from dspzoo.core.parallel.mesh import SPMesh
-from dspzoo.core.testing import run_distributed
+from dspzoo.core.testing import run_distributed, sub_mesh
 from dspzoo.core.train import Task
 from dspzoo.domains.text.training import TextTask
 from dspzoo.domains.video.codec import PixelUnshuffleCodec
@@ -136,29 +135,13 @@ def _inference(name: str, model: torch.nn.Module, batch: dict, sp: SeqParallel) 
             model(batch["x"], batch["lead_time"], None, sp=sp)
 
 
-def _sub_mesh(ranks: list[int]) -> SPMesh | None:
-    group = dist.new_group(ranks)
-    rank = dist.get_rank()
-    if rank not in ranks:
-        return None
-    return SPMesh(
-        world_size=dist.get_world_size(),
-        rank=rank,
-        dp_size=1,
-        sp_size=len(ranks),
-        dp_rank=0,
-        sp_rank=ranks.index(rank),
-        sp_group=group,
-    )
-
-
 def _by_op(tracer) -> dict[str, int]:
     """Traced bytes sent by this rank, by collective (both phases)."""
     return {op: tracer.total_bytes(op) for op in {r.op for r in tracer.records}}
 
 
 def _worker(rank: int, world: int) -> dict:
-    meshes = {2: _sub_mesh([0, 1]), 3: _sub_mesh([0, 1, 2])}
+    meshes = {2: sub_mesh(2), 3: sub_mesh(3)}
     out: dict = {}
     for size, mesh in meshes.items():
         if mesh is None:
