@@ -205,6 +205,8 @@ def test_mamba_lm_decoding_gives_the_forward_logits(name) -> None:
         want = model(tokens)
     got, states = teacher_forced_logits(model, tokens, 7)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match=r"prompt_len must be in \[1, 13\], got 0"):
+        teacher_forced_logits(model, tokens, 0)
     with pytest.raises(ValueError, match="1 layer states for a model of 2 layers"):
         decode_step(model, tokens[:, 0], states[:1])
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
