@@ -67,7 +67,7 @@ from .parallel.tp_contract import (
     tp_units,
 )
 from .parallel.trace import CommTracer, trace_comm
-from .testing import run_distributed
+from .testing import run_distributed, sub_mesh
 
 PHASES = ("forward", "backward")
 
@@ -326,15 +326,8 @@ def _byte_failures(
 
 def _sub_meshes(sizes: Sequence[int]) -> dict[int, SPMesh | None]:
     """An SP group over the first ``n`` ranks for every ``n`` in ``sizes`` (collective)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    meshes: dict[int, SPMesh | None] = {}
-    for n in sizes:
-        if n == world:
-            meshes[n] = build_mesh(n)
-            continue
-        group = dist.new_group(list(range(n)))
-        meshes[n] = SPMesh(world, rank, 1, n, 0, rank, sp_group=group) if rank < n else None
-    return meshes
+    world = dist.get_world_size()
+    return {n: build_mesh(n) if n == world else sub_mesh(n) for n in sizes}
 
 
 def _worker(

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .entry import release_communicators
+from .parallel.mesh import SPMesh
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -129,3 +130,18 @@ def run_distributed(
     if errors:
         raise AssertionError("distributed worker failed:\n" + "\n".join(errors))
     return [_from_bytes(results[r][1]) for r in range(world)]
+
+
+def sub_mesh(size: int) -> SPMesh | None:
+    """An SP group over world ranks ``0 .. size - 1`` (DP 1): several SP sizes in one spawn.
+
+    Collective: every rank of the world calls it, in the same order (``dist.new_group``);
+    ranks outside the group get ``None``.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not 1 <= size <= world:
+        raise ValueError(f"sub_mesh: SP size {size} must be between 1 and the world size {world}")
+    group = dist.new_group(list(range(size)))
+    if rank >= size:
+        return None
+    return SPMesh(world, rank, 1, size, 0, rank, sp_group=group)

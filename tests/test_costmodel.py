@@ -16,7 +16,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dspzoo.domains.text  # noqa: F401  (registers the families)
 import dspzoo.domains.video  # noqa: F401
@@ -31,10 +30,9 @@ from dspzoo.core.costmodel import (
     predict_table,
     recommend,
 )
-from dspzoo.core.parallel.mesh import SPMesh
 from dspzoo.core.parallel.methods.megatron import parallelize_megatron
 from dspzoo.core.parallel.trace import SavedTensorMeter
-from dspzoo.core.testing import run_distributed
+from dspzoo.core.testing import run_distributed, sub_mesh
 from dspzoo.domains.text.workload import text_workload
 from dspzoo.domains.video.workload import video_workload
 from dspzoo.zoo import create_model, get_config
@@ -129,25 +127,8 @@ def _formula(counts) -> dict:
     }
 
 
-def _sub_mesh(ranks: list[int]) -> SPMesh | None:
-    group = dist.new_group(ranks)
-    rank = dist.get_rank()
-    if rank not in ranks:
-        return None
-    return SPMesh(
-        world_size=dist.get_world_size(),
-        rank=rank,
-        dp_size=1,
-        sp_size=len(ranks),
-        dp_rank=0,
-        sp_rank=ranks.index(rank),
-        sp_group=group,
-    )
-
-
-# -- the distributed worker --------------------------------------------------------------------
 def _worker(rank: int, world: int) -> dict:
-    meshes = {2: _sub_mesh([0, 1]), 3: _sub_mesh([0, 1, 2])}
+    meshes = {2: sub_mesh(2), 3: sub_mesh(3)}
     results: dict = {"bytes": {}, "memory": {}, "auto": {}}
     video_ref = _video_step(SeqParallel())
     text_ref = {kv: _text_step(SeqParallel(), kv) for kv in (None, 1)}

@@ -144,16 +144,37 @@ def test_the_guide_quotes_the_example_as_it_is() -> None:
     assert model_lines <= 130, model_lines
 
 
-def test_the_guide_quotes_the_plan_command_as_it_prints(capsys) -> None:
-    """The ``dspzoo plan axial3d-mini ...`` listing of the guide is that command's output."""
+#: (doc, ``dspzoo plan`` arguments) of every listing the docs quote: the command either on a
+#: ``$ dspzoo plan ...`` line heading its listing, or in a ``bash`` block before it.
+QUOTED_PLANS = (
+    (
+        "new_architecture.md",
+        "axial3d-mini --frames 64 --latent 256 --sp 1,4,8 --strategies dsp,ulysses,ring,lss,"
+        "megatron_sp",
+    ),
+    ("weather_model.md", "weathertx-global-1.40625 --sp 8 --history 2 --grid 128x256"),
+    ("mamba.md", "hybridlm-130m --seq-len 65536 --sp 1,4,8"),
+)
+
+
+def _quoted_listing(doc: str, command: str) -> str:
+    """The ``text`` listing ``doc`` quotes for ``dspzoo plan command``."""
+    line = f"dspzoo plan {command}\n"
+    assert line in doc, f"the doc no longer quotes {line!r}"
+    at = doc.index(line)
+    if doc[at - 2 : at] == "$ ":  # the command heads its listing
+        start = at + len(line)
+    else:  # the command in a bash block, the listing in the next text block
+        start = doc.index("```text\n", at) + len("```text\n")
+    return doc[start : doc.index("```", start)]
+
+
+@pytest.mark.parametrize("doc, command", QUOTED_PLANS, ids=[d for d, _ in QUOTED_PLANS])
+def test_the_docs_quote_the_plan_command_as_it_prints(capsys, doc: str, command: str) -> None:
+    """Each ``dspzoo plan ...`` listing of the docs is that command's output, whole."""
     from dspzoo.zoo.plan_cli import main as plan_main
 
-    doc = (ROOT / "docs" / "new_architecture.md").read_text()
-    found = re.search(
-        r"```bash\ndspzoo plan (axial3d-mini [^\n]*)\n```.*?```text\n(.*?)```", doc, re.S
-    )
-    assert found, "the guide's dspzoo plan command and its listing"
-    command, listing = found.groups()
+    listing = _quoted_listing((ROOT / "docs" / doc).read_text(), command)
     assert plan_main(command.split()) == 0
     assert capsys.readouterr().out == listing
 

@@ -196,19 +196,17 @@ def test_a_bidirectional_mixer_has_no_step() -> None:
 def test_mamba_lm_decoding_gives_the_forward_logits(name) -> None:
     """Prefill 7 tokens, then 6 recurrent steps: the logits ``MambaLM.forward`` gives at all 13
     positions (float64)."""
-    from dspzoo.domains.mamba.generate import decode_step, prefill
+    from dspzoo.domains.mamba.generate import decode_step, teacher_forced_logits
 
     torch.manual_seed(1)
     model = create_model(name).double().eval()
     tokens = torch.randint(0, 256, (2, 13))
     with torch.no_grad():
         want = model(tokens)
-    logits, states = prefill(model, tokens[:, :7])
-    got = [logits]
-    for t in range(7, 13):
-        step_logits, states = decode_step(model, tokens[:, t], states)
-        got.append(step_logits[:, None])
-    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-9, atol=1e-10)
+    got, states = teacher_forced_logits(model, tokens, 7)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match=r"prompt_len must be in \[1, 13\], got 0"):
+        teacher_forced_logits(model, tokens, 0)
     with pytest.raises(ValueError, match="1 layer states for a model of 2 layers"):
         decode_step(model, tokens[:, 0], states[:1])
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):

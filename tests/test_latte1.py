@@ -17,13 +17,12 @@ import torch.distributed as dist
 
 import dspzoo.domains.video  # noqa: F401  (registers latte1)
 from dspzoo.core import SeqParallel, build_mesh, sp_mse, trace_comm
-from dspzoo.core.parallel.mesh import SPMesh
 from dspzoo.core.parallel.methods.megatron import (
     gather_full,
     megatron_grad_sync,
     parallelize_megatron,
 )
-from dspzoo.core.testing import run_distributed
+from dspzoo.core.testing import run_distributed, sub_mesh
 from dspzoo.domains.video.dit import patchify
 from dspzoo.domains.video.latte1 import Latte1, parameter_count_formula, spatial_table
 from dspzoo.zoo import count_parameters, create_model, from_pretrained, save_pretrained
@@ -119,16 +118,8 @@ def _check(sp: SeqParallel, case: str, dtype: torch.dtype, ref: dict) -> int:
     return tracer.count("all_to_all", "forward")
 
 
-def _sub_mesh(ranks: list[int]) -> SPMesh | None:
-    group = dist.new_group(ranks)  # created on every rank, in the same order
-    rank = dist.get_rank()
-    if rank not in ranks:
-        return None
-    return SPMesh(dist.get_world_size(), rank, 1, len(ranks), 0, ranks.index(rank), group)
-
-
 def _worker(rank: int, world: int) -> dict:
-    meshes = {2: build_mesh(2), 3: _sub_mesh([0, 1, 2]), 4: build_mesh(4)}
+    meshes = {2: build_mesh(2), 3: sub_mesh(3), 4: build_mesh(4)}
     usp4 = build_mesh(4, ulysses_size=2)
     refs = {
         (case, dtype): _reference(case, dtype)

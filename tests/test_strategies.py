@@ -15,7 +15,7 @@ import torch.distributed as dist
 import dspzoo.domains.video  # noqa: F401  (registers the families)
 from dspzoo.core import SeqParallel, Stage, build_mesh, trace_comm
 from dspzoo.core.parallel.mesh import SPMesh
-from dspzoo.core.testing import run_distributed
+from dspzoo.core.testing import run_distributed, sub_mesh
 from dspzoo.zoo import create_model
 
 STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "lss_zigzag", "usp")
@@ -98,28 +98,10 @@ def _assert_step(sp: SeqParallel, got, ref, what: str) -> None:
         )
 
 
-def _sub_mesh(ranks: list[int]) -> tuple[SPMesh | None, object]:
-    """An SP group over ``ranks`` (created on every rank, in the same order)."""
-    group = dist.new_group(ranks)
-    rank = dist.get_rank()
-    if rank not in ranks:
-        return None, group
-    mesh = SPMesh(
-        world_size=dist.get_world_size(),
-        rank=rank,
-        dp_size=1,
-        sp_size=len(ranks),
-        dp_rank=0,
-        sp_rank=ranks.index(rank),
-        sp_group=group,
-    )
-    return mesh, group
-
-
 def _all_strategies(rank: int, world: int) -> dict[str, dict[str, int]]:
     reference = _step(SeqParallel())
     meshes = {2: build_mesh(2), 4: build_mesh(4)}
-    meshes[3], _ = _sub_mesh([0, 1, 2])
+    meshes[3] = sub_mesh(3)
     usp_mesh = build_mesh(4, ulysses_size=2)
     plans: dict[str, dict[str, int]] = {}
     for size in (2, 3, 4):

@@ -1,5 +1,7 @@
 """The cost model's training step sends what a real training step sends: ``predict``'s bytes
-per rank (the busiest) equal the tracer's over the domains' own training losses.
+per rank (the busiest) equal the tracer's over the domains' own training losses
+(``TextTask.loss``, ``VideoTask.loss``, ``WeatherTask.loss``, called on tasks whose run
+settings are set by hand).
 
 One spawn of 3 gloo workers runs SP 2 (ranks 0, 1) and SP 3 (L = 11, T' = 5, S = 9, a 10 × 13
 weather patch grid: nothing divisible by 2 or 3). The LMs (ByteLM, Mamba) and the video DiT
@@ -10,24 +12,27 @@ Inference (``training=False``) gathers the output in every family.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dspzoo.domains.mamba  # noqa: F401  (registers the families)
 import dspzoo.domains.text  # noqa: F401
 import dspzoo.domains.video  # noqa: F401
 import dspzoo.domains.weather  # noqa: F401
 from dspzoo.core import SeqParallel, trace_comm
-from dspzoo.core.costmodel import predict
-from dspzoo.core.loss import sp_mse
+from dspzoo.core.costmodel import comm_bytes, make_plan, predict
+from dspzoo.core.costmodel.formulas import exit_gather_bytes
 from dspzoo.core.parallel.mesh import SPMesh
-from dspzoo.core.testing import run_distributed
+from dspzoo.core.testing import run_distributed, sub_mesh
+from dspzoo.core.train import Task
 from dspzoo.domains.text.training import TextTask
-from dspzoo.domains.video.diffusion import TIMESTEP_SCALE
-from dspzoo.domains.weather.training import weighted_mse
+from dspzoo.domains.video.codec import PixelUnshuffleCodec
+from dspzoo.domains.video.diffusion import TIMESTEP_SCALE, FlowConfig
+from dspzoo.domains.video.training import VideoTask
+from dspzoo.domains.weather.training import WeatherTask
 from dspzoo.zoo import create_model
 from dspzoo.zoo.workloads import workload_for
 
@@ -74,40 +79,48 @@ def _model(name: str) -> torch.nn.Module:
 
 
 def _inputs(name: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A training batch as the family's task receives it, plus the inference call's inputs
+    (``x``, ``t``, ``y`` for the video DiT: the latents its ``VideoTask.loss`` encodes)."""
     g = torch.Generator().manual_seed(1)
     if name in ("bytelm-tiny", "mambalm-tiny"):
         tokens = torch.randint(0, 256, (2, 12), generator=g)
         return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
     if name == "stdit-tiny":
-        c = model.config
+        video = torch.rand(2, 3, 5, 12, 12, generator=g) * 2 - 1  # 6 × 6 latents (factor 2)
         return {
-            "x": torch.randn(2, c.in_channels, 5, 6, 6, generator=g),
-            "target": torch.randn(2, c.in_channels, 5, 6, 6, generator=g),
+            "video": video,
+            "label": torch.tensor([0, 2]),
+            "x": PixelUnshuffleCodec(2).encode(video),
             "t": torch.rand(2, generator=g),
-            "y": torch.tensor([0, 2]),
         }
     c = model.config
     return {
         "x": torch.randn(2, c.history, len(c.variables), *c.grid, generator=g),
         "lead_time": torch.tensor([1.0, 3.0]),
         "target": torch.randn(2, len(c.variables), *c.grid, generator=g),
+        "mask": torch.ones(2, len(c.variables), *c.grid),
     }
 
 
-def _training_loss(name: str, model: torch.nn.Module, batch: dict, sp: SeqParallel) -> torch.Tensor:
-    """The loss of one training step, as the family's training task takes it."""
+def _task(name: str, model: torch.nn.Module, mesh: SPMesh) -> Task:
+    """The family's training task, its ``loss`` unchanged; what ``loss`` reads of the task's
+    run (config, codec, latitude weights, accelerator) is set by hand instead of built from
+    a dataset."""
     if name in ("bytelm-tiny", "mambalm-tiny"):  # the LMs train with the text Task
-        return TextTask.loss(object.__new__(TextTask), model, batch, 0, sp)
-    if name == "stdit-tiny":  # VideoTask.loss: the flow MSE on this rank's output tokens
-        out = model(
-            batch["x"], batch["t"] * TIMESTEP_SCALE, y=batch["y"], sp=sp, gather_output=False
-        )
-        target = sp.shard_like(model.patchify_target(batch["target"]), out)
-        return sp_mse(out.tensor, target, sp.group)
-    # WeatherTask.loss: the latitude-weighted MSE of the replicated forecast
-    pred = model(batch["x"], batch["lead_time"], None, sp=sp)
-    mask = torch.ones_like(batch["target"])
-    return weighted_mse(pred, batch["target"], mask, torch.ones(pred.shape[-2]))
+        return object.__new__(TextTask)
+    unwrap = SimpleNamespace(unwrap_model=lambda m: m)
+    if name == "stdit-tiny":
+        video = object.__new__(VideoTask)
+        video.cfg = SimpleNamespace(seed=0, class_dropout=0.1, global_batch=2)
+        video.mesh, video.accelerator = mesh, unwrap
+        video.codec, video.flow = PixelUnshuffleCodec(2), FlowConfig()
+        return video
+    weather = object.__new__(WeatherTask)
+    weather.cfg = SimpleNamespace(seed=0)
+    weather.data = SimpleNamespace(train=SimpleNamespace(num_static=0))
+    weather.accelerator = unwrap
+    weather.lat_weights = torch.linspace(0.5, 1.5, model.config.grid[0])
+    return weather
 
 
 def _inference(name: str, model: torch.nn.Module, batch: dict, sp: SeqParallel) -> None:
@@ -117,25 +130,9 @@ def _inference(name: str, model: torch.nn.Module, batch: dict, sp: SeqParallel) 
         if name in ("bytelm-tiny", "mambalm-tiny"):
             model(batch["tokens"], sp=sp)
         elif name == "stdit-tiny":
-            model(batch["x"], batch["t"] * TIMESTEP_SCALE, y=batch["y"], sp=sp)
+            model(batch["x"], batch["t"] * TIMESTEP_SCALE, y=batch["label"], sp=sp)
         else:
             model(batch["x"], batch["lead_time"], None, sp=sp)
-
-
-def _sub_mesh(ranks: list[int]) -> SPMesh | None:
-    group = dist.new_group(ranks)
-    rank = dist.get_rank()
-    if rank not in ranks:
-        return None
-    return SPMesh(
-        world_size=dist.get_world_size(),
-        rank=rank,
-        dp_size=1,
-        sp_size=len(ranks),
-        dp_rank=0,
-        sp_rank=ranks.index(rank),
-        sp_group=group,
-    )
 
 
 def _by_op(tracer) -> dict[str, int]:
@@ -144,7 +141,7 @@ def _by_op(tracer) -> dict[str, int]:
 
 
 def _worker(rank: int, world: int) -> dict:
-    meshes = {2: _sub_mesh([0, 1]), 3: _sub_mesh([0, 1, 2])}
+    meshes = {2: sub_mesh(2), 3: sub_mesh(3)}
     out: dict = {}
     for size, mesh in meshes.items():
         if mesh is None:
@@ -154,7 +151,7 @@ def _worker(rank: int, world: int) -> dict:
             model = _model(name)
             batch = _inputs(name, model)
             with trace_comm() as tracer:
-                _training_loss(name, model, batch, sp).backward()
+                _task(name, model, mesh).loss(model, batch, 0, sp).backward()
             assert any(p.grad is not None for p in model.parameters())
             with trace_comm() as forward:
                 _inference(name, model.eval(), batch, sp)
@@ -200,4 +197,8 @@ def test_a_training_step_on_the_shard_counts_no_exit_gather() -> None:
     logits = wl.batch * 65536 // 2 * wl.exit_width * wl.itemsize  # one rank's half, sent once
     assert train.bytes < 0.01 * logits <= infer.bytes
     weather = workload_for("weathertx-tiny", batch=2, overrides=WEATHER)
-    assert predict(weather, "dsp", 2).bytes > predict(weather, "dsp", 2, training=False).bytes
+    plan = make_plan(weather, "dsp", 2)
+    without = max(comm_bytes(weather, plan, 2, r, exit_gather=False).bytes() for r in range(2))
+    gather = exit_gather_bytes(weather, plan, 2)
+    assert gather > 0
+    assert predict(weather, "dsp", 2).bytes - without == gather  # the weather MSE's gather

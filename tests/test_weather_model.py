@@ -17,10 +17,9 @@ import torch.distributed as dist
 import dspzoo.domains.weather  # noqa: F401  (registers the family)
 from dspzoo.core import SeqParallel, build_mesh, trace_comm
 from dspzoo.core.costmodel import comm_bytes
-from dspzoo.core.parallel.mesh import SPMesh
 from dspzoo.core.parallel.plan import plan_stages
 from dspzoo.core.parallel.validate import InputValidationError
-from dspzoo.core.testing import run_distributed
+from dspzoo.core.testing import run_distributed, sub_mesh
 from dspzoo.domains.weather import WeatherTransformer, layer_stages
 from dspzoo.domains.weather.workload import weather_workload
 from dspzoo.zoo import create_model, from_pretrained, save_pretrained
@@ -147,14 +146,6 @@ def _check(case: tuple, ref: dict, sp: SeqParallel) -> dict:
     }
 
 
-def _sub_mesh(ranks: list[int]) -> SPMesh | None:
-    group = dist.new_group(ranks)
-    rank = dist.get_rank()
-    if rank not in ranks:
-        return None
-    return SPMesh(dist.get_world_size(), rank, 1, len(ranks), 0, ranks.index(rank), group)
-
-
 def _bad_inputs(sp: SeqParallel) -> dict:
     """NaN on SP rank 0 only, and a wrong grid everywhere: every rank raises, naming it."""
     model = _model()
@@ -175,7 +166,7 @@ def _bad_inputs(sp: SeqParallel) -> dict:
 
 
 def _worker(rank: int, world: int) -> dict:
-    meshes = {4: build_mesh(world), 2: build_mesh(2), 3: _sub_mesh([0, 1, 2])}
+    meshes = {4: build_mesh(world), 2: build_mesh(2), 3: sub_mesh(3)}
     parts: list = [None] * world
     dist.all_gather_object(
         parts, {i: _reference(c) for i, c in enumerate(CASES) if i % world == rank}
@@ -375,7 +366,8 @@ def test_configs_and_cli() -> None:
         )
     text = out.getvalue()
     assert "636.9M parameters" in text and "tokens (t=2, y=64, x=128)" in text
-    assert any(line.split()[:2] == ["8", "dsp"] for line in text.splitlines()), text
+    # at SP 8 DSP runs the spatial stage with Ulysses, as Ulysses does: one row for both
+    assert any(line.split()[:2] == ["8", "dsp,ulysses"] for line in text.splitlines()), text
 
 
 def test_save_and_load_round_trip(tmp_path) -> None:

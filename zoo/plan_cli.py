@@ -27,11 +27,12 @@ Each kind of model takes its own sizes; a size left out is the config's own:
 * every model: ``--dims name=tokens,...`` sets token lengths (after patching) by the model's
   own dim names, e.g. ``--dims h=64,w=64``; with ``--dims`` alone, name every dim.
 
-Strategies that run the same plan with the same prediction share one row of the table, named
-``dsp,ulysses,...`` (a model of scans only runs state passing under every strategy). Under the
-table, one line per SP size and plan says which method runs each stage that mixes the
-sharded dim (strategies with the same plan share a line): a Mamba model's scans run by
-``state_passing`` or ``head_a2a`` under every strategy, its attention by the strategy's method.
+Strategies that run the same method on every stage with the same prediction share one row of
+the table, named ``dsp,ulysses,...`` (a model of scans only runs state passing under every
+strategy). Under the table, one line per SP size and list of methods says which method runs
+each stage that mixes the sharded dim (the strategies that share it listed): a Mamba model's
+scans run by ``state_passing`` or ``head_a2a`` under every strategy, its attention by the
+strategy's method.
 ``--inference`` predicts a forward pass only (``--steps`` of them, e.g. sampling steps).
 """
 
@@ -51,6 +52,7 @@ from dspzoo.core.costmodel import (
     merge_same_plans,
     predict_table,
     recommend,
+    stage_methods,
 )
 
 from ..core.argparser import CommandParser, positive_int, positive_int_list
@@ -327,7 +329,8 @@ def describe_scans(wl: Any) -> list[str]:
 
 def describe_methods(wl: Any, strategies: list[str], sizes: list[int]) -> list[str]:
     """Per SP size, the method of every stage that mixes the sharded dim, one line per distinct
-    plan (the strategies that make it listed together)."""
+    list of methods (:func:`stage_methods`; the strategies that make it listed together, as
+    the table's merged rows list them)."""
     lines = []
     for n in sizes:
         if n < 2:
@@ -337,7 +340,7 @@ def describe_methods(wl: Any, strategies: list[str], sizes: list[int]) -> list[s
             if strategy == "ulysses_flat":
                 continue
             plan = make_plan(wl, strategy, n)
-            used = [(s.stage, s.method) for s in plan.steps if s.method != "local"]
+            used = stage_methods(plan)
             methods = {m for _, m in used}
             if not used:
                 text = "every stage local (each mixes a dim that is whole)"

@@ -30,6 +30,7 @@ from .predict import (
     predict,
     predict_table,
     recommend,
+    stage_methods,
 )
 from .validation import FIGURES, format_validation, plain_alpha_beta, validation_table
 from .workload import StageSpec, Workload, register_workload, workload_builder
@@ -59,6 +60,7 @@ __all__ = [
     "make_plan",
     "measure_this_cpu",
     "merge_same_plans",
+    "stage_methods",
     "micro_batches",
     "model_state_bytes",
     "plain_alpha_beta",

@@ -376,11 +376,6 @@ def _stage_elements(
     return local, full
 
 
-#: Scan methods that scan whole sequences for a share of the heads (their saved tensors are the
-#: mixer's :class:`~.workload.HeadScanSaved`, not one process's on the local tokens).
-HEAD_SCAN_METHODS = ("head_a2a",)
-
-
 def _scan_elements(
     wl: Workload, spec: StageSpec, method: str, sharded: str | None, sizes: list[int], rank: int
 ) -> float:
@@ -388,7 +383,8 @@ def _scan_elements(
     batch: ``scan_routes`` mixers per line of the scanned dims (``scan_over``, or the
     stage's dims for a generic stage), with the ``sharded`` dim at its local size, plus what
     the method keeps beyond one process (state passing's summaries and correction); under the
-    head all-to-all, the mixer's :class:`~.workload.HeadScanSaved` instead."""
+    head all-to-all (a method that ``scans_whole_lines``), the mixer's
+    :class:`~.workload.HeadScanSaved` instead."""
     full = dict(zip(wl.dims, wl.lengths))
     local = dict(full)
     if sharded is not None and method != "gather":
@@ -399,7 +395,7 @@ def _scan_elements(
     if sharded in spec.scan_over and method not in ("local", "gather"):
         per_row = math.prod(full[d] for d in spec.scan_over[1:])
         seq = tuple(s * per_row for s in sizes)
-        if method in HEAD_SCAN_METHODS and spec.scan_heads_saved is not None:
+        if get_method(method).scans_whole_lines and spec.scan_heads_saved is not None:
             # the scan runs on whole sequences for the rank's heads: its own count
             saved = spec.scan_heads_saved.elements(seq, spec.scan.heads, rank)
             return spec.scan_routes * lines * saved

@@ -329,12 +329,21 @@ def predict_table(
     return rows
 
 
+def stage_methods(plan: Plan) -> tuple[tuple[str, str], ...]:
+    """``(stage, method)`` of every step of ``plan`` that does not run locally: what ``dspzoo
+    plan``'s "methods per stage" lines show, and what :func:`merge_same_plans` compares (which
+    dim a local stage keeps sharded is not part of it)."""
+    return tuple((s.stage, s.method) for s in plan.steps if s.method != "local")
+
+
 def merge_same_plans(rows: list[Prediction], workload: Workload) -> list[Prediction]:
-    """``rows`` with the strategies that run the same plan and predict the same figures as one
-    row: the first such strategy's, the others in ``same_as`` (e.g. a model of scans only,
-    whose every stage runs state passing whatever the attention strategy). Strategies with the
-    same plan but other figures (Megatron-SP's sharded weights) keep their own rows, and so
-    does the prediction-only ``ulysses_flat``; the order of first appearance is kept."""
+    """``rows`` with the strategies that run the same method on every stage
+    (:func:`stage_methods`) and predict the same figures as one row: the first such
+    strategy's, the others in ``same_as`` (e.g. a model of scans only, whose every stage runs
+    state passing whatever the attention strategy; or DSP and Ulysses where they differ only
+    in which dim a local stage keeps sharded). Strategies with the same methods but other
+    figures (Megatron-SP's sharded weights) keep their own rows, and so does the
+    prediction-only ``ulysses_flat``; the order of first appearance is kept."""
     out: list[Prediction] = []
     where: dict[tuple, int] = {}
     for p in rows:
@@ -342,7 +351,7 @@ def merge_same_plans(rows: list[Prediction], workload: Workload) -> list[Predict
         if p.sp > 1 and p.strategy != "ulysses_flat":
             plan = make_plan(workload, p.strategy, p.sp)
             figures = tuple(v for k, v in p.__dict__.items() if k not in ("strategy", "same_as"))
-            key = (plan.steps, plan.layout, plan.periodic, figures)
+            key = (stage_methods(plan), figures)
         if key is not None and key in where:
             first = out[where[key]]
             out[where[key]] = replace(first, same_as=(*first.same_as, *p.strategies))

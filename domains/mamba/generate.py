@@ -142,6 +142,22 @@ def decode_step(
     return _logits(model, x), new_states
 
 
+def teacher_forced_logits(
+    model: DecodingLM, tokens: torch.Tensor, prompt_len: int
+) -> tuple[torch.Tensor, LayerStates]:
+    """Prefill ``tokens[:, :prompt_len]``, then one :func:`decode_step` per later token of
+    ``tokens`` ``[B, L]``: the logits ``[B, L, vocab]`` at every position (what the forward
+    gives) and the states after the last token."""
+    if not 1 <= prompt_len <= tokens.shape[1]:
+        raise ValueError(f"prompt_len must be in [1, {tokens.shape[1]}], got {prompt_len}")
+    logits, states = prefill(model, tokens[:, :prompt_len])
+    steps = [logits]
+    for t in range(prompt_len, tokens.shape[1]):
+        step_logits, states = decode_step(model, tokens[:, t], states)
+        steps.append(step_logits[:, None])
+    return torch.cat(steps, 1), states
+
+
 def generate_bytes(
     model: DecodingLM,
     prompt: bytes | str,

@@ -170,6 +170,8 @@ class Method:
         ops: op kinds it runs over a *sharded* dim (``local`` runs anything on free dims).
         hybrid: DSP may pick it per stage for a stage that mixes every dim.
         tensor_parallel: it runs on every stage (Megatron-SP) and syncs gradients itself.
+        scans_whole_lines: a scan method that scans whole sequences for a share of the heads
+            (what it saves is the mixer's ``HeadScanSaved``, not one process's on its tokens).
         layout: how it cuts the sharded dim (``"contiguous"`` or ``"zigzag"``).
         entry: the runtime call a stage must make while the method is in force.
     """
@@ -178,6 +180,7 @@ class Method:
     ops: ClassVar[frozenset[str]] = frozenset()
     hybrid: ClassVar[bool] = False
     tensor_parallel: ClassVar[bool] = False
+    scans_whole_lines: ClassVar[bool] = False
     layout: ClassVar[str] = "contiguous"
     entry: ClassVar[str | None] = None
     formula: ClassVar[str] = ""
@@ -477,6 +480,7 @@ class HeadAllToAll(HeadSharded):
     name = "head_a2a"
     ops = frozenset({"scan"})
     hybrid = True
+    scans_whole_lines = True
     entry = "sp.scan"
     formula = "all-to-all of the scan inputs to heads and of the output back, B/C all-gather"
 
