@@ -54,6 +54,8 @@ __all__ = [
     "LseAccumulator",
     "Piece",
     "Run",
+    "add_block",
+    "add_block_grads",
     "attention_pieces",
     "kernel_attention",
     "position_runs",
@@ -157,6 +159,15 @@ class LseAccumulator:
         self.out = torch.zeros((bf, lq, heads, dv), dtype=self.dtype, device=device)
         self.lse = torch.full((bf, heads, lq), -math.inf, dtype=self.dtype, device=device)
         self.touched = torch.zeros(lq, dtype=torch.bool)  # rows that hold a result (CPU)
+
+    def rows(self, q0: int, q1: int) -> LseAccumulator:
+        """The accumulator of rows ``[q0, q1)``: views of this one's storage (merging into it
+        merges into these rows here)."""
+        view = object.__new__(LseAccumulator)
+        view.dtype = self.dtype
+        view.out, view.lse = self.out[:, q0:q1], self.lse[:, :, q0:q1]
+        view.touched = self.touched[q0:q1]
+        return view
 
     def add(self, q0: int, q1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merge a partial result over a disjoint key set into rows ``[q0, q1)``."""
@@ -343,6 +354,101 @@ def select_kernel(q: torch.Tensor, name: str | None = None) -> BlockwiseKernel |
     return BlockwiseKernel()
 
 
+# -- one block of keys, tiled for the blockwise kernel -------------------------------------------
+def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def visible_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether any query sees any key (CPU positions, no device sync)."""
+    if q_pos.numel() == 0 or k_pos.numel() == 0:
+        return False
+    return not causal or bool(k_pos.min() <= q_pos.max())
+
+
+def _tiles(
+    impl: BlockwiseKernel | FusedKernel,
+    lq: int,
+    lk: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+    chunk: int | None,
+) -> list[tuple[int, int, int, int]]:
+    """The ``(q0, q1, k0, k1)`` tiles of a block that hold a visible key: the whole block for
+    the fused kernel (it tiles internally) or ``chunk is None``, else ``chunk × chunk``."""
+    if impl.name == "fused" or chunk is None:
+        chunk = max(lq, lk, 1)
+    return [
+        (q0, q1, k0, k1)
+        for q0, q1 in _chunks(lq, chunk)
+        for k0, k1 in _chunks(lk, chunk)
+        if visible_any(causal, q_pos[q0:q1], k_pos[k0:k1])
+    ]
+
+
+def add_block(
+    impl: BlockwiseKernel | FusedKernel,
+    acc: LseAccumulator,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+    scale: float,
+    chunk: int | None = None,
+) -> None:
+    """Merge the attention of ``q [Bf, Lq, H, D]`` on the key block ``k, v [Bf, Lk, Hkv, D(v)]``
+    into ``acc`` (rows ``[0, Lq)``); CPU positions ``q_pos [Lq]``, ``k_pos [Lk]`` in any order.
+    ``chunk``: the blockwise kernel's tile (its memory bound); tiles no query sees are skipped."""
+    for q0, q1, k0, k1 in _tiles(impl, q.shape[1], k.shape[1], q_pos, k_pos, causal, chunk):
+        impl.forward(
+            acc.rows(q0, q1),
+            q[:, q0:q1],
+            k[:, k0:k1],
+            v[:, k0:k1],
+            q_pos[q0:q1],
+            k_pos[k0:k1],
+            causal,
+            scale,
+        )
+
+
+def add_block_grads(
+    impl: BlockwiseKernel | FusedKernel,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+    scale: float,
+    chunk: int | None = None,
+) -> None:
+    """Backward of :func:`add_block`: add the key block's share of ``dq`` and its ``dk, dv``
+    into ``grads`` (statistics-dtype accumulators shaped like q, k, v; views are fine) from the
+    final ``out [Bf, Lq, H, Dv]``, ``lse [Bf, H, Lq]`` and ``dout``."""
+    for q0, q1, k0, k1 in _tiles(impl, q.shape[1], k.shape[1], q_pos, k_pos, causal, chunk):
+        impl.backward(
+            (grads[0][:, q0:q1], grads[1][:, k0:k1], grads[2][:, k0:k1]),
+            q[:, q0:q1],
+            k[:, k0:k1],
+            v[:, k0:k1],
+            out[:, q0:q1],
+            lse[:, :, q0:q1],
+            dout[:, q0:q1],
+            q_pos[q0:q1],
+            k_pos[k0:k1],
+            causal,
+            scale,
+        )
+
+
 # -- one process: the whole attention as one autograd function -----------------------------------
 def kernel_attention(
     q: torch.Tensor,
@@ -363,22 +469,9 @@ def kernel_attention(
     needs none, and blocks with no visible key are skipped). Once differentiable.
     """
     impl = select_kernel(q, kernel)
-    if chunk is None or impl.name == "fused":
-        chunk = max(q.shape[1], k.shape[1], 1)
     return _KernelAttention.apply(
         q, k, v, q_pos.detach().cpu(), k_pos.detach().cpu(), causal, scale, impl, chunk
     )
-
-
-def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
-
-
-def visible_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """Whether any query sees any key (CPU positions, no device sync)."""
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return False
-    return not causal or bool(k_pos.min() <= q_pos.max())
 
 
 class _KernelAttention(torch.autograd.Function):
@@ -393,26 +486,11 @@ class _KernelAttention(torch.autograd.Function):
         causal: bool,
         scale: float,
         impl: BlockwiseKernel | FusedKernel,
-        chunk: int,
+        chunk: int | None,
     ) -> torch.Tensor:
         bf, lq, h, _ = q.shape
         acc = LseAccumulator(bf, lq, h, v.shape[-1], q.dtype, q.device)
-        for q0, q1 in _chunks(lq, chunk):
-            part = LseAccumulator(bf, q1 - q0, h, v.shape[-1], q.dtype, q.device)
-            for k0, k1 in _chunks(k.shape[1], chunk):
-                if visible_any(causal, q_pos[q0:q1], k_pos[k0:k1]):
-                    impl.forward(
-                        part,
-                        q[:, q0:q1],
-                        k[:, k0:k1],
-                        v[:, k0:k1],
-                        q_pos[q0:q1],
-                        k_pos[k0:k1],
-                        causal,
-                        scale,
-                    )
-            acc.out[:, q0:q1] = part.out
-            acc.lse[:, :, q0:q1] = part.lse
+        add_block(impl, acc, q, k, v, q_pos, k_pos, causal, scale, chunk)
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.pos, ctx.causal, ctx.scale, ctx.impl, ctx.chunk = (
@@ -431,23 +509,8 @@ class _KernelAttention(torch.autograd.Function):
         q_pos, k_pos = ctx.pos
         dt = stats_dtype(q.dtype)
         grads = tuple(torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
-        for q0, q1 in _chunks(q.shape[1], ctx.chunk):
-            for k0, k1 in _chunks(k.shape[1], ctx.chunk):
-                if not visible_any(ctx.causal, q_pos[q0:q1], k_pos[k0:k1]):
-                    continue
-                part = tuple(g[:, a:b] for g, (a, b) in zip(grads, ((q0, q1), (k0, k1), (k0, k1))))
-                ctx.impl.backward(
-                    part,
-                    q[:, q0:q1],
-                    k[:, k0:k1],
-                    v[:, k0:k1],
-                    out[:, q0:q1],
-                    lse[:, :, q0:q1],
-                    dout[:, q0:q1],
-                    q_pos[q0:q1],
-                    k_pos[k0:k1],
-                    ctx.causal,
-                    ctx.scale,
-                )
+        add_block_grads(
+            ctx.impl, grads, q, k, v, out, lse, dout, q_pos, k_pos, ctx.causal, ctx.scale, ctx.chunk
+        )
         dq, dk, dv = grads
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6
