@@ -57,6 +57,7 @@ __all__ = [
     "add_block",
     "add_block_grads",
     "attention_pieces",
+    "join_full_pieces",
     "kernel_attention",
     "position_runs",
     "select_kernel",
@@ -112,7 +113,8 @@ def attention_pieces(q_runs: list[Run], k_runs: list[Run], causal: bool) -> list
     Non-causal: one piece per pair of runs. Causal, for query run ``[qs, qe)`` and key run
     ``[ks, ke)``: keys ``[ks, min(ke, qs))`` are seen by every query (a full piece); keys
     ``[c, min(ke, qe))`` with ``c = max(ks, qs)`` are seen by queries ``[c, qe)`` with the
-    top-left mask (a diagonal piece); later keys are seen by none.
+    top-left mask (a diagonal piece); later keys are seen by none. Full pieces that tile a rectangle are joined into one call
+    (:func:`join_full_pieces`): a zigzag shard's later run sees both runs of an earlier block.
     """
     pieces = []
     for qr in q_runs:
@@ -144,7 +146,27 @@ def attention_pieces(q_runs: list[Run], k_runs: list[Run], causal: bool) -> list
                         True,
                     )
                 )
-    return pieces
+    return join_full_pieces(pieces)
+
+
+def join_full_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Join fully visible pieces on the same query rows with adjacent key rows, then those on
+    the same key rows with adjacent query rows (every pair of a union of fully visible pieces
+    is visible); diagonal pieces are kept as they are, after the full ones."""
+    full = [p for p in pieces if not p.causal]
+    for along_keys in (True, False):
+        joined: list[Piece] = []
+        order = (lambda p: (p.q0, p.q1, p.k0)) if along_keys else (lambda p: (p.k0, p.k1, p.q0))
+        for p in sorted(full, key=order):
+            last = joined[-1] if joined else None
+            if last and along_keys and (last.q0, last.q1) == (p.q0, p.q1) and last.k1 == p.k0:
+                joined[-1] = Piece(p.q0, p.q1, last.k0, p.k1, False)
+            elif last and not along_keys and (last.k0, last.k1) == (p.k0, p.k1) and last.q1 == p.q0:
+                joined[-1] = Piece(last.q0, p.q1, p.k0, p.k1, False)
+            else:
+                joined.append(p)
+        full = joined
+    return full + [p for p in pieces if p.causal]
 
 
 # -- the running result -------------------------------------------------------------------------
