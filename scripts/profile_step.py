@@ -13,7 +13,14 @@ per strategy and rank, the step's CPU and wall seconds and the self CPU seconds 
 operator categories of :data:`CATEGORIES` (attention kernels, matmuls, communication waits,
 copies, elementwise work), so two strategies can be compared category by category. Thread
 CPU time counts what this process computed, not the time it waited on the other ranks or on
-other processes of a loaded machine.
+other processes of a loaded machine. The operator times are the profiler's (wall time inside
+each operator, a blocking collective's wait included).
+
+``--reps R`` then times ``R`` more steps per strategy without the profiler, interleaved (the
+order rotated per repetition), and prints per strategy the median step wall time (slowest
+rank) and busiest rank's CPU time, each with its ratio to ``--against`` in the same
+repetition: the CPU ratio is what the step would cost with a core per rank, the wall ratio
+what it cost on this machine as loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default="megatron_sp,ring,ring_zigzag,lss_zigzag")
     p.add_argument("--steps", type=int, default=1, help="profiled steps per strategy")
     p.add_argument("--rows", type=int, default=25, help="operators listed per file")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=0,
+        help="then timed steps per strategy, interleaved (no profiler)",
+    )
+    p.add_argument("--against", default="megatron_sp", help="the --reps ratios' denominator")
     p.add_argument("--out", default="outputs/profile")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -110,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{json.dumps(cats)}\n{table}\n"
         )
         summary[r.name] = {"step": step, "categories": cats}
+    for i in range(args.reps):  # interleaved, order rotated per repetition
+        for r in runners[i % len(runners) :] + runners[: i % len(runners)]:
+            summary[r.name].setdefault("reps", []).append(_step(r))
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, summary)
     if rank == 0:
@@ -122,7 +140,44 @@ def main(argv: list[str] | None = None) -> None:
                     f"{name:12s} r{rk} fwd {st['fwd_wall']:.2f}s wall {st['fwd_cpu']:.2f}s cpu"
                     f" | bwd {st['bwd_wall']:.2f}s wall {st['bwd_cpu']:.2f}s cpu | {cats_text}"
                 )
+        if args.reps:
+            print(rep_table(everyone, names, args.against))
     dist.barrier()
+
+
+def rep_table(everyone: list[dict[str, Any]], names: list[str], against: str) -> str:
+    """Markdown: per strategy the median over repetitions of the step's wall time (slowest
+    rank) and of the busiest rank's thread CPU time, each also over ``against``'s in the same
+    repetition (paired)."""
+
+    def per_rep(name: str, key: str) -> list[float]:
+        reps = len(everyone[0][name]["reps"])
+        return [
+            max(
+                s[name]["reps"][i][f"fwd_{key}"] + s[name]["reps"][i][f"bwd_{key}"]
+                for s in everyone
+            )
+            for i in range(reps)
+        ]
+
+    lines = [
+        f"| strategy | wall s | ÷ {against} (per rep) | busiest rank CPU s | ÷ {against} (per rep) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in names:
+        cells = [name]
+        for key in ("wall", "cpu"):
+            mine, base = per_rep(name, key), per_rep(against, key) if against in names else None
+            cells.append(f"{statistics.median(mine):.2f}")
+            if base is None:
+                cells.append("—")
+                continue
+            ratios = [a / b for a, b in zip(mine, base)]
+            cells.append(
+                f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
