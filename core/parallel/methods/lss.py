@@ -2,11 +2,18 @@
 
 Each rank keeps its segment of queries (contiguous, or zigzag: see Layouts). Keys and values
 of every segment arrive in one collective: this rank's k and v are concatenated along the last
-axis into one buffer ``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence with
-:func:`dspzoo.core.parallel.comm.gather_for_local_use`. That is what "fused communication" means here:
-**one all-gather of [k|v] instead of two** (one launch, one synchronisation, the same bytes). Its
-backward is a reduce-scatter of the [dk|dv] buffer (each rank's queries produce gradients for
-every key; the sums go back to the keys' owners), so the gradients are exact.
+axis into one buffer ``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence.
+That is what "fused communication" means here: **one all-gather of [k|v] instead of two** (one
+launch, one synchronisation, the same bytes). Its backward is a reduce-scatter of the [dk|dv]
+buffer (each rank's queries produce gradients for every key; the sums go back to the keys'
+owners), so the gradients are exact.
+
+Overlap (the kernel path, :class:`_LssAttention`): the all-gather is started, not waited on;
+while it is in flight the rank computes its queries on its *own* K/V block, then on the other
+ranks' blocks where they sit in the gathered buffer (each block with its global positions, so
+no reordering for the zigzag layout). Backward mirrors it: the other blocks' ``dK``/``dV``
+first, then the reduce-scatter is started (this rank's own slot zero) and the own block's
+gradients are computed while it is in flight, and added to what arrives.
 
 The local queries then attend to all keys with causal masking by global positions (query
 ``i`` of rank ``r`` at position ``p_r[i]`` sees keys ``j <= p_r[i]``; keys past the rank's last
@@ -16,13 +23,15 @@ Layouts: ``"contiguous"`` (rank ``r`` holds ``[o_r, o_r + seq_r)``) leaves the c
 unbalanced — the last rank attends to the whole sequence, the first to its own segment only.
 ``"zigzag"`` (the ``lss_zigzag`` method; rank ``r`` holds chunks ``r`` and ``2N−1−r`` of
 ``2N``, as :mod:`.ring`'s zigzag) gives every rank the same number of causal (query, key)
-pairs, for the same bytes: the gathered rows are put back in position order.
+pairs, for the same bytes.
 
-Memory: the kernel is the shared one of :mod:`.kernels`
-(:func:`dspzoo.core.parallel.methods.blockwise.chunked_attention`, imported lazily): by default
+Memory: the kernel is the shared one of :mod:`.kernels` (used when
+:func:`dspzoo.core.parallel.methods.blockwise.chunked_attention` is importable): by default
 PyTorch's fused CPU attention with its log-sum-exp, cut into exactly causal pieces, or the
-einsum ``blockwise`` kernel on ``chunk`` × ``chunk`` blocks; either way only q, k, v, out and
-the log-sum-exp are saved for backward. Without that module the fallback folds each KV group's
+einsum ``blockwise`` kernel on ``chunk`` × ``chunk`` blocks; either way only q, k, v, the
+gathered blocks, out and the log-sum-exp are saved for backward. Without that module the
+fallback (:func:`dspzoo.core.parallel.comm.gather_for_local_use`, the rows put in position
+order, then ``attend``) folds each KV group's
 ``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and calls
 :func:`~dspzoo.core.layers.attention.attend`: once without a mask when not causal, else per
 chunk of query rows with an explicit ``[rows, keys]`` boolean mask, each chunk checkpointed so
