@@ -345,17 +345,20 @@ class _LssAttention(torch.autograd.Function):
                 add_block(impl, acc, q, kv_j[..., :d], kv_j[..., d:], positions[r], pos, causal,
                           scale, chunk)  # fmt: skip
         out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, blocks, out, acc.lse)
-        ctx.args = (group, positions, causal, scale, impl, chunk, region)
+        # the own block is read back from its slot of the gathered buffer: k and v are not kept
+        ctx.save_for_backward(q, blocks, out, acc.lse)
+        ctx.args = (group, positions, causal, scale, impl, chunk, region, k.dtype, v.dtype)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, blocks, out, lse = ctx.saved_tensors
-        group, positions, causal, scale, impl, chunk, region = ctx.args
+        q, blocks, out, lse = ctx.saved_tensors
+        group, positions, causal, scale, impl, chunk, region, k_dtype, v_dtype = ctx.args
         n, r = group_size(group), group_rank(group)
-        lengths, d = [p.numel() for p in positions], k.shape[-1]
+        lengths, d = [p.numel() for p in positions], q.shape[-1]
+        own = blocks[r, :, : lengths[r]]
+        k, v = own[..., :d], own[..., d:]
         dt = stats_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         dblocks = torch.zeros(blocks.shape, dtype=dt, device=q.device)  # own slot stays 0
@@ -377,12 +380,12 @@ class _LssAttention(torch.autograd.Function):
                     scale,
                     chunk,
                 )
-        pending = _start_kv_reduce_scatter(dblocks, k.dtype, group, region)
-        dk = torch.zeros(k.shape, dtype=dt, device=k.device)
-        dv = torch.zeros(v.shape, dtype=dt, device=v.device)
+        pending = _start_kv_reduce_scatter(dblocks, k_dtype, group, region)
+        dk = torch.zeros(k.shape, dtype=dt, device=q.device)
+        dv = torch.zeros(v.shape, dtype=dt, device=q.device)
         add_block_grads(impl, (dq, dk, dv), q, k, v, out, lse, dout, positions[r], positions[r],
                         causal, scale, chunk)  # fmt: skip
         mine = pending.wait()[:, : lengths[r]]
         dk += mine[..., :d]
         dv += mine[..., d:]
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 7
+        return (dq.to(q.dtype), dk.to(k_dtype), dv.to(v_dtype)) + (None,) * 7
