@@ -247,10 +247,22 @@ def lss_attention(
 
 # -- the kernel path: one autograd function, the collectives overlapped with the own block -----
 class _Pending:
-    """An asynchronous collective started under :func:`guard`; :meth:`wait` returns ``result``."""
+    """An asynchronous collective started under :func:`guard`; :meth:`wait` returns ``result``.
 
-    def __init__(self, start: Any, result: torch.Tensor, what: str, group: Any, region: str):
+    ``start()`` launches it (``async_op=True``); ``send``, its input, is kept alive until then.
+    """
+
+    def __init__(
+        self,
+        start: Any,
+        send: torch.Tensor,
+        result: torch.Tensor,
+        what: str,
+        group: Any,
+        region: str,
+    ) -> None:
         self.result, self._where = result, (what, group, region, result.device)
+        self._send: torch.Tensor | None = send
         self._work = None
         if group_size(group) > 1:
             with guard(*self._where):
@@ -261,6 +273,7 @@ class _Pending:
             with guard(*self._where):
                 self._work.wait()
             self._work = None
+        self._send = None
         return self.result
 
 
@@ -277,6 +290,7 @@ def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _P
     )
     return _Pending(
         lambda: all_gather_single(recv.flatten(0, 1), send, group=group, async_op=True),
+        send,
         recv,
         "all_gather (forward)",
         group,
@@ -298,6 +312,7 @@ def _start_kv_reduce_scatter(
            "backward", region)  # fmt: skip
     return _Pending(
         lambda: reduce_scatter_single(recv, send.flatten(0, 1), group=group, async_op=True),
+        send,
         recv,
         "reduce_scatter (backward)",
         group,
