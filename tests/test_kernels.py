@@ -19,6 +19,7 @@ from dspzoo.core.parallel.methods.kernels import (
     BlockwiseKernel,
     FusedKernel,
     LseAccumulator,
+    Piece,
     attention_pieces,
     kernel_attention,
     position_runs,
@@ -86,6 +87,17 @@ def test_pieces_cover_exactly_the_visible_pairs(name, causal):
             assert (kp[None, :] <= qp[:, None]).all() or not causal
             count[p.q0 : p.q1, p.k0 : p.k1] += 1
     assert torch.equal(count, _visible(q_pos, k_pos, causal)), name
+
+
+def test_full_pieces_are_joined_into_one_call():
+    """A zigzag shard's later run sees both runs of an earlier rank's block: one full call."""
+    # positions [0, 1, 14, 15] and [2, 3, 12, 13]
+    q_pos, k_pos = zigzag_positions(16, 4, 0), zigzag_positions(16, 4, 1)
+    q_runs, k_runs = position_runs(q_pos), position_runs(k_pos)
+    assert attention_pieces(q_runs, k_runs, True) == [Piece(2, 4, 0, 4, False)]
+    assert attention_pieces(q_runs, k_runs, False) == [Piece(0, 4, 0, 4, False)]
+    own = attention_pieces(q_runs, q_runs, True)  # diagonals stay apart from the full piece
+    assert own == [Piece(2, 4, 0, 2, False), Piece(0, 2, 0, 2, True), Piece(2, 4, 2, 4, True)]
 
 
 def test_position_runs():

@@ -54,7 +54,10 @@ __all__ = [
     "LseAccumulator",
     "Piece",
     "Run",
+    "add_block",
+    "add_block_grads",
     "attention_pieces",
+    "join_full_pieces",
     "kernel_attention",
     "position_runs",
     "select_kernel",
@@ -110,7 +113,8 @@ def attention_pieces(q_runs: list[Run], k_runs: list[Run], causal: bool) -> list
     Non-causal: one piece per pair of runs. Causal, for query run ``[qs, qe)`` and key run
     ``[ks, ke)``: keys ``[ks, min(ke, qs))`` are seen by every query (a full piece); keys
     ``[c, min(ke, qe))`` with ``c = max(ks, qs)`` are seen by queries ``[c, qe)`` with the
-    top-left mask (a diagonal piece); later keys are seen by none.
+    top-left mask (a diagonal piece); later keys are seen by none. Full pieces that tile a rectangle are joined into one call
+    (:func:`join_full_pieces`): a zigzag shard's later run sees both runs of an earlier block.
     """
     pieces = []
     for qr in q_runs:
@@ -142,7 +146,27 @@ def attention_pieces(q_runs: list[Run], k_runs: list[Run], causal: bool) -> list
                         True,
                     )
                 )
-    return pieces
+    return join_full_pieces(pieces)
+
+
+def join_full_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Join fully visible pieces on the same query rows with adjacent key rows, then those on
+    the same key rows with adjacent query rows (every pair of a union of fully visible pieces
+    is visible); diagonal pieces are kept as they are, after the full ones."""
+    full = [p for p in pieces if not p.causal]
+    for along_keys in (True, False):
+        joined: list[Piece] = []
+        order = (lambda p: (p.q0, p.q1, p.k0)) if along_keys else (lambda p: (p.k0, p.k1, p.q0))
+        for p in sorted(full, key=order):
+            last = joined[-1] if joined else None
+            if last and along_keys and (last.q0, last.q1) == (p.q0, p.q1) and last.k1 == p.k0:
+                joined[-1] = Piece(p.q0, p.q1, last.k0, p.k1, False)
+            elif last and not along_keys and (last.k0, last.k1) == (p.k0, p.k1) and last.q1 == p.q0:
+                joined[-1] = Piece(last.q0, p.q1, p.k0, p.k1, False)
+            else:
+                joined.append(p)
+        full = joined
+    return full + [p for p in pieces if p.causal]
 
 
 # -- the running result -------------------------------------------------------------------------
@@ -157,6 +181,15 @@ class LseAccumulator:
         self.out = torch.zeros((bf, lq, heads, dv), dtype=self.dtype, device=device)
         self.lse = torch.full((bf, heads, lq), -math.inf, dtype=self.dtype, device=device)
         self.touched = torch.zeros(lq, dtype=torch.bool)  # rows that hold a result (CPU)
+
+    def rows(self, q0: int, q1: int) -> LseAccumulator:
+        """The accumulator of rows ``[q0, q1)``: views of this one's storage (merging into it
+        merges into these rows here)."""
+        view = object.__new__(LseAccumulator)
+        view.dtype = self.dtype
+        view.out, view.lse = self.out[:, q0:q1], self.lse[:, :, q0:q1]
+        view.touched = self.touched[q0:q1]
+        return view
 
     def add(self, q0: int, q1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merge a partial result over a disjoint key set into rows ``[q0, q1)``."""
@@ -343,6 +376,101 @@ def select_kernel(q: torch.Tensor, name: str | None = None) -> BlockwiseKernel |
     return BlockwiseKernel()
 
 
+# -- one block of keys, tiled for the blockwise kernel -------------------------------------------
+def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def visible_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether any query sees any key (CPU positions, no device sync)."""
+    if q_pos.numel() == 0 or k_pos.numel() == 0:
+        return False
+    return not causal or bool(k_pos.min() <= q_pos.max())
+
+
+def _tiles(
+    impl: BlockwiseKernel | FusedKernel,
+    lq: int,
+    lk: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+    chunk: int | None,
+) -> list[tuple[int, int, int, int]]:
+    """The ``(q0, q1, k0, k1)`` tiles of a block that hold a visible key: the whole block for
+    the fused kernel (it tiles internally) or ``chunk is None``, else ``chunk × chunk``."""
+    if impl.name == "fused" or chunk is None:
+        chunk = max(lq, lk, 1)
+    return [
+        (q0, q1, k0, k1)
+        for q0, q1 in _chunks(lq, chunk)
+        for k0, k1 in _chunks(lk, chunk)
+        if visible_any(causal, q_pos[q0:q1], k_pos[k0:k1])
+    ]
+
+
+def add_block(
+    impl: BlockwiseKernel | FusedKernel,
+    acc: LseAccumulator,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+    scale: float,
+    chunk: int | None = None,
+) -> None:
+    """Merge the attention of ``q [Bf, Lq, H, D]`` on the key block ``k, v [Bf, Lk, Hkv, D(v)]``
+    into ``acc`` (rows ``[0, Lq)``); CPU positions ``q_pos [Lq]``, ``k_pos [Lk]`` in any order.
+    ``chunk``: the blockwise kernel's tile (its memory bound); tiles no query sees are skipped."""
+    for q0, q1, k0, k1 in _tiles(impl, q.shape[1], k.shape[1], q_pos, k_pos, causal, chunk):
+        impl.forward(
+            acc.rows(q0, q1),
+            q[:, q0:q1],
+            k[:, k0:k1],
+            v[:, k0:k1],
+            q_pos[q0:q1],
+            k_pos[k0:k1],
+            causal,
+            scale,
+        )
+
+
+def add_block_grads(
+    impl: BlockwiseKernel | FusedKernel,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+    scale: float,
+    chunk: int | None = None,
+) -> None:
+    """Backward of :func:`add_block`: add the key block's share of ``dq`` and its ``dk, dv``
+    into ``grads`` (statistics-dtype accumulators shaped like q, k, v; views are fine) from the
+    final ``out [Bf, Lq, H, Dv]``, ``lse [Bf, H, Lq]`` and ``dout``."""
+    for q0, q1, k0, k1 in _tiles(impl, q.shape[1], k.shape[1], q_pos, k_pos, causal, chunk):
+        impl.backward(
+            (grads[0][:, q0:q1], grads[1][:, k0:k1], grads[2][:, k0:k1]),
+            q[:, q0:q1],
+            k[:, k0:k1],
+            v[:, k0:k1],
+            out[:, q0:q1],
+            lse[:, :, q0:q1],
+            dout[:, q0:q1],
+            q_pos[q0:q1],
+            k_pos[k0:k1],
+            causal,
+            scale,
+        )
+
+
 # -- one process: the whole attention as one autograd function -----------------------------------
 def kernel_attention(
     q: torch.Tensor,
@@ -363,22 +491,9 @@ def kernel_attention(
     needs none, and blocks with no visible key are skipped). Once differentiable.
     """
     impl = select_kernel(q, kernel)
-    if chunk is None or impl.name == "fused":
-        chunk = max(q.shape[1], k.shape[1], 1)
     return _KernelAttention.apply(
         q, k, v, q_pos.detach().cpu(), k_pos.detach().cpu(), causal, scale, impl, chunk
     )
-
-
-def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
-
-
-def visible_any(causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """Whether any query sees any key (CPU positions, no device sync)."""
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return False
-    return not causal or bool(k_pos.min() <= q_pos.max())
 
 
 class _KernelAttention(torch.autograd.Function):
@@ -393,26 +508,11 @@ class _KernelAttention(torch.autograd.Function):
         causal: bool,
         scale: float,
         impl: BlockwiseKernel | FusedKernel,
-        chunk: int,
+        chunk: int | None,
     ) -> torch.Tensor:
         bf, lq, h, _ = q.shape
         acc = LseAccumulator(bf, lq, h, v.shape[-1], q.dtype, q.device)
-        for q0, q1 in _chunks(lq, chunk):
-            part = LseAccumulator(bf, q1 - q0, h, v.shape[-1], q.dtype, q.device)
-            for k0, k1 in _chunks(k.shape[1], chunk):
-                if visible_any(causal, q_pos[q0:q1], k_pos[k0:k1]):
-                    impl.forward(
-                        part,
-                        q[:, q0:q1],
-                        k[:, k0:k1],
-                        v[:, k0:k1],
-                        q_pos[q0:q1],
-                        k_pos[k0:k1],
-                        causal,
-                        scale,
-                    )
-            acc.out[:, q0:q1] = part.out
-            acc.lse[:, :, q0:q1] = part.lse
+        add_block(impl, acc, q, k, v, q_pos, k_pos, causal, scale, chunk)
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.pos, ctx.causal, ctx.scale, ctx.impl, ctx.chunk = (
@@ -431,23 +531,8 @@ class _KernelAttention(torch.autograd.Function):
         q_pos, k_pos = ctx.pos
         dt = stats_dtype(q.dtype)
         grads = tuple(torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
-        for q0, q1 in _chunks(q.shape[1], ctx.chunk):
-            for k0, k1 in _chunks(k.shape[1], ctx.chunk):
-                if not visible_any(ctx.causal, q_pos[q0:q1], k_pos[k0:k1]):
-                    continue
-                part = tuple(g[:, a:b] for g, (a, b) in zip(grads, ((q0, q1), (k0, k1), (k0, k1))))
-                ctx.impl.backward(
-                    part,
-                    q[:, q0:q1],
-                    k[:, k0:k1],
-                    v[:, k0:k1],
-                    out[:, q0:q1],
-                    lse[:, :, q0:q1],
-                    dout[:, q0:q1],
-                    q_pos[q0:q1],
-                    k_pos[k0:k1],
-                    ctx.causal,
-                    ctx.scale,
-                )
+        add_block_grads(
+            ctx.impl, grads, q, k, v, out, lse, dout, q_pos, k_pos, ctx.causal, ctx.scale, ctx.chunk
+        )
         dq, dk, dv = grads
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6

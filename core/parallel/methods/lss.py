@@ -2,11 +2,18 @@
 
 Each rank keeps its segment of queries (contiguous, or zigzag: see Layouts). Keys and values
 of every segment arrive in one collective: this rank's k and v are concatenated along the last
-axis into one buffer ``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence with
-:func:`dspzoo.core.parallel.comm.gather_for_local_use`. That is what "fused communication" means here:
-**one all-gather of [k|v] instead of two** (one launch, one synchronisation, the same bytes). Its
-backward is a reduce-scatter of the [dk|dv] buffer (each rank's queries produce gradients for
-every key; the sums go back to the keys' owners), so the gradients are exact.
+axis into one buffer ``[B, seq_r, Hkv, 2·D]`` and that buffer is all-gathered along the sequence.
+That is what "fused communication" means here: **one all-gather of [k|v] instead of two** (one
+launch, one synchronisation, the same bytes). Its backward is a reduce-scatter of the [dk|dv]
+buffer (each rank's queries produce gradients for every key; the sums go back to the keys'
+owners), so the gradients are exact.
+
+Overlap (the kernel path, :class:`_LssAttention`): the all-gather is started, not waited on;
+while it is in flight the rank computes its queries on its *own* K/V block, then on the other
+ranks' blocks where they sit in the gathered buffer (each block with its global positions, so
+no reordering for the zigzag layout). Backward mirrors it: the other blocks' ``dK``/``dV``
+first, then the reduce-scatter is started (this rank's own slot zero) and the own block's
+gradients are computed while it is in flight, and added to what arrives.
 
 The local queries then attend to all keys with causal masking by global positions (query
 ``i`` of rank ``r`` at position ``p_r[i]`` sees keys ``j <= p_r[i]``; keys past the rank's last
@@ -16,13 +23,15 @@ Layouts: ``"contiguous"`` (rank ``r`` holds ``[o_r, o_r + seq_r)``) leaves the c
 unbalanced — the last rank attends to the whole sequence, the first to its own segment only.
 ``"zigzag"`` (the ``lss_zigzag`` method; rank ``r`` holds chunks ``r`` and ``2N−1−r`` of
 ``2N``, as :mod:`.ring`'s zigzag) gives every rank the same number of causal (query, key)
-pairs, for the same bytes: the gathered rows are put back in position order.
+pairs, for the same bytes.
 
-Memory: the kernel is the shared one of :mod:`.kernels`
-(:func:`dspzoo.core.parallel.methods.blockwise.chunked_attention`, imported lazily): by default
+Memory: the kernel is the shared one of :mod:`.kernels` (used when
+:func:`dspzoo.core.parallel.methods.blockwise.chunked_attention` is importable): by default
 PyTorch's fused CPU attention with its log-sum-exp, cut into exactly causal pieces, or the
-einsum ``blockwise`` kernel on ``chunk`` × ``chunk`` blocks; either way only q, k, v, out and
-the log-sum-exp are saved for backward. Without that module the fallback folds each KV group's
+einsum ``blockwise`` kernel on ``chunk`` × ``chunk`` blocks; either way only q, k, v, the
+gathered blocks, out and the log-sum-exp are saved for backward. Without that module the
+fallback (:func:`dspzoo.core.parallel.comm.gather_for_local_use`, the rows put in position
+order, then ``attend``) folds each KV group's
 ``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and calls
 :func:`~dspzoo.core.layers.attention.attend`: once without a mask when not causal, else per
 chunk of query rows with an explicit ``[rows, keys]`` boolean mask, each chunk checkpointed so
@@ -41,16 +50,29 @@ layout, ``m = max(zigzag_lengths)``) move the padded chunk (``m`` rows), as ever
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ...layers.attention import attend
 from ..comm import group_rank, group_size
+from ..comm.agreement import guard
+from ..comm.group import all_gather_single, record, reduce_scatter_single
 from ..comm.replicate import gather_for_local_use_agreed
 from ..layout import shard_sizes
-from ..trace import comm_region
+from ..trace import comm_region, current_region
+from .blockwise import stats_dtype
+from .kernels import (
+    BlockwiseKernel,
+    FusedKernel,
+    LseAccumulator,
+    add_block,
+    add_block_grads,
+    select_kernel,
+)
 from .ring import ring_positions
 from .ulysses import agree_attention_args, scaled
 
@@ -186,6 +208,15 @@ def lss_attention(
             positions.extend(ring_positions(lengths, j, layout) for j in range(n))
 
     agree_attention_args(q, k, v, seq_lengths, group, "lss_attention", causal, scale, check_local)
+    if _blockwise_kernel() is not None:  # the shared log-sum-exp kernel; handles GQA itself
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        with comm_region("lss"):
+            region = current_region()
+        impl = select_kernel(q, kernel)
+        return _LssAttention.apply(
+            q, k, v, group, positions, bool(causal), scale, impl, chunk, region
+        )
+    # fallback: fold each KV group's query heads into the query rows, then attend
     d, heads, kv_heads = q.shape[3], q.shape[2], k.shape[2]
     q_pos = positions[r]
     kv = torch.cat([k, v], dim=-1)
@@ -198,20 +229,6 @@ def lss_attention(
         return q + 0 * kv_all.sum()
     k_all, v_all = kv_all[..., :d], kv_all[..., d:]
     k_pos = torch.arange(k_all.shape[1])
-    kernel_fn = _blockwise_kernel()
-    if kernel_fn is not None:  # the shared log-sum-exp kernel; handles GQA itself
-        return kernel_fn(
-            q,
-            k_all,
-            v_all,
-            causal=causal,
-            q_pos=q_pos,
-            k_pos=k_pos,
-            scale=scale,
-            chunk=chunk,
-            kernel=kernel,
-        )
-    # fallback: fold each KV group's query heads into the query rows, then attend
     g = heads // kv_heads
     q_f = scaled(_fold_groups(q, kv_heads), scale)
     if causal:
@@ -226,3 +243,164 @@ def lss_attention(
     else:
         out = attend(q_f, k_all, v_all)
     return _unfold_groups(out, heads)
+
+
+# -- the kernel path: one autograd function, the collectives overlapped with the own block -----
+class _Pending:
+    """An asynchronous collective started under :func:`guard`; :meth:`wait` returns ``result``.
+
+    ``start()`` launches it (``async_op=True``); ``send``, its input, is kept alive until then.
+    """
+
+    def __init__(
+        self,
+        start: Any,
+        send: torch.Tensor,
+        result: torch.Tensor,
+        what: str,
+        group: Any,
+        region: str,
+    ) -> None:
+        self.result, self._where = result, (what, group, region, result.device)
+        self._send: torch.Tensor | None = send
+        self._work = None
+        if group_size(group) > 1:
+            with guard(*self._where):
+                self._work = start()
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with guard(*self._where):
+                self._work.wait()
+            self._work = None
+        self._send = None
+        return self.result
+
+
+def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _Pending:
+    """All-gather every rank's ``[B, seq_j, Hkv, 2D]`` padded to ``rows`` → ``[N, B, rows, …]``
+    (started, not waited; traced as one forward ``all_gather`` of the padded block)."""
+    n = group_size(group)
+    send = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, rows - kv.shape[1])).contiguous()
+    recv = torch.empty((n, *send.shape), dtype=send.dtype, device=send.device)
+    if n == 1:
+        recv[0] = send
+    record(
+        "all_gather", (n - 1) * send.numel() * send.element_size(), group, send, "forward", region
+    )
+    return _Pending(
+        lambda: all_gather_single(recv.flatten(0, 1), send, group=group, async_op=True),
+        send,
+        recv,
+        "all_gather (forward)",
+        group,
+        region,
+    )
+
+
+def _start_kv_reduce_scatter(
+    grads: torch.Tensor, dtype: torch.dtype, group: Any, region: str
+) -> _Pending:
+    """Reduce-scatter ``[N, B, rows, Hkv, 2D]`` gradients (in ``dtype``, as the forward's K/V)
+    → this rank's ``[B, rows, Hkv, 2D]`` (started, not waited; one backward record)."""
+    n = group_size(group)
+    send = grads.to(dtype).contiguous()
+    recv = torch.empty(send.shape[1:], dtype=dtype, device=send.device)
+    if n == 1:
+        recv.copy_(send[0])
+    record("reduce_scatter", (n - 1) * recv.numel() * recv.element_size(), group, recv,
+           "backward", region)  # fmt: skip
+    return _Pending(
+        lambda: reduce_scatter_single(recv, send.flatten(0, 1), group=group, async_op=True),
+        send,
+        recv,
+        "reduce_scatter (backward)",
+        group,
+        region,
+    )
+
+
+class _LssAttention(torch.autograd.Function):
+    """LSS with the shared kernel: this rank's queries on every rank's K/V block.
+
+    Forward starts the all-gather of ``[k|v]`` and computes the own block while it is in
+    flight, then the other ranks' blocks as they sit in the gathered buffer (each with its
+    global positions: no reordering into position order, whatever the layout). Backward
+    computes the other blocks' ``dK``/``dV`` first, starts their reduce-scatter (this rank's
+    own slot left zero) and computes the own block's share while it is in flight, then adds
+    what arrived. Saves ``q, k, v``, the gathered blocks, ``out`` and ``lse``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: Any,
+        positions: list[torch.Tensor],
+        causal: bool,
+        scale: float,
+        impl: BlockwiseKernel | FusedKernel,
+        chunk: int,
+        region: str,
+    ) -> torch.Tensor:
+        n, r = group_size(group), group_rank(group)
+        lengths = [p.numel() for p in positions]
+        d = k.shape[-1]
+        pending = _start_kv_gather(torch.cat([k, v], dim=-1), max(lengths), group, region)
+        bf, lq, h, _ = q.shape
+        acc = LseAccumulator(bf, lq, h, v.shape[-1], q.dtype, q.device)
+        add_block(impl, acc, q, k, v, positions[r], positions[r], causal, scale, chunk)
+        blocks = pending.wait()
+        for j in range(n):
+            if j != r:
+                kv_j = blocks[j, :, : lengths[j]]
+                pos = positions[j]
+                add_block(impl, acc, q, kv_j[..., :d], kv_j[..., d:], positions[r], pos, causal,
+                          scale, chunk)  # fmt: skip
+        out = acc.out.to(q.dtype)
+        # the own block is read back from its slot of the gathered buffer: k and v are not kept
+        ctx.save_for_backward(q, blocks, out, acc.lse)
+        ctx.args = (group, positions, causal, scale, impl, chunk, region, k.dtype, v.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, blocks, out, lse = ctx.saved_tensors
+        group, positions, causal, scale, impl, chunk, region, k_dtype, v_dtype = ctx.args
+        n, r = group_size(group), group_rank(group)
+        lengths, d = [p.numel() for p in positions], q.shape[-1]
+        own = blocks[r, :, : lengths[r]]
+        k, v = own[..., :d], own[..., d:]
+        dt = stats_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+        dblocks = torch.zeros(blocks.shape, dtype=dt, device=q.device)  # own slot stays 0
+        for j in range(n):
+            if j != r:
+                kv_j, g_j = blocks[j, :, : lengths[j]], dblocks[j, :, : lengths[j]]
+                add_block_grads(
+                    impl,
+                    (dq, g_j[..., :d], g_j[..., d:]),
+                    q,
+                    kv_j[..., :d],
+                    kv_j[..., d:],
+                    out,
+                    lse,
+                    dout,
+                    positions[r],
+                    positions[j],
+                    causal,
+                    scale,
+                    chunk,
+                )
+        pending = _start_kv_reduce_scatter(dblocks, k_dtype, group, region)
+        dk = torch.zeros(k.shape, dtype=dt, device=q.device)
+        dv = torch.zeros(v.shape, dtype=dt, device=q.device)
+        add_block_grads(impl, (dq, dk, dv), q, k, v, out, lse, dout, positions[r], positions[r],
+                        causal, scale, chunk)  # fmt: skip
+        mine = pending.wait()[:, : lengths[r]]
+        dk += mine[..., :d]
+        dv += mine[..., d:]
+        return (dq.to(q.dtype), dk.to(k_dtype), dv.to(v_dtype)) + (None,) * 7
