@@ -117,7 +117,8 @@ def test_cli_lists_and_describes_shipped_models(weights_dir, capsys) -> None:
 def test_the_pretrained_listing_fits_a_narrow_terminal(weights_dir, capsys, monkeypatch) -> None:
     """``dspzoo list --pretrained`` fits the terminal's width (``COLUMNS``, as
     ``shutil.get_terminal_size`` reads it): long data and metrics wrap beneath the model's
-    line, whole words kept; a name wider than the terminal is cut with ``…``."""
+    line, whole words kept; narrower than the aligned columns, the model and its size go on a
+    line of their own (never cut)."""
     long = {
         **CARD,
         "data": "a corpus described at length: " + "many words of description " * 8,
@@ -130,12 +131,18 @@ def test_the_pretrained_listing_fits_a_narrow_terminal(weights_dir, capsys, monk
         lines = out.splitlines()
         assert code == 0 and max(len(line) for line in lines) <= columns, (columns, out)
         head = "bytelm-tiny-stdlib  bytelm-tiny   115.0K params"
-        assert lines[0] == (head if columns >= len(head) else head[: columns - 1] + "…")
+        if columns >= len(head):
+            assert lines[0] == head
+        else:  # too narrow for the columns: the name, then the model and its size in full
+            assert lines[0] == "bytelm-tiny-stdlib"
+            assert lines[1] == "  model: bytelm-tiny, 115.0K parameters"
         text = " ".join(line.strip() for line in lines)
         assert "trained on: " + long["data"].strip() in text  # wrapped, nothing lost
         assert "model/variable_2/lead1/rmse 2.5, … (2 more: dspzoo info)" in text
         assert len(lines) > 4  # the data and the metrics took several lines
-    assert shipped.pretrained_listing(width=24).splitlines()[0] == "bytelm-tiny-stdlib  byt…"
+    narrowest = shipped.pretrained_listing(width=20).splitlines()  # the floor of the width
+    assert narrowest[0] == "bytelm-tiny-stdlib" and max(len(line) for line in narrowest) <= 20
+    assert "model: bytelm-tiny, 115.0K parameters" in " ".join(x.strip() for x in narrowest)
 
 
 def test_passthrough_errors_are_one_line_with_status_2(tmp_path, capsys) -> None:

@@ -186,12 +186,21 @@ def pretrained_listing(cards: list[ModelCard] | None = None, width: int | None =
 
     def wrapped(label: str, text: str) -> list[str]:
         return textwrap.wrap(
-            f"{label} {text}", width, initial_indent="  ", subsequent_indent="    "
+            f"{label} {text}",
+            width,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,  # model names stay whole
         )
 
     for c in cards:
         params = f"{format_count(c.parameters):>7} params"
-        lines.append(_fit(f"{c.name:<{name_w}}  {c.model:<{model_w}}  {params}", width))
+        aligned = f"{c.name:<{name_w}}  {c.model:<{model_w}}  {params}"
+        if len(aligned) <= width:
+            lines.append(aligned)
+        else:  # too narrow for the columns: the name alone, the model and its size beneath
+            lines.append(_fit(c.name, width))
+            lines += wrapped("model:", f"{c.model}, {format_count(c.parameters)} parameters")
         lines += wrapped("trained on:", c.data)
         lines += wrapped("metrics:", _metric_text(c.metrics, limit=3).replace("`", ""))
     footer = (

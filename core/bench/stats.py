@@ -6,10 +6,18 @@ import statistics
 
 
 def spread(values: list[float]) -> dict[str, float]:
-    """Median, quartiles (``q1``, ``q3``: the IQR) and range of ``values`` (at least one)."""
+    """Median, quartiles (``q1``, ``q3``: the IQR) and range of ``values`` (at least one).
+
+    The quartiles interpolate between the measured values (``method="inclusive"``), so the
+    IQR lies inside the range; the default "exclusive" method extrapolates on a few
+    repetitions (2 timings 0.015 and 0.022 gave an IQR of 0.013–0.024)."""
     if not values:
         raise ValueError("spread() needs at least one value")
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    q = (
+        statistics.quantiles(values, n=4, method="inclusive")
+        if len(values) > 1
+        else [values[0]] * 3
+    )
     return {
         "median": statistics.median(values),
         "q1": q[0],
