@@ -560,7 +560,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-mib", type=float, default=256, help="end-to-end: per rank")
     p.add_argument("--peer", choices=("auto", "on", "off"), default="auto",
                    help="DeepSpeed-Ulysses peer row (auto: when deepspeed imports)")  # fmt: skip
-    p.add_argument("--cluster", default="this-cpu", help="cost-model cluster to compare ('none')")
+    p.add_argument(
+        "--cluster",
+        default="this-cpu",
+        help="cost-model cluster whose predicted step time is printed beside the measured one "
+        "(default: this-cpu, probed on the run's SP group after its timed repetitions; a "
+        "preset such as h100-nvlink-ib; 'none' skips the comparison)",
+    )
     p.add_argument("--out", default="outputs/bench", help="folder for results.json/.md/.png")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
