@@ -1,6 +1,9 @@
-r"""Continue a prompt with a trained byte-level language model (one process, KV cache).
+r"""Continue a prompt with a trained byte-level language model: a bytelm (one process, KV
+cache) or a Mamba LM (mambalm, mamba2lm, hybridlm: recurrent state, and KV cache for a
+hybrid's attention layers).
 
-    python scripts/generate_text.py --model-dir outputs/bytelm-small/final --prompt "def " --max-new 200
+    dspzoo generate bytelm-tiny-stdlib --prompt "def " --max-new 200      # a shipped name
+    dspzoo generate outputs/bytelm-small/final --prompt "def "            # or a folder
 
 The command line of :func:`dspzoo.zoo.inference.generate_text` (the Python API).
 Prints the prompt and its continuation (bytes decoded as UTF-8, undecodable ones replaced).
@@ -15,15 +18,26 @@ import sys
 from dspzoo.core.argparser import CommandParser
 from dspzoo.zoo import inference
 
+#: how ``dspzoo generate <model or folder>`` names this script (``sys.argv[0]``, set by
+#: :mod:`dspzoo.zoo.run_cli`, which passes the model on as ``--model-dir``)
+CLI_PROG = "dspzoo generate"
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The flags; ``prog`` starting with :data:`CLI_PROG`: run as ``dspzoo generate <model or
+    folder>``, whose usage names the model positionally and hides ``--model-dir``."""
+    via_cli = prog is not None and prog.startswith(CLI_PROG)
     parser = CommandParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=f"{CLI_PROG} <model or folder>" if via_cli else prog,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--model-dir",
         required=True,
-        help="a folder written by save_pretrained, or a shipped model's name "
+        help=argparse.SUPPRESS
+        if via_cli
+        else "a folder written by save_pretrained, or a shipped model's name "
         "(dspzoo list --pretrained)",
     )
     parser.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
@@ -41,11 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seed of the sampling draws (default: 0)"
     )
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    if via_cli:  # the usage as typed; errors name the command as it ran
+        parser.usage = parser.format_usage().removeprefix("usage: ").strip()
+        parser.prog = prog
     return parser
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = build_parser()
+    parser = build_parser(sys.argv[0] if argv is None else None)
     args = parser.parse_args(argv)
     try:
         loaded = inference.load(args.model_dir, inference.TEXT_FAMILIES, args.device)

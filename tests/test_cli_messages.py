@@ -84,3 +84,41 @@ def test_argument_errors_are_one_line_from_the_first_rank_only(capsys) -> None:
     parser = CommandParser(prog="dspzoo")
     sub = parser.add_subparsers(dest="command", required=True)
     assert isinstance(sub.add_parser("info"), CommandParser)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags", "example"),
+    [
+        (
+            ["-n", "2", "--model", "stdit-tiny", "--reps", "1"],
+            "(--model, --reps, …)",
+            "dspzoo bench -n 2 --run -- --model stdit-tiny --reps 1",
+        ),
+        (
+            ["--run", "--model", "x", "-n", "3"],
+            "(--model, …)",
+            "dspzoo bench --run -n 3 -- --model x",
+        ),
+    ],
+)
+def test_benchmark_flags_before_the_separator_say_where_they_go(
+    capsys, argv: list[str], flags: str, example: str
+) -> None:
+    from dspzoo.zoo.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"dspzoo bench: error: flags of the benchmark {flags} go after `--`: ")
+    assert f": {example} (without --run: print the command)" in err
+    assert err.endswith("(see dspzoo bench --help)")
+
+
+def test_an_unknown_flag_of_another_command_is_still_refused(capsys) -> None:
+    from dspzoo.zoo.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["list", "--foo"])
+    assert exc.value.code == 2
+    assert "dspzoo: error: unrecognized arguments: --foo" in capsys.readouterr().err

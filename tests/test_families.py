@@ -204,3 +204,31 @@ def test_a_plugin_that_reuses_a_builtin_name_is_refused(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "named by DSPZOO_FAMILIES='clash'" in proc.stderr
     assert "is already registered" in proc.stderr
+
+
+def test_the_docs_example_module_runs_as_the_guide_says() -> None:
+    """docs/new_architecture.md: ``PYTHONPATH=examples/my_widget DSPZOO_FAMILIES=my_widget
+    dspzoo list|info|plan`` and ``create_model``, from the repository's root."""
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "examples" / "my_widget" / "my_widget.py").is_file()
+    env = {**os.environ, "PYTHONPATH": "examples/my_widget", "DSPZOO_FAMILIES": "my_widget"}
+
+    def run(*args: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=root, env=env
+        )
+        return _ok(proc)
+
+    rows = dict(line.split() for line in run("-m", "dspzoo", "list").splitlines())
+    assert rows["widget-mini"] == "144" and rows["widget-wide"] == "8.3K" and "stdit-tiny" in rows
+    info = run("-m", "dspzoo", "info", "widget-mini").splitlines()
+    assert info == [
+        "widget-mini: 144 parameters",
+        "  width                  8",
+        "  depth                  2",
+    ]
+    plan = run("-m", "dspzoo", "plan", "widget-mini", "--dims", "h=64,w=64", "--sp", "1,2")
+    assert plan.startswith("widget-mini: 144 parameters, batch 1, tokens (h=64, w=64)")
+    assert "  SP 2: every stage local (each mixes a dim that is whole)" in plan
+    built = run("-c", "from dspzoo.zoo import create_model; print(create_model('widget-mini'))")
+    assert built.startswith("Widget(") and built.count("Linear(in_features=8, out_features=8") == 2

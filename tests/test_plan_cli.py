@@ -403,3 +403,33 @@ def test_plan_help_names_the_mamba_families() -> None:
     assert "video models: stdit, latte, latte1, videomamba:" in text
     assert "weather models: weathertx, weathermamba:" in text
     assert "Language models (bytelm; Mamba LMs mambalm, mamba2lm, hybridlm): --seq-len." in text
+
+
+@pytest.mark.parametrize(
+    ("shipped", "config"),
+    [("stdit-mini-shapes", "stdit-mini"), ("evoformer-small-pdb", "evoformer-small")],
+)
+def test_a_shipped_name_is_planned_by_its_config(capsys, shipped: str, config: str) -> None:
+    header = _plan(capsys, shipped.upper(), "--sp", "1,2")[0]
+    count = format_count(count_parameters(create_model(config, device="meta")))
+    assert header.startswith(f"{shipped} (shipped; config {config}): {count} parameters, batch 1")
+
+
+def test_a_closed_pipe_ends_the_plan_quietly() -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "dspzoo.zoo.cli", "plan", "stdit-mini", "--sp", "1,2,4"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the plan prints (`dspzoo plan ... | head`)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_plan_help_says_what_a_cluster_is() -> None:
+    from dspzoo.zoo.plan_cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "a preset of published rates (default h100-nvlink-ib)" in text
+    assert "this-cpu: rates measured on this machine" in text and "cached" in text

@@ -160,6 +160,32 @@ def test_passthrough_errors_are_one_line_with_status_2(tmp_path, capsys) -> None
     assert code == 2 and "steps" in err
 
 
+@pytest.mark.parametrize(
+    ("words", "flag"),
+    [(["--model-dir", "other"], "--model-dir"), (["--model-dir=other"], "--model-dir"),
+     (["--model", "other"], "--model")],
+)  # fmt: skip
+def test_a_model_flag_beside_the_positional_model_is_refused(
+    tmp_path, capsys, words: list[str], flag: str
+) -> None:
+    text = save_pretrained(_bytelm(), tmp_path / "text")
+    code, out, err = _run(["generate", str(text), *words], capsys)
+    assert code == 2 and out == ""
+    assert "the model is given once: `dspzoo generate <model or folder>` takes it as" in err
+    assert err.strip().endswith(f"so drop {flag}")
+
+
+def test_generate_help_names_the_model_positionally(tmp_path, capsys) -> None:
+    text = save_pretrained(_bytelm(), tmp_path / "text")
+    code, out, _ = _run(["generate", str(text), "--help"], capsys)
+    assert code == 0
+    assert out.startswith("usage: dspzoo generate <model or folder> [-h] [--prompt PROMPT]")
+    assert "--model-dir" not in out and "python scripts/" not in out
+    assert "KV cache" in out and "recurrent state" in out
+    code, _, err = _run(["generate", str(text), "--bogus"], capsys)
+    assert code == 2 and f"dspzoo generate {text}: error: unrecognized arguments: --bogus" in err
+
+
 def test_passthrough_runs_the_domain_scripts(tmp_path, capsys) -> None:
     out_dir = tmp_path / "run"
     code, _, err = _run(

@@ -92,8 +92,15 @@ def _main(argv: list[str] | None) -> int:
     plan = plan_parser(sub.add_parser("plan", help="predict FLOPs, bytes, memory, step time"))
     from ..core.bench.launch import add_arguments as bench_arguments  # docs/benchmark.md
 
-    bench_arguments(sub.add_parser("bench", help="benchmark every SP strategy (launch command)"))
-    args = parser.parse_args(argv)
+    bench = sub.add_parser("bench", help="benchmark every SP strategy (launch command)")
+    bench_arguments(bench)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command == "bench":  # scripts/benchmark.py's flags before `--`
+        from ..core.bench.launch import misplaced_flags_message
+
+        bench.error(misplaced_flags_message(argv[argv.index("bench") + 1 :]))
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "convert":
         load_domains()
         return run_convert(args, convert)

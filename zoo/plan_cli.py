@@ -39,6 +39,7 @@ strategy's method.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +57,14 @@ from dspzoo.core.costmodel import (
 )
 
 from ..core.argparser import CommandParser, positive_int, positive_int_list
-from .registry import count_parameters, create_model, format_count, get_config, resolve_name
+from .registry import (
+    _match,
+    count_parameters,
+    create_model,
+    format_count,
+    get_config,
+    resolve_name,
+)
 from .workloads import workload_for
 
 #: ``--seq-len`` of a Mamba LM when none is given: the Mamba papers' training context
@@ -75,7 +83,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """The ``plan`` arguments (on ``parser``, e.g. a ``dspzoo`` subparser)."""
     p = parser or CommandParser(prog="dspzoo plan", description=__doc__.split("\n")[0])
     p.add_argument(
-        "model", help="zoo model, e.g. stdit-720M, mamba2lm-130m, evoformer-af2, weathertx-small"
+        "model",
+        help="zoo model, e.g. stdit-720M, mamba2lm-130m, evoformer-af2, weathertx-small, or a "
+        "shipped name (its config), e.g. stdit-mini-shapes",
     )
     p.epilog = (
         "Sizes per kind of model: video (stdit, latte, latte1, videomamba): --frames, "
@@ -120,7 +130,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=str,
         help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)})",
     )
-    p.add_argument("--cluster", default="h100-nvlink-ib", choices=CLUSTERS)
+    p.add_argument(
+        "--cluster",
+        default="h100-nvlink-ib",
+        choices=CLUSTERS,
+        help="hardware to predict for: a preset of published rates (default h100-nvlink-ib), "
+        "or this-cpu: rates measured on this machine (probed once, then cached in "
+        "~/.cache/dspzoo/this-cpu.json)",
+    )
     p.add_argument("--dtype-bytes", type=positive_int, default=2, help="activation bytes (bf16: 2)")
     p.add_argument(
         "--dp", type=positive_int, default=1, help="data-parallel groups (ZeRO sharding)"
@@ -359,7 +376,21 @@ def describe_methods(wl: Any, strategies: list[str], sizes: list[int]) -> list[s
 # -- the command --------------------------------------------------------------------------------
 
 
-def _protein(name: str, config: Any, args: argparse.Namespace, sizes: list[int]) -> int:
+def resolve_model(text: str) -> tuple[str, str]:
+    """The zoo config name of ``text`` (a config name, or a shipped name: its card's config)
+    and the label the header prints (``"stdit-mini-shapes (shipped; config stdit-mini)"``).
+    An unknown name raises the registry's ``KeyError`` with its did-you-mean hints."""
+    from .shipped import model_card, shipped_names
+
+    if _match(text, shipped_names()) is not None:
+        card = model_card(text)
+        name = resolve_name(card.model)
+        return name, f"{card.name} (shipped; config {name})"
+    name = resolve_name(text)
+    return name, name
+
+
+def _protein(name: str, config: Any, args: argparse.Namespace, sizes: list[int], label: str) -> int:
     from dspzoo.domains.protein.workload import DEFAULT_MSA_DEPTH, DEFAULT_RESIDUES, plan_table
 
     if args.strategies and {s.strip() for s in args.strategies.split(",") if s.strip()} != {"dsp"}:
@@ -376,7 +407,7 @@ def _protein(name: str, config: Any, args: argparse.Namespace, sizes: list[int])
     params = count_parameters(create_model(name, device="meta"))
     what = "forward pass" if args.inference else "training step"
     print(
-        f"{name}: {format_count(params)} parameters, batch {args.batch}, MSA (s={msa_depth}, "
+        f"{label}: {format_count(params)} parameters, batch {args.batch}, MSA (s={msa_depth}, "
         f"r={residues}) x{config.c_m}, pair (i={residues}, j={residues}) x{config.c_z}, {what}; "
         f"the Evoformer runs under dsp only: bytes rank 0 sends ({args.dtype_bytes}-byte items)"
     )
@@ -396,14 +427,29 @@ def _protein(name: str, config: Any, args: argparse.Namespace, sizes: list[int])
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the prediction table; bad input raises ``ValueError``/``KeyError`` with the reason."""
-    name = resolve_name(args.model)  # clear error for unknown names
+    """Print the prediction table; bad input raises ``ValueError``/``KeyError`` with the reason.
+
+    A reader that closes the pipe early (``dspzoo plan ... | head``) ends it quietly."""
+    try:
+        status = _run(args)
+        sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # stdout is gone: point it at devnull so that the exit's flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    name, label = resolve_model(args.model)  # clear error for unknown names
     config = get_config(name)
     sizing = sizing_of(name.split("-", 1)[0])
     _check_flags(name, sizing, args)
     sizes = list(args.sp)
     if sizing is PROTEIN:
-        return _protein(name, config, args, sizes)
+        return _protein(name, config, args, sizes, label)
     wl, notes = workload_from_args(name, config, sizing, args)
     strategies = [s.strip() for s in (args.strategies or "").split(",") if s.strip()]
     rows = predict_table(
@@ -437,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
     dims = ", ".join(f"{d}={n}" for d, n in zip(wl.dims, wl.lengths))
     what = "inference" if args.inference else "training step"
     print(
-        f"{wl.name}: {format_count(wl.params)} parameters, batch {wl.batch}, tokens ({dims}), "
+        f"{label}: {format_count(wl.params)} parameters, batch {wl.batch}, tokens ({dims}), "
         f"{what} x{args.steps} on {args.cluster}"
     )
     if args.cluster == "this-cpu":

@@ -98,6 +98,19 @@ def _family_of_model(ref: str) -> str:
         raise UsageError(str(exc.args[0]) if exc.args else str(exc)) from exc
 
 
+def _model_flag_given(flag: str, words: list[str]) -> str | None:
+    """The word of ``words`` that would set the script's model ``flag`` (``--model-dir``,
+    ``--model-dir=x`` or an abbreviation argparse accepts, such as ``--model``), if any: the
+    model is the positional word, and the flag would silently replace it."""
+    for word in words:
+        if word == "--":
+            return None
+        option = word.split("=", 1)[0]
+        if len(option) > 3 and flag.startswith(option):
+            return option
+    return None
+
+
 def _resolve(name: str, argv: list[str]) -> tuple[Callable[[], object], list[str]]:
     """The script's ``main`` and the argv it should see."""
     cmd = COMMANDS[name]
@@ -108,6 +121,12 @@ def _resolve(name: str, argv: list[str]) -> tuple[Callable[[], object], list[str
             raise UsageError(
                 f"{key!r} is a {family!r} model; `dspzoo {name}` takes "
                 f"{sorted(set(cmd.scripts))} models"
+            )
+        given = _model_flag_given(cmd.model_flag, rest)
+        if given:
+            raise UsageError(
+                f"the model is given once: `dspzoo {name} <model or folder>` takes it as its "
+                f"first word ({key!r} here), so drop {given}"
             )
         module, rest = cmd.scripts[family], [cmd.model_flag, key, *rest]
     else:

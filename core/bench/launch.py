@@ -23,6 +23,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+LAUNCH_FLAGS = ("-n", "--num-processes")
+
+
+def misplaced_flags_message(argv: list[str]) -> str:
+    """The error for benchmark flags given before ``--`` (``argv``: the words after
+    ``dspzoo bench``): which flags they are, and the command with them after ``--``."""
+    own, script = [], []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            script += list(words)
+        elif word in LAUNCH_FLAGS:
+            own += [word, next(words, "")]
+        elif word == "--run" or word.startswith(("--num-processes=", "-n")):
+            own.append(word)
+        else:
+            script.append(word)
+    if "--run" not in own:
+        own.append("--run")
+    flags = ", ".join(w for w in script if w.startswith("-"))
+    example = shlex.join(["dspzoo", "bench", *own, "--", *script])
+    return (
+        f"flags of the benchmark ({flags}, …) go after `--`: {example} "
+        f"(without --run: print the command)"
+    )
+
+
 def command(num_processes: int, script_args: list[str]) -> list[str]:
     extra = script_args[1:] if script_args[:1] == ["--"] else script_args
     return [
