@@ -77,7 +77,8 @@ def auto_choice(result: dict[str, Any], case: Case) -> dict[str, Any] | None:
     if sp == 1 or not rows:
         return None
     plans = _by_plan(case, rows, sp, dp)
-    mine = _signature(plan_of(case, AUTO, sp, dp))
+    plan = plan_of(case, AUTO, sp, dp)
+    mine = _signature(plan)
     if mine not in plans:
         return None
 
@@ -88,7 +89,6 @@ def auto_choice(result: dict[str, Any], case: Case) -> dict[str, Any] | None:
         return [statistics.mean(ts) for ts in zip(*(r["times"] for r in plans[sig]))]
 
     best = min(plans, key=pooled)
-    plan = plan_of(case, AUTO, sp, dp)
     measured, best_s = pooled(mine), pooled(best)
     return {
         "runs_as": [r["strategy"] for r in plans[mine]],
