@@ -12,8 +12,9 @@ Process start-up dominates the cost, so each world size runs every distributed c
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -343,8 +344,81 @@ def _check_switch_bytes(rank: int, world: int) -> int:
     return checks
 
 
+@contextlib.contextmanager
+def _direct_path(min_bytes: int | None) -> Iterator[None]:
+    """Switches take the direct path (:mod:`~dspzoo.core.parallel.comm.direct`) for messages
+    of at least ``min_bytes`` (``None``: never) inside the block."""
+    previous, comm.SETTINGS.direct_min_bytes = comm.SETTINGS.direct_min_bytes, min_bytes
+    try:
+        yield
+    finally:
+        comm.SETTINGS.direct_min_bytes = previous
+
+
+def _check_direct_switch(rank: int, world: int) -> int:
+    """The switch checks again on the direct path (point-to-point messages from the input
+    straight into the result): uneven, empty and explicit shards, every axis pair of 3-d and
+    5-d tensors, low precision, strided inputs, async, in place, the traced bytes, the
+    agreement's errors and the folded (rehearsed) calls."""
+    from dspzoo.core.parallel.comm.direct import exchanges_started
+
+    checks, before = 0, exchanges_started()
+    all_to_alls = [0]
+    packed = dist.all_to_all_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        all_to_alls[0] += 1
+        return packed(*args, **kwargs)
+
+    limit, comm.SETTINGS.direct_max_messages = comm.SETTINGS.direct_max_messages, 10**6
+    dist.all_to_all_single = counted
+    comm.SETTINGS._rehearsals.clear()  # calls folded before kept their packed plans
+    try:
+        with _direct_path(0):
+            for check in (
+                _check_explicit_sizes,
+                _check_primitives,
+                _check_switch_bytes,
+                _check_low_precision,
+                _check_non_contiguous,
+                _check_short_lengths,
+                _check_in_place,
+                _check_async_out_of_order,
+                _check_double_backward,
+                _check_mismatched_switch,
+                _check_rehearsed_switch,
+            ):
+                checks += check(rank, world)
+    finally:
+        dist.all_to_all_single = packed
+        comm.SETTINGS.direct_max_messages = limit
+    assert all_to_alls[0] == 0, f"{all_to_alls[0]} switches took the packed path"
+    assert exchanges_started() - before > 300, "the switches did not take the direct path"
+    # above the threshold, or with more messages per peer than allowed: the packed all-to-all
+    # (unchecked switches: a folded call keeps the plan its group agreed on when it was learnt)
+    from dspzoo.core.parallel.comm.exchange import switch_agreed
+
+    x = torch.randn(1, 2, 3 * world, 4)
+    before = exchanges_started()
+    with _direct_path(10**9):
+        switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world)
+    previous, comm.SETTINGS.direct_max_messages = comm.SETTINGS.direct_max_messages, 1
+    try:
+        with _direct_path(0):
+            switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world)  # 2 per peer
+    finally:
+        comm.SETTINGS.direct_max_messages = previous
+    assert exchanges_started() == before
+    return checks
+
+
 def _check_workspace(rank: int, world: int) -> int:
     """The CPU send workspace is bounded by its limit and released on request."""
+    with _direct_path(None):  # the packed path is the one with a send buffer
+        return _workspace_bounded(rank, world)
+
+
+def _workspace_bounded(rank: int, world: int) -> int:
     group = dist.group.WORLD
     full = torch.randn(2, 2 * world, 12, 5, generator=torch.Generator().manual_seed(9))
     x = _slice(full, 1, world, rank)
@@ -501,6 +575,7 @@ CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_recycled_results,
     _check_mismatched_switch,
     _check_rehearsed_switch,
+    _check_direct_switch,
 )
 
 

@@ -311,9 +311,15 @@ def _reference(model: TwoStage, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(model.spatial(torch.tanh(model.temporal(x))))
 
 
-def _rehearsed_calls_fail_everywhere(rank: int, world: int) -> dict[str, Any]:
-    """Bad inputs on a call the group predicted: its agreement rides in the all-to-all itself."""
+def _rehearsed_calls_fail_everywhere(rank: int, world: int, direct: bool) -> dict[str, Any]:
+    """Bad inputs on a call the group predicted: its agreement rides in the all-to-all itself
+    (``direct``: in a status message per peer, :mod:`dspzoo.core.parallel.comm.direct`)."""
+    from dspzoo.core.parallel.comm.direct import exchanges_started
     from dspzoo.core.parallel.comm.settings import SETTINGS
+
+    if direct:
+        SETTINGS.direct_min_bytes = 0
+    started = exchanges_started()
 
     group = build_mesh(world, timeout_s=5).sp_group
     rehearsal = SETTINGS.rehearsal(group)
@@ -364,12 +370,14 @@ def _rehearsed_calls_fail_everywhere(rank: int, world: int) -> dict[str, Any]:
     _reference(model, x_ref).sum().backward()
     torch.testing.assert_close(out, _reference(model, x2))
     torch.testing.assert_close(x_local.grad, _slice(x_ref.grad, 1, world, rank))
+    assert (exchanges_started() > started) == direct
     return messages
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_bad_input_on_a_rehearsed_call_raises_on_every_rank(world: int) -> None:
-    results = run_distributed(_rehearsed_calls_fail_everywhere, world, timeout=180)
+@pytest.mark.parametrize(("world", "direct"), [(2, False), (3, False), (3, True)])
+def test_a_bad_input_on_a_rehearsed_call_raises_on_every_rank(world: int, direct: bool) -> None:
+    """``direct``: every switch on the direct path (its status words are separate messages)."""
+    results = run_distributed(_rehearsed_calls_fail_everywhere, world, direct, timeout=180)
     for name in results[0]:
         texts = {r: results[r][name] for r in range(world)}
         assert len(set(texts.values())) == 1, (name, texts)

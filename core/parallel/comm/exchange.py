@@ -21,6 +21,7 @@ from ..layout import shard_sizes
 from ..trace import current_region
 from .agreement import Agreed, Signature, agree, agree_in_full, guard
 from .blocks import blocks_in_place, empty_blocks, offsets, pack_blocks, unpack_blocks
+from .direct import DirectPlan, direct_plan, exchange_direct
 from .folded import MISS, OK, FoldedLayout, exchange_with_headers
 from .group import group_rank, group_size, norm_dim, record, record_size_sync
 from .rehearsal import Entry
@@ -111,17 +112,26 @@ class _SwitchMeta:
 
 def _launch(
     x: torch.Tensor, meta: _SwitchMeta, group: Any, async_op: bool
-) -> tuple[torch.Tensor, Any, torch.Tensor]:
-    """Start the exchange of one switch; returns ``(receive buffer, work, send buffer)``.
+) -> tuple[torch.Tensor, Any, torch.Tensor | None, bool]:
+    """Start the exchange of one switch; ``(receive buffer, work, send buffer, joined)``.
 
     ``work`` is ``None`` once the exchange is complete (always, unless ``async_op``). The send
     buffer must stay alive until then; synchronous launches pack into the CPU workspace.
+    ``joined``: the receive buffer is the result (the direct path, :mod:`.direct`, which sends
+    from ``x`` itself); else :func:`unpack_blocks` makes it.
 
     On the first and last rank of the group the rank's own block sits at an end of both the
     send and the receive buffer, so it is left out of the collective (split size 0) and copied
     straight from ``x`` into place while the remote blocks travel: the pack copy shrinks by
     ``1/N`` and the local copy overlaps the transfer.
     """
+    direct = direct_plan(meta, x, group)
+    if direct is not None:
+        y, direct_work = exchange_direct(x.contiguous(), direct, x, group)
+        if async_op:
+            return y, direct_work, None, True
+        direct_work.wait()
+        return y, None, None, True
     n, r = len(meta.send_splits), meta.rank
     recv = empty_blocks(meta.y_shape, meta.src, meta.src_sizes, x, group=group)
     flat = recv.view(-1)
@@ -130,7 +140,7 @@ def _launch(
         work = dist.all_to_all_single(
             flat, send, meta.recv_splits, meta.send_splits, group=group, async_op=async_op
         )
-        return recv, work, send
+        return recv, work, send, False
     own_recv = meta.recv_splits[r]
     remote_out = flat[own_recv:] if r == 0 else flat[: flat.numel() - own_recv]
     keep = range(1, n) if r == 0 else range(n - 1)
@@ -147,7 +157,7 @@ def _launch(
     if not async_op:
         work.wait()
         work = None
-    return recv, work, send
+    return recv, work, send, False
 
 
 def _switch_now(
@@ -155,8 +165,10 @@ def _switch_now(
 ) -> torch.Tensor:
     """One synchronous switch, no autograd: launch, wait, unpack."""
     with guard(f"switch ({phase})", group, region, x.device):
-        recv, _, _ = _launch(x, meta, group, async_op=False)
+        recv, _, _, joined = _launch(x, meta, group, async_op=False)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, phase, region)
+    if joined:
+        return recv
     return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape, group=group)
 
 
@@ -171,6 +183,7 @@ class SwitchHandle:
         self._input: torch.Tensor | None = None  # the autograd input of the switch
         self._recv: torch.Tensor | None = None
         self._send: torch.Tensor | None = None  # kept alive until the exchange completes
+        self._joined = False  # the receive buffer is the result (no unpack)
         self._result: torch.Tensor | None = None
         self._done: torch.Tensor | None = None  # the result of a folded exchange, already in
 
@@ -194,6 +207,8 @@ class SwitchHandle:
         assert self.meta is not None and self._recv is not None
         meta, recv = self.meta, self._recv
         self._recv = self._send = None
+        if self._joined:
+            return recv
         return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape, group=self.group)
 
 
@@ -335,21 +350,62 @@ class _FoldedSwitch:
     def meta(self) -> _SwitchMeta:
         return self.layout.meta
 
+    def exchange(
+        self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
+    ) -> tuple[torch.Tensor | None, bool]:
+        """``(result, every rank sent OK)``: :func:`~.folded.exchange_with_headers`."""
+        return exchange_with_headers(x, self.layout, like, group, status)
+
     def miss(self, group: Any) -> None:
         like = torch.empty(0, dtype=self.dtype, device=self.device)
-        exchange_with_headers(None, self.layout, like, group, MISS)
+        self.exchange(None, like, group, MISS)
 
 
-def _may_fold(agreed: Agreed, x: torch.Tensor, meta: _SwitchMeta) -> None:
-    """Let the group fold this call next time if every rank packs its send anyway.
+@dataclass(frozen=True)
+class _DirectFoldedSwitch:
+    """A rehearsed switch on the direct path (:mod:`.direct`): its status words travel as one
+    small message per peer, posted before the data."""
 
-    The header then rides in the pack copy; a rank whose blocks lie in place would pay a copy
-    it does not make today, more than the separate agreement at large sizes. CPU only: the
-    folded exchange reads the status words on the host.
+    direct: DirectPlan
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def meta(self) -> _SwitchMeta:
+        return self.direct.meta
+
+    def exchange(
+        self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
+    ) -> tuple[torch.Tensor | None, bool]:
+        """``(result, every rank sent OK)``; the result is ``None`` unless all did."""
+        y, work = exchange_direct(
+            None if x is None else x.contiguous(), self.direct, like, group, status
+        )
+        work.wait()
+        assert work.statuses is not None
+        ok = x is not None and status == OK and all(s == OK for s in work.statuses.tolist())
+        return (y if ok else None), ok
+
+    def miss(self, group: Any) -> None:
+        like = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.exchange(None, like, group, MISS)
+
+
+def _may_fold(agreed: Agreed, x: torch.Tensor, meta: _SwitchMeta, group: Any) -> None:
+    """Let the group fold this call next time when that costs (almost) nothing.
+
+    On the direct path (:mod:`.direct`) the status word is one more small message per peer.
+    Otherwise only if every rank packs its send anyway: the header then rides in the pack copy;
+    a rank whose blocks lie in place would pay a copy it does not make today, more than the
+    separate agreement at large sizes. CPU only: the folded exchange reads the status words on
+    the host.
     """
     if agreed.entry is None or x.device.type != "cpu":
         return
-    if all(v[0] for v in agreed.local(_PACKS)):
+    direct = direct_plan(meta, x, group)
+    if direct is not None:
+        agreed.entry.plan = _DirectFoldedSwitch(direct, x.dtype, x.device)
+    elif all(v[0] for v in agreed.local(_PACKS)):
         agreed.entry.plan = _FoldedSwitch(FoldedLayout.build(meta, x.dtype), x.dtype, x.device)
 
 
@@ -393,12 +449,13 @@ def _start(
                 return handle
             meta, agreed = agree_switch(*args, in_full=True)
         if not async_op:
-            _may_fold(agreed, x, meta)
+            _may_fold(agreed, x, meta, group)
     else:  # the caller has agreed on these arguments already
         meta = _unchecked_meta(x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
     handle = SwitchHandle(meta, group, region, primitive)
     with torch.no_grad(), guard(primitive, group, handle.region, x.device):
-        handle._recv, handle.work, handle._send = _launch(x.detach(), meta, group, async_op)
+        launched = _launch(x.detach(), meta, group, async_op)
+        handle._recv, handle.work, handle._send, handle._joined = launched
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, "forward", handle.region)
     handle._input = x
     return handle
@@ -438,7 +495,7 @@ def _run_folded(
     """The rehearsed switch with its status folded in; ``None`` when some rank missed."""
     rehearsal = SETTINGS.rehearsal(group)
     with torch.no_grad(), guard("switch", group, region, x.device):
-        y, ok = exchange_with_headers(x.detach(), entry.plan.layout, x, group, OK)
+        y, ok = entry.plan.exchange(x.detach(), x, group, OK)
     if not ok:
         rehearsal.missed()
         return None

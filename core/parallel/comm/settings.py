@@ -28,6 +28,22 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0") not in ("", "0", "false", "False")
 
 
+DIRECT_MIN_KIB = 512  # the direct switch's shortest message by default (docs/comm.md)
+
+
+def _env_kib(name: str, default: float) -> int | None:
+    """``name``'s value in KiB as bytes (``off``: ``None``); ``default`` KiB when unset."""
+    value = os.environ.get(name, "").strip()
+    if value.lower() in ("off", "none", "never"):
+        return None
+    try:
+        return int(float(value or default) * 1024)
+    except ValueError:
+        raise ValueError(
+            f"{name}={value!r} is not a number of KiB (or 'off'); e.g. {name}={default:g}"
+        ) from None
+
+
 class Workspace:
     """One group's reusable CPU buffers, each kind bounded by ``limit`` bytes.
 
@@ -138,6 +154,12 @@ class CommSettings:
             measured no gain (docs/comm.md), keeps up to ``workspace_limit`` of storages per
             group, and a caller holding only a result's ``untyped_storage()`` object (no
             tensor) is not seen as a holder.
+        direct_min_bytes: a switch on gloo sends its blocks as point-to-point messages straight
+            from the input into the result, with no pack or unpack copy, when every message is
+            at least this long (:mod:`.direct`; ``DSPZOO_COMM_DIRECT_MIN_KIB``, ``off`` or
+            ``None`` here never). The default is where the direct path measured faster than
+            the packed all-to-all on this project's CPU machine (``docs/comm.md``).
+        direct_max_messages: the direct path's largest number of messages per peer.
     """
 
     debug: bool = field(default_factory=lambda: _env_flag("DSPZOO_DEBUG"))
@@ -148,6 +170,10 @@ class CommSettings:
     )
     max_workspaces: int = 8
     recycle_results: bool = field(default_factory=lambda: _env_flag("DSPZOO_COMM_RECYCLE_RESULTS"))
+    direct_min_bytes: int | None = field(
+        default_factory=lambda: _env_kib("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB)
+    )
+    direct_max_messages: int = 32
     _workspaces: OrderedDict[int, tuple[Any, Workspace]] = field(
         default_factory=OrderedDict, repr=False
     )

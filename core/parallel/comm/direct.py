@@ -1,0 +1,178 @@
+"""A switch sent straight from the input and received straight into the result (gloo, CPU).
+
+``all_to_all_single`` needs the blocks for each rank laid end to end, so a switch whose blocks
+are strided in the input (``[1, T/N, S, C]`` sharded on ``t`` → on ``s``: the block for rank
+``q`` is ``T/N`` separate runs of ``S/N·C`` elements) packs them with one copy first. On gloo
+a point-to-point message can be sent from, and received into, any contiguous run, so when a
+block is a few long runs in the input and lands as a few long runs in the result, the switch
+can send each run as one message and skip the pack copy (and, on the receive side, the unpack
+copy the all-to-all needs when the leading axes are not trivial). Only the rank's own block is
+copied, while the messages travel.
+
+Both sides cut the block from ``p`` to ``q`` — shape ``B`` = the global shape with
+``src_sizes[p]`` rows on ``src`` and ``dst_sizes[q]`` on ``dst`` — the same way: one message per
+index of ``B``'s axes before ``max(src, dst)``, in row-major order. Every such message is one
+contiguous run on the sender (its input is contiguous and only cut on ``dst``) and on the
+receiver (the result is contiguous and only cut on ``src``). Empty blocks send nothing.
+
+Each message costs gloo a rendezvous (tens of µs on this machine), so the path pays only for
+long runs: :func:`direct_plan` takes it when every message is at least
+``SETTINGS.direct_min_bytes`` and there are at most ``SETTINGS.direct_max_messages`` per peer
+(``docs/comm.md`` has the measurements). The decision depends only on what every rank of the
+group agreed on (the global shape, the split sizes, the dtype and the backend), so the whole
+group takes the same path.
+
+A folded (rehearsed) switch on this path sends its status word as one more small message per
+peer (:func:`exchange_direct`), posted before the data, so a rank's miss is seen by every rank
+as in :mod:`.folded`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .blocks import offsets, result_tensor
+from .settings import SETTINGS
+
+_TAG = 0x5D00  # base tag of a direct switch's messages (the status word uses _TAG itself)
+_EXCHANGES = [0]  # direct exchanges started by this process
+
+
+def exchanges_started() -> int:
+    """How many direct exchanges this process has started (benchmarks and tests check it)."""
+    return _EXCHANGES[0]
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """How one rank's switch is cut into messages (the same cut on every rank).
+
+    ``meta`` is the rank's ``exchange._SwitchMeta``; ``depth`` = ``max(src, dst)``: one message
+    per index of a block's axes before it.
+    """
+
+    meta: Any
+    depth: int
+
+    def _pieces(self, t: torch.Tensor, axis: int, start: int, rows: int) -> list[torch.Tensor]:
+        """The contiguous runs of ``t.narrow(axis, start, rows)``, one per leading index."""
+        block = t.narrow(axis, start, rows)
+        if block.numel() == 0:
+            return []
+        if self.depth == 0:
+            return [block]
+        lead = [range(s) for s in block.shape[: self.depth]]
+        return [block[index] for index in itertools.product(*lead)]
+
+    def send_pieces(self, x: torch.Tensor, q: int) -> list[torch.Tensor]:
+        """The messages for rank ``q``: views of the contiguous input ``x``."""
+        meta = self.meta
+        return self._pieces(x, meta.dst, offsets(meta.dst_sizes)[q], meta.dst_sizes[q])
+
+    def recv_pieces(self, y: torch.Tensor, p: int) -> list[torch.Tensor]:
+        """Where the messages from rank ``p`` land: views of the contiguous result ``y``."""
+        meta = self.meta
+        return self._pieces(y, meta.src, offsets(meta.src_sizes)[p], meta.src_sizes[p])
+
+
+def _global_shape(meta: Any) -> list[int]:
+    shape = list(meta.x_shape)
+    shape[meta.src] = sum(meta.src_sizes)
+    return shape
+
+
+def direct_plan(meta: Any, x: torch.Tensor, group: Any) -> DirectPlan | None:
+    """The direct plan of a switch, or ``None`` when the packed all-to-all is the better path.
+
+    Direct only on gloo and the CPU (and not when ``SETTINGS.direct_min_bytes`` is ``None``),
+    with every message of at least ``SETTINGS.direct_min_bytes`` and at most
+    ``SETTINGS.direct_max_messages`` per peer, or when no block crosses ranks at all. Uses only
+    what the group agreed on, so every rank decides alike.
+    """
+    if x.device.type != "cpu" or SETTINGS.direct_min_bytes is None:
+        return None
+    if dist.get_backend(group) != "gloo":
+        return None
+    depth = max(meta.src, meta.dst)
+    shape = _global_shape(meta)
+    smallest, most = math.inf, 0
+    for p, q in itertools.permutations(range(len(meta.src_sizes)), 2):
+        block = list(shape)
+        block[meta.src], block[meta.dst] = meta.src_sizes[p], meta.dst_sizes[q]
+        if math.prod(block) == 0:
+            continue
+        most = max(most, math.prod(block[:depth]))
+        smallest = min(smallest, math.prod(block[depth:]) * x.element_size())
+    if most == 0:  # nothing crosses ranks: no message at all beats an empty all-to-all
+        return DirectPlan(meta=meta, depth=depth)
+    if most > SETTINGS.direct_max_messages or smallest < SETTINGS.direct_min_bytes:
+        return None
+    return DirectPlan(meta=meta, depth=depth)
+
+
+class DirectWork:
+    """The messages of one direct exchange in flight; :meth:`wait` finishes them all."""
+
+    def __init__(
+        self, works: list[Any], keep: list[torch.Tensor], statuses: torch.Tensor | None = None
+    ) -> None:
+        self.works, self.statuses = works, statuses
+        self._keep = keep  # the sent tensors, alive until the messages are out
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self._keep = [], []
+
+
+def exchange_direct(
+    x: torch.Tensor | None,
+    plan: DirectPlan,
+    like: torch.Tensor,
+    group: Any,
+    status: int | None = None,
+) -> tuple[torch.Tensor, DirectWork]:
+    """Start one direct switch exchange; ``(result, work)`` — the result is complete after
+    ``work.wait()``.
+
+    ``x`` is the contiguous input, or ``None`` on a rank that missed a folded call's prediction
+    (it sends zeros of the predicted sizes). With ``status`` (a folded call) every rank also
+    sends that word to every peer first; ``work.statuses`` then holds the words received
+    (this rank's own at its index) once the work is waited on.
+    """
+    meta = plan.meta
+    n, r = len(meta.src_sizes), meta.rank
+    _EXCHANGES[0] += 1
+    y = result_tensor(meta.y_shape, like, group)
+    works: list[Any] = []
+    statuses = None
+    if status is not None:
+        statuses = torch.full((n,), status, dtype=torch.int64)
+        word = torch.full((1,), status, dtype=torch.int64)
+        for p in range(n):
+            if p != r:
+                works.append(dist.irecv(statuses[p : p + 1], group=group, tag=_TAG, group_src=p))
+                works.append(dist.isend(word, group=group, tag=_TAG, group_dst=p))
+    if x is None:  # a rank that missed sends zeros in the predicted layout
+        x = torch.zeros(meta.x_shape, dtype=like.dtype, device=like.device)
+        missed = True
+    else:
+        missed = False
+    for p in range(n):
+        if p == r:
+            continue
+        for k, piece in enumerate(plan.recv_pieces(y, p)):
+            works.append(dist.irecv(piece, group=group, tag=_TAG + 1 + k, group_src=p))
+        for k, piece in enumerate(plan.send_pieces(x, p)):
+            works.append(dist.isend(piece, group=group, tag=_TAG + 1 + k, group_dst=p))
+    if not missed:  # own block into place while the messages travel
+        own = x.narrow(meta.dst, offsets(meta.dst_sizes)[r], meta.dst_sizes[r])
+        y.narrow(meta.src, offsets(meta.src_sizes)[r], meta.src_sizes[r]).copy_(own)
+    keep = [x] if status is None else [x, word]
+    return y, DirectWork(works, keep, statuses)
