@@ -21,9 +21,11 @@ turn, behind a barrier; the median per variant, the slowest rank's), on the same
   methods use after agreeing once at entry): ``switch / unchecked`` is the agreement's cost in
   a real switch (the target is within 5 %), and ``(switch − unchecked) / bare`` the same cost
   beside the bare all-to-all;
-* ``switch (recycled)`` — ``switch`` with results on recycled storages
-  (``SETTINGS.recycle_results`` on, ``DSPZOO_COMM_RECYCLE_RESULTS=1``; off by default, since it
-  measured no gain), timed in the same run for the ratio;
+* ``switch (packed)`` and ``switch (direct)`` — the same steady-state switch with its path
+  forced: the blocks packed into one ``all_to_all_single``, or sent as point-to-point messages
+  straight from the input into the result (:mod:`dspzoo.core.parallel.comm.direct`; gloo
+  only). Each runs on a group of its own (same ranks), which learnt the call with that path;
+  ``switch`` takes the path the default settings pick (its column ``path``);
 * ``naive``   — the textbook form: chunk along s, make each chunk contiguous, list
   ``all_to_all``, concatenate along t;
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,7 @@ import torch.distributed as dist
 from dspzoo.core import switch, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.argparser import CommandParser
+from dspzoo.core.parallel.comm.direct import exchanges_started
 from dspzoo.core.parallel.comm.exchange import agree_switch, switch_agreed
 from dspzoo.core.parallel.comm.settings import SETTINGS
 from dspzoo.core.parallel.trace import format_bytes
@@ -95,18 +99,28 @@ def naive_switch(x: torch.Tensor, src: int, dst: int, n: int) -> torch.Tensor:
     return torch.cat(outputs, dim=src)
 
 
-VARIANTS = ("bare", "agree+bare", "switch", "switch (recycled)", "unchecked", "naive")
+VARIANTS = (
+    "bare",
+    "agree+bare",
+    "switch",
+    "switch (packed)",
+    "switch (direct)",
+    "unchecked",
+    "naive",
+)
 
 
-def recycled_results(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with collective results on the group's recycled storages."""
+def on_path(fn: Callable[[], object], direct: bool) -> Callable[[], object]:
+    """``fn`` with every switch on the direct path (``direct``) or on the packed one."""
 
     def run() -> object:
-        previous, SETTINGS.recycle_results = SETTINGS.recycle_results, True
+        saved = SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages
+        SETTINGS.direct_min_bytes = 0 if direct else None
+        SETTINGS.direct_max_messages = 10**6
         try:
             return fn()
         finally:
-            SETTINGS.recycle_results = previous
+            SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages = saved
 
     return run
 
@@ -134,6 +148,8 @@ def main() -> None:
         )
     device = accelerator.device
     group = dist.group.WORLD  # the mesh above has sp_size 1 (dist starts inside it)
+    # one group per forced path: a group folds a call with the path it learnt it on
+    packed_group, direct_group = (dist.new_group(list(range(n))) for _ in range(2))
     rows, cpu_rows = [], []
     t_local = args.frames // n
     length = t_local * n
@@ -159,26 +175,36 @@ def main() -> None:
             agree_switch(x, 1, 2, group, length, None, None, "switch", in_full=True)
             bare()
 
+        def switched(g: Any = group, x: torch.Tensor = x) -> torch.Tensor:
+            return switch(x, 1, 2, g, src_length=length)
+
         variants: dict[str, Callable[[], object]] = {
             "bare": bare,
             "agree+bare": agree_then_bare,
-            "switch": lambda x=x: switch(x, 1, 2, group, src_length=length),
-            "switch (recycled)": recycled_results(
-                lambda x=x: switch(x, 1, 2, group, src_length=length)
-            ),
+            "switch": switched,
+            "switch (packed)": on_path(lambda: switched(packed_group), direct=False),
+            "switch (direct)": on_path(lambda: switched(direct_group), direct=True),
             "unchecked": lambda x=x: switch_agreed(x, 1, 2, group, src_length=length),
             "naive": lambda x=x: naive_switch(x, 1, 2, n),
         }
-        agree_then_bare()  # the group learns the timed sequence: agreement, then the switch
-        switch(x, 1, 2, group, src_length=length)
-        rehearsal = SETTINGS.rehearsal(group)
-        hits, misses = rehearsal.hits, rehearsal.misses
+        agree_then_bare()  # each group learns the timed sequence: agreement, then the switch
+        started = exchanges_started()
+        switched()
+        path = "direct" if exchanges_started() > started else "packed"
+        for name in ("switch (packed)", "switch (direct)"):
+            variants[name]()
+        assert torch.equal(variants["switch (direct)"](), ref)
+        assert torch.equal(variants["switch (packed)"](), ref)
+        counts = [SETTINGS.rehearsal(g) for g in (group, packed_group, direct_group)]
+        before = [(c.hits, c.misses) for c in counts]
+        started = exchanges_started()
         timed, cpu = timed_interleaved(variants, args.iters, args.warmup)
-        folded = (rehearsal.hits - hits, rehearsal.misses - misses)
-        assert folded == (2 * (args.iters + args.warmup), 0), (
-            f"folded switches (hits, misses): {folded}"
-        )
-        rows.append((x.numel() * x.element_size(), tuple(x.shape), timed, measured, expected))
+        calls = args.iters + args.warmup
+        folded = [(c.hits - h, c.misses - m) for c, (h, m) in zip(counts, before)]
+        assert folded == [(calls, 0)] * 3, f"folded switches (hits, misses) per group: {folded}"
+        direct_calls = calls * (3 if path == "direct" else 1)  # switch and unchecked follow it
+        assert exchanges_started() - started == direct_calls, "a switch took the wrong path"
+        rows.append((x.numel() * x.element_size(), tuple(x.shape), timed, measured, expected, path))
         cpu_rows.append(cpu)
 
     if mesh.is_main:
@@ -187,39 +213,40 @@ def main() -> None:
             f"median of {args.iters} interleaved repetitions (slowest rank per call)"
         )
         print(
-            f"{'local size':>10} {'shape [1,T/N,S,C]':>22} "
-            + " ".join(f"{v + ' ms':>14}" for v in VARIANTS)
-            + f" {'switch/unchecked':>17} {'(sw-unch)/bare':>15} {'agree+bare/bare':>16}"
-            f" {'switch/bare':>12} {'recyc/bare':>11} {'recyc/switch':>13} {'naive/switch':>13}"
+            f"{'local size':>10} {'shape [1,T/N,S,C]':>22} {'path':>6} "
+            + " ".join(f"{v + ' ms':>17}" for v in VARIANTS)
+            + f" {'switch/bare':>12} {'packed/bare':>12} {'direct/bare':>12}"
+            f" {'switch/unchecked':>17} {'agree+bare/bare':>16} {'naive/switch':>13}"
             f" {'traced bytes':>13} {'formula':>10}"
         )
-        for size, shape, times, measured, expected in rows:
+        for size, shape, times, measured, expected, path in rows:
             t = dict(zip(VARIANTS, times.median(dim=0).values.tolist()))
             ok = "==" if measured == expected else "!="
             print(
-                f"{format_bytes(size):>10} {str(shape):>22} "
-                + " ".join(f"{t[v] * 1e3:14.3f}" for v in VARIANTS)
-                + f" {t['switch'] / t['unchecked']:16.3f}x"
-                f" {(t['switch'] - t['unchecked']) / t['bare']:+14.3f}x"
-                f" {t['agree+bare'] / t['bare']:15.3f}x"
-                f" {t['switch'] / t['bare']:11.3f}x {t['switch (recycled)'] / t['bare']:10.3f}x"
-                f" {t['switch (recycled)'] / t['switch']:12.3f}x {t['naive'] / t['switch']:12.3f}x"
+                f"{format_bytes(size):>10} {str(shape):>22} {path:>6} "
+                + " ".join(f"{t[v] * 1e3:17.3f}" for v in VARIANTS)
+                + f" {t['switch'] / t['bare']:11.3f}x"
+                f" {t['switch (packed)'] / t['bare']:11.3f}x"
+                f" {t['switch (direct)'] / t['bare']:11.3f}x"
+                f" {t['switch'] / t['unchecked']:16.3f}x"
+                f" {t['agree+bare'] / t['bare']:15.3f}x {t['naive'] / t['switch']:12.3f}x"
                 f" {measured:>13} {ok} {expected}"
             )
         print("\nCPU time per call (process, all threads; larger rank), median ms, and / bare")
-        for (size, _, _, _, _), cpu in zip(rows, cpu_rows):
+        for (size, *_), cpu in zip(rows, cpu_rows):
             c = dict(zip(VARIANTS, cpu.median(dim=0).values.tolist()))
             print(
                 f"{format_bytes(size):>10}  "
                 + "  ".join(f"{v} {c[v] * 1e3:.3f} ({c[v] / c['bare']:.2f}x)" for v in VARIANTS)
             )
         print("\nratios per repetition (both variants timed back to back): median [25%-75%]")
-        for size, _, times, _, _ in rows:
+        for size, _, times, *_ in rows:
             print(
-                f"{format_bytes(size):>10}  switch/unchecked {paired(times, 'switch', 'unchecked')}"
-                f"   agree+bare/bare {paired(times, 'agree+bare', 'bare')}"
-                f"   switch/bare {paired(times, 'switch', 'bare')}"
-                f"   recycled/switch {paired(times, 'switch (recycled)', 'switch')}"
+                f"{format_bytes(size):>10}  switch/bare {paired(times, 'switch', 'bare')}"
+                f"   packed/bare {paired(times, 'switch (packed)', 'bare')}"
+                f"   direct/bare {paired(times, 'switch (direct)', 'bare')}"
+                f"   direct/packed {paired(times, 'switch (direct)', 'switch (packed)')}"
+                f"   switch/unchecked {paired(times, 'switch', 'unchecked')}"
             )
         print(
             "\nreproduce: accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "
