@@ -17,6 +17,9 @@ turn, behind a barrier; the median per variant, the slowest rank's), on the same
   ``[1, T/N, S, C]`` activation, in its steady state: the group rehearsed the call, so its
   agreement is folded into the all-to-all (a status header per chunk, no collective of its own;
   :mod:`dspzoo.core.parallel.comm.rehearsal`): one layout copy, one ``all_to_all_single``;
+* ``switch (recycled)`` — ``switch`` with its result on a recycled storage of the group
+  (``SETTINGS.recycle_results``, ``DSPZOO_COMM_RECYCLE_RESULTS=1``): no page faults on first
+  write, as the bare all-to-all's reused output buffer has none;
 * ``unchecked`` — the same switch without any agreement (``switch_agreed``, what attention
   methods use after agreeing once at entry): ``switch / unchecked`` is the agreement's cost in
   a real switch (the target is within 5 %), and ``(switch − unchecked) / bare`` the same cost
@@ -105,9 +108,23 @@ VARIANTS = (
     "switch",
     "switch (packed)",
     "switch (direct)",
+    "switch (recycled)",
     "unchecked",
     "naive",
 )
+
+
+def recycled_results(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with collective results on the group's recycled storages."""
+
+    def run() -> object:
+        previous, SETTINGS.recycle_results = SETTINGS.recycle_results, True
+        try:
+            return fn()
+        finally:
+            SETTINGS.recycle_results = previous
+
+    return run
 
 
 def on_path(fn: Callable[[], object], direct: bool) -> Callable[[], object]:
@@ -184,6 +201,7 @@ def main() -> None:
             "switch": switched,
             "switch (packed)": on_path(lambda: switched(packed_group), direct=False),
             "switch (direct)": on_path(lambda: switched(direct_group), direct=True),
+            "switch (recycled)": recycled_results(switched),
             "unchecked": lambda x=x: switch_agreed(x, 1, 2, group, src_length=length),
             "naive": lambda x=x: naive_switch(x, 1, 2, n),
         }
@@ -201,8 +219,10 @@ def main() -> None:
         timed, cpu = timed_interleaved(variants, args.iters, args.warmup)
         calls = args.iters + args.warmup
         folded = [(c.hits - h, c.misses - m) for c, (h, m) in zip(counts, before)]
-        assert folded == [(calls, 0)] * 3, f"folded switches (hits, misses) per group: {folded}"
-        direct_calls = calls * (3 if path == "direct" else 1)  # switch and unchecked follow it
+        assert folded == [(2 * calls, 0), (calls, 0), (calls, 0)], (
+            f"folded switches (hits, misses) per group: {folded}"
+        )
+        direct_calls = calls * (4 if path == "direct" else 1)  # switch, recycled, unchecked
         assert exchanges_started() - started == direct_calls, "a switch took the wrong path"
         rows.append((x.numel() * x.element_size(), tuple(x.shape), timed, measured, expected, path))
         cpu_rows.append(cpu)
@@ -215,7 +235,7 @@ def main() -> None:
         print(
             f"{'local size':>10} {'shape [1,T/N,S,C]':>22} {'path':>6} "
             + " ".join(f"{v + ' ms':>17}" for v in VARIANTS)
-            + f" {'switch/bare':>12} {'packed/bare':>12} {'direct/bare':>12}"
+            + f" {'switch/bare':>12} {'packed/bare':>12} {'direct/bare':>12} {'recyc/bare':>11}"
             f" {'switch/unchecked':>17} {'agree+bare/bare':>16} {'naive/switch':>13}"
             f" {'traced bytes':>13} {'formula':>10}"
         )
@@ -228,6 +248,7 @@ def main() -> None:
                 + f" {t['switch'] / t['bare']:11.3f}x"
                 f" {t['switch (packed)'] / t['bare']:11.3f}x"
                 f" {t['switch (direct)'] / t['bare']:11.3f}x"
+                f" {t['switch (recycled)'] / t['bare']:10.3f}x"
                 f" {t['switch'] / t['unchecked']:16.3f}x"
                 f" {t['agree+bare'] / t['bare']:15.3f}x {t['naive'] / t['switch']:12.3f}x"
                 f" {measured:>13} {ok} {expected}"
@@ -247,6 +268,7 @@ def main() -> None:
                 f"   direct/bare {paired(times, 'switch (direct)', 'bare')}"
                 f"   direct/packed {paired(times, 'switch (direct)', 'switch (packed)')}"
                 f"   switch/unchecked {paired(times, 'switch', 'unchecked')}"
+                f"   recycled/bare {paired(times, 'switch (recycled)', 'bare')}"
             )
         print(
             "\nreproduce: accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dspzoo.core.entry import release_communicators
+
 
 def _pieces(rank: int, mib: float) -> tuple[dict[str, Callable[[], object]], tuple[int, ...]]:
     from dspzoo.core import switch
@@ -102,7 +104,7 @@ def _run(rank: int, mib: float, iters: int, port: int) -> None:
         walls, cpus = wall.median(0).values.tolist(), cpu.median(0).values.tolist()
         for name, w, c in zip(fns, walls, cpus):
             print(f"{name:<18} {w * 1e6:9.1f} {c * 1e6:9.1f}")
-    dist.destroy_process_group()
+    release_communicators()  # also the groups held in reference cycles (else gloo aborts at exit)
 
 
 def main() -> None:
