@@ -56,7 +56,10 @@ def category(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Any other flag of the benchmark's case (--frames, --latent, ...) is passed on.",
+    )
     p.add_argument("--model", default="bytelm-small")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
@@ -92,13 +95,19 @@ def main(argv: list[str] | None = None) -> None:
     from dspzoo.core.bench.case import build_case
     from dspzoo.core.bench.meshes import MeshCache
     from dspzoo.core.bench.runner import Runner
+    from dspzoo.core.bench.runner import build_parser as build_bench_parser
 
-    args = build_parser().parse_args(argv)
+    args, case_flags = build_parser().parse_known_args(argv)
+    # the case as the benchmark builds it: its defaults, and any of its flags given here
+    # (--frames, --latent, --full-attention-every, ...)
+    bench_args = build_bench_parser().parse_args(
+        ["--model", args.model, "--seq-len", str(args.seq_len), "--seed", str(args.seed)]
+        + case_flags
+    )
     accelerator, world_mesh, _ = setup_accelerate(sp_size=1, seed=args.seed)
     torch.set_num_threads(1)
     world, rank = world_mesh.world_size, world_mesh.rank
-    args.checkpoint, args.kv_heads, args.perturb = False, 0, 0.02
-    case = build_case(args, args.batch)
+    case = build_case(bench_args, args.batch)
     meshes = MeshCache(accelerator, built=(world_mesh,))
     names = [s.strip() for s in args.strategies.split(",")]
     runners = [Runner(n, case, world, meshes) for n in names]

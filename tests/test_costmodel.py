@@ -542,6 +542,7 @@ def test_this_cpu_probe_measures_caches_and_reads_back(tmp_path, monkeypatch) ->
     probed = measure_this_cpu(refresh=True)
     assert probed.name == "this-cpu" and probed.mfu == 1.0
     assert probed.flops > 1e8 and probed.intra_bw > 1e6 and 0 < probed.intra_lat < 1.0
+    assert probed.hbm_bw > 1e8  # the streaming copy: the memory-bound terms are on
     path = tmp_path / "dspzoo" / "this-cpu.json"
     record = json.loads(path.read_text())
     assert record["measured_at"] > 0 and record["probe"] == {"ranks": 2, "threads": 1}
@@ -569,6 +570,11 @@ def test_a_bench_at_sp_1_predicts_on_the_cached_cluster(tmp_path, monkeypatch) -
     result = {"sp": 1, "dp": 1, "rows": [{"strategy": "dsp", "time": time, "times": [0.5]}]}
     add_prediction(result, case, "this-cpu")
     assert result["rows"][0]["prediction"]["step_s"] > 0
+    # the cached cluster has a memory bandwidth: the error is also given without those terms
+    prediction = result["rows"][0]["prediction"]
+    assert prediction["memory_s"] > 0
+    assert prediction["error_without_memory"] < prediction["error"]
+    assert "median_abs_without_memory" in result["prediction_error"]
     assert result["cluster"]["peak_tflops"] == cached.peak_tflops
     with pytest.raises(ValueError, match="group of 2 or more"):
         probe_group()

@@ -125,6 +125,11 @@ def markdown(result: dict[str, Any]) -> str:
             f"{'; probed in this run' if 'probe' in result and cl['name'] == 'this-cpu' else ''}): "
             f"step-time prediction error median {e['median_abs']:.0%}, max {e['max_abs']:.0%}",
         ]
+        if "median_abs_without_memory" in e:
+            lines[-1] += (
+                f" (memory-bound terms at {cl['hbm_bw'] / 1e9:.1f} GB/s; without them: median "
+                f"{e['median_abs_without_memory']:.0%}, max {e['max_abs_without_memory']:.0%})"
+            )
     lines += ["", f"reproduce: `{result['command']}`", ""]
     return "\n".join(lines)
 

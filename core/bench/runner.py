@@ -22,7 +22,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -499,11 +499,13 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
         cl = get_cluster(cluster)
     sp, dp = result["sp"], result["dp"]
     wl = case.workload(case.batch // dp)
-    errors = []
+    errors, plain_errors = [], []  # plain: without the memory-bound terms (same rates)
+    plain = replace(cl, hbm_bw=0.0)
     for row in result["rows"]:
         name = "ulysses" if row["strategy"] == PEER else row["strategy"]
         try:
             p = predict(wl, name, sp, cl, dp=dp)
+            p_plain = predict(wl, name, sp, plain, dp=dp)
         except Exception as exc:  # a strategy the model cannot describe: say so
             row["prediction"] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
@@ -513,15 +515,23 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
             "step_s": p.step_s,
             "compute_s": p.compute_s,
             "comm_s": p.comm_s,
+            "memory_s": p.memory_s + p.copy_s,
             "error": err,
+            "error_without_memory": (p_plain.step_s - measured) / measured,
         }
         errors.append(abs(err))
+        plain_errors.append(abs(row["prediction"]["error_without_memory"]))
     result["cluster"] = {k: v for k, v in cl.__dict__.items()}
     if errors:
         result["prediction_error"] = {
             "median_abs": statistics.median(errors),
             "max_abs": max(errors),
         }
+        if cl.hbm_bw:
+            result["prediction_error"]["median_abs_without_memory"] = statistics.median(
+                plain_errors
+            )
+            result["prediction_error"]["max_abs_without_memory"] = max(plain_errors)
 
 
 def reproduce_command(args: argparse.Namespace, world: int) -> str:

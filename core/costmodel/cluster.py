@@ -206,6 +206,7 @@ def this_cpu(rates: Rates) -> Cluster:
         inter_lat=rates.latency,
         gpus_per_node=os.cpu_count() or 1,
         memory_gib=_memory_gib(),
+        hbm_bw=rates.memory_bandwidth,  # the element-wise work and layout copies run at it
     )
 
 

@@ -1,4 +1,5 @@
-"""Measure this machine's rates for the ``this-cpu`` cluster: matmul FLOP/s and all-to-all α-β.
+"""Measure this machine's rates for the ``this-cpu`` cluster: matmul FLOP/s, streaming-copy
+memory bandwidth and all-to-all α-β.
 
 Two ways in, one measurement:
 
@@ -36,6 +37,9 @@ class Rates:
         latency: seconds of one all-to-all of (almost) nothing: the fixed cost per collective.
         ranks: size of the group probed.
         threads: torch threads per rank the FLOP rate was measured with.
+        memory_bandwidth: bytes/s read + written by a streaming copy on those threads, every
+            rank copying at once (they share the memory bus, as in a step); 0: not measured
+            (a cache from before this field), which turns the cost model's memory terms off.
     """
 
     flops: float
@@ -43,6 +47,7 @@ class Rates:
     latency: float
     ranks: int
     threads: int = 1
+    memory_bandwidth: float = 0.0
 
 
 def matmul_rate(size: int = 512, seconds: float = 0.3, threads: int = 1) -> float:
@@ -58,6 +63,25 @@ def matmul_rate(size: int = 512, seconds: float = 0.3, threads: int = 1) -> floa
             a @ b
             count += 1
         return 2.0 * size**3 * count / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+
+
+def copy_rate(nbytes: int = 64 << 20, calls: int = 7, threads: int = 1) -> float:
+    """Bytes/s read + written by ``dst.copy_(src)`` of ``nbytes`` fp32 (a STREAM copy: far
+    larger than the caches), the median of ``calls`` copies on ``threads`` torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(max(nbytes // 4, 1))
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm-up: the pages of both are mapped
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return 2.0 * src.numel() * 4 / statistics.median(times)
     finally:
         torch.set_num_threads(before)
 
@@ -87,7 +111,8 @@ def probe_group(
 
     Latency = median time of an all-to-all of one element per rank; bandwidth = the bytes a rank
     sends in an all-to-all of ``large_bytes`` over its median time beyond that latency; FLOP/s
-    of matmuls on ``threads`` threads. The slowest rank's figures are kept (a step waits for it).
+    of matmuls and the memory bandwidth of a streaming copy (every rank at once) on ``threads``
+    threads. The slowest rank's figures are kept (a step waits for it).
     """
     if not dist.is_initialized() or dist.get_world_size(group) < 2:
         raise ValueError(
@@ -96,13 +121,20 @@ def probe_group(
         )
     n = dist.get_world_size(group)
     flops = matmul_rate(seconds=seconds, threads=threads)
+    dist.barrier(group=group)  # the ranks copy at the same time, sharing the memory bus
+    memory = copy_rate(threads=threads)
     small = torch.zeros(n * SMALL_ELEMENTS_PER_RANK)
     large = torch.zeros(max(large_bytes // 4 // n, 1) * n)
     latency = _median_call_s(group, small, calls)
     big = _median_call_s(group, large, max(calls // 2, 3))
     # the slowest rank's: max of the times, min of the rate
-    worst = torch.tensor([latency, big, -flops], dtype=torch.float64)
+    worst = torch.tensor([latency, big, -flops, -memory], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    latency, big, flops = worst[0].item(), worst[1].item(), -worst[2].item()
+    latency, big, flops, memory = (
+        worst[0].item(),
+        worst[1].item(),
+        -worst[2].item(),
+        -worst[3].item(),
+    )
     sent = large.numel() * 4 * (n - 1) / n
-    return Rates(flops, sent / max(big - latency, 1e-9), latency, n, threads)
+    return Rates(flops, sent / max(big - latency, 1e-9), latency, n, threads, memory)
