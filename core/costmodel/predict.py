@@ -154,6 +154,9 @@ def predict(
             flat = ulysses_flat_bytes(workload, n) / 2  # per phase
             for phase in phases:
                 busiest.add("all_to_all", phase, flat, 4 * attentions)
+            if sends_exit_gather(workload, training):  # the reference code gathers too
+                exit_bytes = exit_gather_bytes(workload, plan, n)
+                busiest.add("all_gather", "forward", exit_bytes, 1)
     else:
         if n > 1:
             plan = make_plan(workload, strategy, n)
