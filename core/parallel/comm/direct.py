@@ -97,23 +97,37 @@ def direct_plan(meta: Any, x: torch.Tensor, group: Any) -> DirectPlan | None:
     """
     if x.device.type != "cpu" or SETTINGS.direct_min_bytes is None:
         return None
-    if dist.get_backend(group) != "gloo":
-        return None
     depth = max(meta.src, meta.dst)
     shape = _global_shape(meta)
-    smallest, most = math.inf, 0
-    for p, q in itertools.permutations(range(len(meta.src_sizes)), 2):
-        block = list(shape)
-        block[meta.src], block[meta.dst] = meta.src_sizes[p], meta.dst_sizes[q]
-        if math.prod(block) == 0:
-            continue
-        most = max(most, math.prod(block[:depth]))
-        smallest = min(smallest, math.prod(block[depth:]) * x.element_size())
-    if most == 0:  # nothing crosses ranks: no message at all beats an empty all-to-all
-        return DirectPlan(meta=meta, depth=depth)
+    # a block p → q has src_sizes[p] rows on src and dst_sizes[q] on dst; the deeper of the two
+    # axes sets the message length, the other the message count (O(N), not over the pairs)
+    rest_after = math.prod(s for i, s in enumerate(shape[depth:], depth) if i not in _axes(meta))
+    rest_before = math.prod(s for i, s in enumerate(shape[:depth]) if i not in _axes(meta))
+    deep, shallow = (
+        (meta.src_sizes, meta.dst_sizes) if meta.src == depth else (meta.dst_sizes, meta.src_sizes)
+    )
+    if rest_after * rest_before == 0 or not _crosses(meta.src_sizes, meta.dst_sizes):
+        return DirectPlan(meta=meta, depth=depth)  # no message at all beats an empty all-to-all
+    smallest = min(s for s in deep if s) * rest_after * x.element_size()
+    most = max(shallow) * rest_before
     if most > SETTINGS.direct_max_messages or smallest < SETTINGS.direct_min_bytes:
         return None
+    if dist.get_backend(group) != "gloo":
+        return None
     return DirectPlan(meta=meta, depth=depth)
+
+
+def _axes(meta: Any) -> tuple[int, int]:
+    return (meta.src, meta.dst)
+
+
+def _crosses(src_sizes: list[int], dst_sizes: list[int]) -> bool:
+    """Whether some rank ``p`` holds rows for another rank ``q ≠ p`` (a block crosses ranks)."""
+    senders = [p for p, rows in enumerate(src_sizes) if rows]
+    receivers = [q for q, rows in enumerate(dst_sizes) if rows]
+    if not senders or not receivers:
+        return False
+    return not (len(senders) == len(receivers) == 1 and senders == receivers)
 
 
 class DirectWork:
