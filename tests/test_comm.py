@@ -387,29 +387,77 @@ def _check_direct_switch(rank: int, world: int) -> int:
                 _check_double_backward,
                 _check_mismatched_switch,
                 _check_rehearsed_switch,
+                _check_recycled_results,
             ):
                 checks += check(rank, world)
     finally:
         dist.all_to_all_single = packed
         comm.SETTINGS.direct_max_messages = limit
     assert all_to_alls[0] == 0, f"{all_to_alls[0]} switches took the packed path"
+    # every switch (forward and backward) above ran direct: hundreds of them
     assert exchanges_started() - before > 300, "the switches did not take the direct path"
     # above the threshold, or with more messages per peer than allowed: the packed all-to-all
     # (unchecked switches: a folded call keeps the plan its group agreed on when it was learnt)
     from dspzoo.core.parallel.comm.exchange import switch_agreed
 
-    x = torch.randn(1, 2, 3 * world, 4)
+    full = torch.randn(1, 2 * world, 3 * world, 4, generator=torch.Generator().manual_seed(8))
+    x, want = _slice(full, 1, world, rank), _slice(full, 2, world, rank)
+    message = 3 * 4 * x.element_size()  # one message: 3 rows of s × 4 channels
     before = exchanges_started()
-    with _direct_path(10**9):
-        switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world)
+    with _direct_path(message + 1):  # one byte above the messages' length: packed
+        assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
     previous, comm.SETTINGS.direct_max_messages = comm.SETTINGS.direct_max_messages, 1
     try:
-        with _direct_path(0):
-            switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world)  # 2 per peer
+        with _direct_path(0):  # 2 messages per peer, 1 allowed: packed
+            assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
     finally:
         comm.SETTINGS.direct_max_messages = previous
     assert exchanges_started() == before
-    return checks
+    with _direct_path(message):  # exactly the messages' length: direct
+        assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
+    assert exchanges_started() == before + 1
+    return checks + _check_mixed_paths(rank, world) + _check_dropped_direct_switch(rank, world)
+
+
+def _check_mixed_paths(rank: int, world: int) -> int:
+    """Direct and packed switches in flight together on one group, with a ring transfer and a
+    synchronous switch between them, waited in reverse order: all exact."""
+    from dspzoo.core.parallel.comm.direct import exchanges_started
+    from dspzoo.core.parallel.comm.p2p import RingTransfer
+
+    group, gen = dist.group.WORLD, torch.Generator().manual_seed(11)
+    big = torch.randn(1, 3 * world + 1, 4 * world + 2, 8, generator=gen)  # direct: long runs
+    small = torch.randn(3, 2 * world + 1, 3, 2, generator=gen)  # packed: short runs
+    base = torch.randn(5, generator=gen)
+    ring = base + rank
+    comm.SETTINGS._rehearsals.clear()  # no prediction to miss (a miss exchanges too)
+    with _direct_path(4 * 8 * big.element_size()):  # the shortest run of `big` is 4 rows × 8
+        before = exchanges_started()
+        h_big = comm.switch_async(_slice(big, 1, world, rank), 1, 2, group, big.shape[1])
+        h_small = comm.switch_async(_slice(small, 2, world, rank), 2, 1, group, small.shape[2])
+        transfer = RingTransfer([ring], group, [ring.shape])
+        y_sync = comm.switch(_slice(big, 2, world, rank), 2, 1, group, src_length=big.shape[2])
+        got_ring = transfer.wait()[0]
+        y_small, y_big = h_small.wait(), h_big.wait()
+        assert exchanges_started() - before == 2  # the two switches of `big`
+    assert torch.equal(y_big, _slice(big, 2, world, rank))
+    assert torch.equal(y_sync, _slice(big, 1, world, rank))
+    assert torch.equal(y_small, _slice(small, 1, world, rank))
+    assert torch.equal(got_ring, base + (rank - 1) % world)
+    return 1
+
+
+def _check_dropped_direct_switch(rank: int, world: int) -> int:
+    """An async direct switch dropped without its wait (as after an error) leaves the group
+    usable: its messages still complete, and the next collective does not time out."""
+    group = dist.group.WORLD
+    x = torch.randn(1, 2, 3 * world, 4)
+    with _direct_path(0):
+        handle = comm.switch_async(x, 1, 2, group, src_length=2 * world)
+        del handle
+        y = comm.switch(x, 1, 2, group, src_length=2 * world)
+    assert y.shape == (1, 2 * world, 3, 4)
+    return 1
 
 
 def _check_workspace(rank: int, world: int) -> int:
@@ -495,6 +543,15 @@ def _check_mismatched_switch(rank: int, world: int) -> int:
     with pytest.raises(comm.CollectiveInputError, match="rank 1: float16") as info:
         comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
     assert "float32" in str(info.value)
+    # the direct path's settings decide how a switch travels: every rank must have the same
+    previous = comm.SETTINGS.direct_min_bytes
+    comm.SETTINGS.direct_min_bytes = None if rank == 1 else 0
+    try:
+        with pytest.raises(comm.CollectiveInputError, match="rank 1 disagrees") as info:
+            comm.switch(torch.randn(1, 3, 4, 5), 1, 2, dist.group.WORLD, src_length=3 * world)
+        assert "DSPZOO_COMM_DIRECT_MIN_KIB" in str(info.value)
+    finally:
+        comm.SETTINGS.direct_min_bytes = previous
     return 1
 
 

@@ -317,8 +317,16 @@ def _rehearsed_calls_fail_everywhere(rank: int, world: int, direct: bool) -> dic
     from dspzoo.core.parallel.comm.direct import exchanges_started
     from dspzoo.core.parallel.comm.settings import SETTINGS
 
-    if direct:
-        SETTINGS.direct_min_bytes = 0
+    all_to_alls = [0]
+    if direct:  # every switch direct, none packed (counted below)
+        SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages = 0, 10**6
+        packed = dist.all_to_all_single
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            all_to_alls[0] += 1
+            return packed(*args, **kwargs)
+
+        dist.all_to_all_single = counted
     started = exchanges_started()
 
     group = build_mesh(world, timeout_s=5).sp_group
@@ -371,10 +379,11 @@ def _rehearsed_calls_fail_everywhere(rank: int, world: int, direct: bool) -> dic
     torch.testing.assert_close(out, _reference(model, x2))
     torch.testing.assert_close(x_local.grad, _slice(x_ref.grad, 1, world, rank))
     assert (exchanges_started() > started) == direct
+    assert all_to_alls[0] == 0, f"{all_to_alls[0]} switches took the packed path"
     return messages
 
 
-@pytest.mark.parametrize(("world", "direct"), [(2, False), (3, False), (3, True)])
+@pytest.mark.parametrize(("world", "direct"), [(2, False), (3, False), (2, True), (3, True)])
 def test_a_bad_input_on_a_rehearsed_call_raises_on_every_rank(world: int, direct: bool) -> None:
     """``direct``: every switch on the direct path (its status words are separate messages)."""
     results = run_distributed(_rehearsed_calls_fail_everywhere, world, direct, timeout=180)
