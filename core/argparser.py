@@ -30,8 +30,36 @@ PEER_WAIT_S = 60.0
 """How long a rank other than the first waits for the first to report the error and exit."""
 
 
+#: the ``dspzoo`` commands that take a model as their first word and pass it on to their
+#: script as ``--model-dir`` (:mod:`dspzoo.zoo.run_cli`, which names the script's
+#: ``sys.argv[0]`` ``"dspzoo <command> <model>"``)
+BY_MODEL_COMMANDS = ("sample", "predict", "forecast", "generate")
+MODEL_FLAG = "--model-dir"
+
+
+def _by_model(prog: str | None) -> bool:
+    """Whether ``prog`` is a by-model ``dspzoo`` command as typed (``dspzoo sample <model>``)."""
+    words = (prog or "").split()
+    return len(words) >= 3 and words[0] == "dspzoo" and words[1] in BY_MODEL_COMMANDS
+
+
 class CommandParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose :meth:`error` is one line (module docstring)."""
+    """An ``ArgumentParser`` whose :meth:`error` is one line (module docstring).
+
+    Run by a by-model ``dspzoo`` command (``dspzoo sample stdit-mini-shapes ...``), its ``prog``
+    is the command as typed (a model folder's path included) and its ``--model-dir``, which
+    the command fills from its first word, is left out of the usage and help.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        if not args and kwargs.get("prog") is None and _by_model(sys.argv[0]):
+            kwargs["prog"] = sys.argv[0]  # not its basename: a folder's path stays whole
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def add_argument(self, *names: str, **kwargs: object) -> argparse.Action:  # type: ignore[override]
+        if MODEL_FLAG in names and _by_model(self.prog):
+            kwargs["help"] = argparse.SUPPRESS
+        return super().add_argument(*names, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
         if first_of_launch():

@@ -1,8 +1,8 @@
 """Communication micro-benchmark: ``switch`` and its agreement vs a bare all-to-all.
 
-Launch (2 CPU processes on gloo, or GPUs on NCCL)::
+Launch (2 CPU processes on gloo, one thread each, or GPUs on NCCL)::
 
-    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py
+    OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py
 
 For each activation size it times, interleaved (each repetition runs every variant once, in
 turn, behind a barrier; the median per variant, the slowest rank's), on the same tensors:
@@ -16,24 +16,26 @@ turn, behind a barrier; the median per variant, the slowest rank's), on the same
 * ``switch``  — :func:`dspzoo.core.switch` from sharded-on-t to sharded-on-s of a
   ``[1, T/N, S, C]`` activation, in its steady state: the group rehearsed the call, so its
   agreement is folded into the all-to-all (a status header per chunk, no collective of its own;
-  :mod:`dspzoo.core.parallel.comm.rehearsal`): one layout copy, one ``all_to_all_single``;
+  :mod:`dspzoo.core.parallel.comm.rehearsal`), on the path the default settings pick for its
+  size (column ``path``): packed (one layout copy, one ``all_to_all_single``) or direct (one
+  point-to-point message per contiguous run, status words as messages of their own);
 * ``switch (recycled)`` — ``switch`` with its result on a recycled storage of the group
   (``SETTINGS.recycle_results``, ``DSPZOO_COMM_RECYCLE_RESULTS=1``): no page faults on first
   write, as the bare all-to-all's reused output buffer has none;
 * ``unchecked`` — the same switch without any agreement (``switch_agreed``, what attention
   methods use after agreeing once at entry): ``switch / unchecked`` is the agreement's cost in
-  a real switch (the target is within 5 %), and ``(switch − unchecked) / bare`` the same cost
-  beside the bare all-to-all;
+  a real switch;
 * ``switch (packed)`` and ``switch (direct)`` — the same steady-state switch with its path
   forced: the blocks packed into one ``all_to_all_single``, or sent as point-to-point messages
   straight from the input into the result (:mod:`dspzoo.core.parallel.comm.direct`; gloo
-  only). Each runs on a group of its own (same ranks), which learnt the call with that path;
-  ``switch`` takes the path the default settings pick (its column ``path``);
+  only: on NCCL both are packed). Each runs on a group of its own (same ranks), which learnt
+  the call with that path;
 * ``naive``   — the textbook form: chunk along s, make each chunk contiguous, list
   ``all_to_all``, concatenate along t;
 
 and checks the tracer's byte count against ``(local elements)·(N−1)/N·itemsize`` (the
-agreement is control traffic and is not traced), and that every timed ``switch`` ran folded.
+agreement is control traffic and is not traced), that every timed ``switch`` ran folded, and
+that every switch took the path its variant names.
 """
 
 from __future__ import annotations
@@ -127,6 +129,12 @@ def recycled_results(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+def _messages(shape: tuple[int, ...], n: int) -> str:
+    """The direct path's messages to each peer for a ``[1, T/N, S, C]`` fp32 switch t → s."""
+    _, t_local, s, c = shape
+    return f"{t_local} x {format_bytes(s // n * c * 4)}"
+
+
 def on_path(fn: Callable[[], object], direct: bool) -> Callable[[], object]:
     """``fn`` with every switch on the direct path (``direct``) or on the packed one."""
 
@@ -209,6 +217,7 @@ def main() -> None:
         started = exchanges_started()
         switched()
         path = "direct" if exchanges_started() > started else "packed"
+        direct_possible = dist.get_backend() == "gloo" and device.type == "cpu"
         for name in ("switch (packed)", "switch (direct)"):
             variants[name]()
         assert torch.equal(variants["switch (direct)"](), ref)
@@ -222,7 +231,8 @@ def main() -> None:
         assert folded == [(2 * calls, 0), (calls, 0), (calls, 0)], (
             f"folded switches (hits, misses) per group: {folded}"
         )
-        direct_calls = calls * (4 if path == "direct" else 1)  # switch, recycled, unchecked
+        # the forced direct variant, and switch, recycled and unchecked when they go direct
+        direct_calls = calls * (4 if path == "direct" else 1) if direct_possible else 0
         assert exchanges_started() - started == direct_calls, "a switch took the wrong path"
         rows.append((x.numel() * x.element_size(), tuple(x.shape), timed, measured, expected, path))
         cpu_rows.append(cpu)
@@ -233,7 +243,7 @@ def main() -> None:
             f"median of {args.iters} interleaved repetitions (slowest rank per call)"
         )
         print(
-            f"{'local size':>10} {'shape [1,T/N,S,C]':>22} {'path':>6} "
+            f"{'local size':>10} {'shape [1,T/N,S,C]':>22} {'messages/peer':>16} {'path':>6} "
             + " ".join(f"{v + ' ms':>17}" for v in VARIANTS)
             + f" {'switch/bare':>12} {'packed/bare':>12} {'direct/bare':>12} {'recyc/bare':>11}"
             f" {'switch/unchecked':>17} {'agree+bare/bare':>16} {'naive/switch':>13}"
@@ -243,7 +253,7 @@ def main() -> None:
             t = dict(zip(VARIANTS, times.median(dim=0).values.tolist()))
             ok = "==" if measured == expected else "!="
             print(
-                f"{format_bytes(size):>10} {str(shape):>22} {path:>6} "
+                f"{format_bytes(size):>10} {str(shape):>22} {_messages(shape, n):>16} {path:>6} "
                 + " ".join(f"{t[v] * 1e3:17.3f}" for v in VARIANTS)
                 + f" {t['switch'] / t['bare']:11.3f}x"
                 f" {t['switch (packed)'] / t['bare']:11.3f}x"
@@ -271,7 +281,7 @@ def main() -> None:
                 f"   recycled/bare {paired(times, 'switch (recycled)', 'bare')}"
             )
         print(
-            "\nreproduce: accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "
+            "\nreproduce: OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "
             + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                 for k, v in vars(args).items()

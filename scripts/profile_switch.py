@@ -108,7 +108,9 @@ def _run(rank: int, mib: float, iters: int, port: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size-mib", type=float, default=1.0)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--port", type=int, default=29641)

@@ -186,6 +186,20 @@ def test_generate_help_names_the_model_positionally(tmp_path, capsys) -> None:
     assert code == 2 and f"dspzoo generate {text}: error: unrecognized arguments: --bogus" in err
 
 
+@pytest.mark.parametrize(
+    ("command", "model"),
+    [("sample", "stdit-mini-shapes"), ("predict", "evoformer-small-pdb"),
+     ("forecast", "weathertx-small-a1b-e1")],
+)  # fmt: skip
+def test_by_model_help_leaves_out_the_model_flag(capsys, command: str, model: str) -> None:
+    """The command fills ``--model-dir`` from its first word: its help does not ask for it."""
+    code, out, _ = _run([command, model, "--help"], capsys)
+    assert code == 0
+    assert out.startswith(f"usage: dspzoo {command} {model} [-h]")
+    usage = out.split("\n\n")[0]
+    assert "--model-dir" not in usage and "--model-dir MODEL_DIR" not in out  # nor as an option
+
+
 def test_passthrough_runs_the_domain_scripts(tmp_path, capsys) -> None:
     out_dir = tmp_path / "run"
     code, _, err = _run(

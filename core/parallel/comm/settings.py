@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,16 +33,26 @@ DIRECT_MIN_KIB = 512  # the direct switch's shortest message by default (docs/co
 
 
 def _env_kib(name: str, default: float) -> int | None:
-    """``name``'s value in KiB as bytes (``off``: ``None``); ``default`` KiB when unset."""
+    """``name``'s value in KiB as bytes (``off``: ``None``); ``default`` KiB when unset.
+
+    A value that is not a number warns (naming the variable and the default it uses) instead
+    of failing at import, which would break every command, ``--help`` included.
+    """
     value = os.environ.get(name, "").strip()
     if value.lower() in ("off", "none", "never"):
         return None
     try:
-        return int(float(value or default) * 1024)
+        kib = float(value or default)
+        if kib < 0:
+            raise ValueError(value)
     except ValueError:
-        raise ValueError(
-            f"{name}={value!r} is not a number of KiB (or 'off'); e.g. {name}={default:g}"
-        ) from None
+        warnings.warn(
+            f"{name}={value!r} is not a non-negative number of KiB (or 'off'); using the "
+            f"default {default:g} KiB. E.g. {name}={default:g}",
+            stacklevel=2,
+        )
+        kib = default
+    return int(kib * 1024)
 
 
 class Workspace:
@@ -157,9 +168,12 @@ class CommSettings:
         direct_min_bytes: a switch on gloo sends its blocks as point-to-point messages straight
             from the input into the result, with no pack or unpack copy, when every message is
             at least this long (:mod:`.direct`; ``DSPZOO_COMM_DIRECT_MIN_KIB``, ``off`` or
-            ``None`` here never). The default is where the direct path measured faster than
-            the packed all-to-all on this project's CPU machine (``docs/comm.md``).
-        direct_max_messages: the direct path's largest number of messages per peer.
+            ``None`` here never). The default is the shortest message at which the direct
+            path measured no slower than the packed all-to-all on this project's 2-core CPU
+            machine (512 KiB: 0.95× its time; 64 KiB: 2.2×; 4 MiB: 0.81–0.86×;
+            ``docs/comm.md``). Must be equal on every rank (a checked switch compares it).
+        direct_max_messages: the direct path's largest number of messages per peer (equal on
+            every rank, like ``direct_min_bytes``).
     """
 
     debug: bool = field(default_factory=lambda: _env_flag("DSPZOO_DEBUG"))
