@@ -375,20 +375,7 @@ def _check_direct_switch(rank: int, world: int) -> int:
     comm.SETTINGS._rehearsals.clear()  # calls folded before kept their packed plans
     try:
         with _direct_path(0):
-            for check in (
-                _check_explicit_sizes,
-                _check_primitives,
-                _check_switch_bytes,
-                _check_low_precision,
-                _check_non_contiguous,
-                _check_short_lengths,
-                _check_in_place,
-                _check_async_out_of_order,
-                _check_double_backward,
-                _check_mismatched_switch,
-                _check_rehearsed_switch,
-                _check_recycled_results,
-            ):
+            for check in SWITCH_CHECKS:
                 checks += check(rank, world)
     finally:
         dist.all_to_all_single = packed
@@ -621,7 +608,8 @@ def _check_rehearsed_switch(rank: int, world: int) -> int:
     return checks
 
 
-CHECKS: tuple[Callable[[int, int], int], ...] = (
+# every check of the switch's data movement and errors; run again on the direct path
+SWITCH_CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_explicit_sizes,
     _check_primitives,
     _check_switch_bytes,
@@ -631,12 +619,11 @@ CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_in_place,
     _check_async_out_of_order,
     _check_double_backward,
-    _check_workspace,
     _check_recycled_results,
     _check_mismatched_switch,
     _check_rehearsed_switch,
-    _check_direct_switch,
 )
+CHECKS = (*SWITCH_CHECKS, _check_workspace, _check_direct_switch)
 
 
 def _check_all(rank: int, world: int) -> dict[str, int]:

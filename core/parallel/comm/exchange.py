@@ -346,10 +346,31 @@ def _keep(n: int, r: int) -> range:
     return range(1, n) if r == 0 else range(n - 1) if r == n - 1 else range(n)
 
 
+class _FoldedPlan:
+    """This rank's part in a rehearsed switch (:mod:`.rehearsal`): enough to run it folded, and
+    to take part with zeros when its own call is not the predicted one (:meth:`miss`)."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def meta(self) -> _SwitchMeta:
+        raise NotImplementedError
+
+    def exchange(
+        self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
+    ) -> tuple[torch.Tensor | None, bool]:
+        """``(result, every rank sent OK)``; the result is ``None`` unless all did."""
+        raise NotImplementedError
+
+    def miss(self, group: Any) -> None:
+        like = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.exchange(None, like, group, MISS)
+
+
 @dataclass(frozen=True)
-class _FoldedSwitch:
-    """This rank's part in a rehearsed switch (:mod:`.rehearsal`): its layout, enough to take
-    part with zeros when its own call is not the predicted one."""
+class _FoldedSwitch(_FoldedPlan):
+    """A rehearsed packed switch: a status header per chunk of its all-to-all (:mod:`.folded`)."""
 
     layout: FoldedLayout
     dtype: torch.dtype
@@ -362,16 +383,11 @@ class _FoldedSwitch:
     def exchange(
         self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
     ) -> tuple[torch.Tensor | None, bool]:
-        """``(result, every rank sent OK)``: :func:`~.folded.exchange_with_headers`."""
         return exchange_with_headers(x, self.layout, like, group, status)
-
-    def miss(self, group: Any) -> None:
-        like = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.exchange(None, like, group, MISS)
 
 
 @dataclass(frozen=True)
-class _DirectFoldedSwitch:
+class _DirectFoldedSwitch(_FoldedPlan):
     """A rehearsed switch on the direct path (:mod:`.direct`): its status words travel as one
     small message per peer, posted before the data."""
 
@@ -386,7 +402,6 @@ class _DirectFoldedSwitch:
     def exchange(
         self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
     ) -> tuple[torch.Tensor | None, bool]:
-        """``(result, every rank sent OK)``; the result is ``None`` unless all did."""
         y, work = exchange_direct(
             None if x is None else x.contiguous(), self.direct, like, group, status
         )
@@ -394,10 +409,6 @@ class _DirectFoldedSwitch:
         assert work.statuses is not None
         ok = x is not None and status == OK and all(s == OK for s in work.statuses.tolist())
         return (y if ok else None), ok
-
-    def miss(self, group: Any) -> None:
-        like = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.exchange(None, like, group, MISS)
 
 
 def _may_fold(agreed: Agreed, x: torch.Tensor, meta: _SwitchMeta, group: Any) -> None:
