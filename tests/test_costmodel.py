@@ -579,3 +579,23 @@ def test_a_bench_at_sp_1_predicts_on_the_cached_cluster(tmp_path, monkeypatch) -
     assert result["cluster"]["peak_tflops"] == cached.peak_tflops
     with pytest.raises(ValueError, match="group of 2 or more"):
         probe_group()
+
+
+def test_a_measured_attention_rate_prices_the_attention_share() -> None:
+    """Where the attention kernels were measured apart (``this-cpu``), the attention's share
+    of the FLOPs runs at that rate, the rest at the matmul rate; the presets are unchanged."""
+    from dspzoo.core.costmodel.cluster import PRESETS
+    from dspzoo.core.costmodel.formulas import forward_flops
+    from dspzoo.core.costmodel.probe import AttentionShape, attention_rate
+
+    wl = workload_for("stdit-720M", frames=16, spatial=64, batch=1, itemsize=2)
+    h100 = PRESETS["h100-nvlink-ib"]
+    assert h100.attention_tflops == 0 and h100.attention_flops == h100.flops
+    plain = predict(wl, "dsp", 4, h100)
+    half = predict(wl, "dsp", 4, h100.with_(attention_tflops=h100.flops / 2e12))
+    parts = forward_flops(wl)
+    share = parts.attention / parts.forward
+    assert 0 < share < 1
+    assert half.compute_s == pytest.approx(plain.compute_s * (1 + share))
+    # the probe's rate: SDPA forward + backward at the given shape, in FLOP/s
+    assert attention_rate(AttentionShape(2, 2, 64, 16), seconds=0.05) > 1e7

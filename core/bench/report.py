@@ -126,8 +126,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"step-time prediction error median {e['median_abs']:.0%}, max {e['max_abs']:.0%}",
         ]
         if "median_abs_without_memory" in e:
+            terms = []
+            if cl.get("hbm_bw"):
+                terms.append(f"memory-bound terms at {cl['hbm_bw'] / 1e9:.1f} GB/s")
+            if cl.get("attention_tflops"):
+                terms.append(f"attention at {cl['attention_tflops'] * 1e3:.1f} GFLOP/s")
             lines[-1] += (
-                f" (memory-bound terms at {cl['hbm_bw'] / 1e9:.1f} GB/s; without them: median "
+                f" ({', '.join(terms)}; without them: median "
                 f"{e['median_abs_without_memory']:.0%}, max {e['max_abs_without_memory']:.0%})"
             )
     lines += ["", f"reproduce: `{result['command']}`", ""]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import os
 import resource
 import shlex
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..costmodel.probe import Rates, probe_group
+from ..costmodel.probe import AttentionShape, Rates, probe_group
 from ..parallel.methods.registry import METHODS
 from ..parallel.strategies import STRATEGIES
 from .auto_choice import AUTO, auto_choice, needs_own_row
@@ -362,7 +363,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         bar.close()
     probed = None  # the rates of this run, at its load, on its SP group (SP 1 sends nothing)
     if args.cluster == "this-cpu" and args.reps and sp_size > 1:
-        probed = probe_group(runners[0].mesh.sp_group, threads=threads)
+        shape = attention_shape(case.workload(case.batch // (world // sp_size)), sp_size)
+        probed = probe_group(runners[0].mesh.sp_group, threads=threads, attention=shape)
     for r in runners:
         mine[r.name]["times"] = r.times
         mine[r.name]["train_losses"] = r.train_losses
@@ -480,6 +482,27 @@ def summarise(
     return result
 
 
+def attention_shape(workload: Any, sp_size: int) -> AttentionShape | None:
+    """One rank's call of the workload's heaviest self-attention stage (its sequences shared
+    over the SP group, as DSP and Ulysses share them), for the probe; ``None`` without one."""
+    from ..costmodel.formulas import stage_flops
+
+    stages = [s for layer in workload.layers for s in layer if s.attention]
+    if not stages:
+        return None
+    heaviest = max(stages, key=lambda s: stage_flops(workload, s).attention)
+    lengths = dict(zip(workload.dims, workload.lengths))
+    length = math.prod(lengths[d] for d in heaviest.attention)
+    sequences = workload.batch * math.prod(workload.lengths) // max(length, 1)
+    return AttentionShape(
+        batch=max(1, sequences // sp_size),
+        heads=workload.heads,
+        length=length,
+        head_dim=workload.head_dim,
+        causal=workload.causal,
+    )
+
+
 def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
     """The cost model's step time on ``cluster`` beside the measured median, and its error.
 
@@ -499,8 +522,8 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
         cl = get_cluster(cluster)
     sp, dp = result["sp"], result["dp"]
     wl = case.workload(case.batch // dp)
-    errors, plain_errors = [], []  # plain: without the memory-bound terms (same rates)
-    plain = replace(cl, hbm_bw=0.0)
+    errors, plain_errors = [], []  # plain: without memory terms and attention rate (same rates)
+    plain = replace(cl, hbm_bw=0.0, attention_tflops=0.0)
     for row in result["rows"]:
         name = "ulysses" if row["strategy"] == PEER else row["strategy"]
         try:
@@ -527,7 +550,7 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
             "median_abs": statistics.median(errors),
             "max_abs": max(errors),
         }
-        if cl.hbm_bw:
+        if cl.hbm_bw or cl.attention_tflops:
             result["prediction_error"]["median_abs_without_memory"] = statistics.median(
                 plain_errors
             )

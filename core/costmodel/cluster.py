@@ -49,6 +49,9 @@ class Cluster:
             group spans)`` as a real mesh placed them (:meth:`placed`); an SP group of that
             size is priced by it instead of by ``gpus_per_node``. ``None``: consecutive ranks,
             ``gpus_per_node`` to a node.
+        attention_tflops: achieved TFLOP/s of the attention kernels where measured apart
+            (``this-cpu`` probed at the workload's attention shape); 0: attention runs at the
+            matmul rate (``peak_tflops · mfu``), as on every preset.
     """
 
     name: str
@@ -67,11 +70,17 @@ class Cluster:
     coll_step_lat_inter: float = 0.0
     fused_attention: bool = True
     sp_layout: tuple[int, int, int] | None = None
+    attention_tflops: float = 0.0
 
     @property
     def flops(self) -> float:
         """Achievable FLOP/s per device."""
         return self.peak_tflops * 1e12 * self.mfu
+
+    @property
+    def attention_flops(self) -> float:
+        """Achievable FLOP/s of the attention kernels (the matmul rate unless measured)."""
+        return self.attention_tflops * 1e12 if self.attention_tflops else self.flops
 
     def with_(self, **changes) -> Cluster:
         return replace(self, **changes)
@@ -207,6 +216,7 @@ def this_cpu(rates: Rates) -> Cluster:
         gpus_per_node=os.cpu_count() or 1,
         memory_gib=_memory_gib(),
         hbm_bw=rates.memory_bandwidth,  # the element-wise work and layout copies run at it
+        attention_tflops=rates.attention_flops / 1e12,
     )
 
 

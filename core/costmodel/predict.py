@@ -10,7 +10,9 @@ Step time = compute + exposed communication::
     step    = compute + memory + copies + (1 − overlap) · comm
 
 (``memory`` and ``copies`` are zero on a cluster without ``hbm_bw``; the latency is
-``intra_lat``/``inter_lat`` per collective on one without NCCL's constants.)
+``intra_lat``/``inter_lat`` per collective on one without NCCL's constants. On a cluster whose
+attention kernels were measured apart, ``attention_tflops`` (``this-cpu``), the attention's
+share of the FLOPs runs at that rate and the rest at the matmul rate.)
 
 Bytes are the exact per-rank formulas (:func:`~.formulas.comm_bytes`, the busiest rank), so
 the only modelled quantities are the cluster's rates. ``ulysses_flat`` is a prediction-only
@@ -193,6 +195,10 @@ def predict(
         )
     nbytes, collectives = busiest.bytes(), busiest.count()
     compute = flops / cl.flops
+    if cl.attention_tflops:  # attention measured apart: its share of the FLOPs at its own rate
+        parts = forward_flops(workload)
+        share = parts.attention / parts.forward if parts.forward else 0.0
+        compute = flops * (1 - share) / cl.flops + flops * share / cl.attention_flops
     latency = sum(c * cl.collective_latency(op, n) for op, c in busiest.collectives().items())
     comm = cl.transfer_time(nbytes, n, 0) + latency
     act_strategy = "ulysses" if strategy == "ulysses_flat" else strategy

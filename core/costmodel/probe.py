@@ -15,6 +15,7 @@ call delayed by another process's burst does not move the figure (the first vers
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class Rates:
         memory_bandwidth: bytes/s read + written by a streaming copy on those threads, every
             rank copying at once (they share the memory bus, as in a step); 0: not measured
             (a cache from before this field), which turns the cost model's memory terms off.
+        attention_flops: FLOP/s of the attention kernel (``scaled_dot_product_attention``
+            forward + backward, counted as 3× the forward's ``4·B·H·L²·D``) at the workload's
+            own shape (:class:`AttentionShape`); 0: not measured (the matmul rate prices
+            attention too).
     """
 
     flops: float
@@ -48,6 +53,46 @@ class Rates:
     ranks: int
     threads: int = 1
     memory_bandwidth: float = 0.0
+    attention_flops: float = 0.0
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One rank's attention call, ``[batch, heads, length, head_dim]`` for q, k and v."""
+
+    batch: int
+    heads: int
+    length: int
+    head_dim: int
+    causal: bool = False
+
+
+def attention_rate(shape: AttentionShape, seconds: float = 0.3, threads: int = 1) -> float:
+    """FLOP/s of fp32 ``scaled_dot_product_attention`` forward + backward at ``shape`` on
+    ``threads`` torch threads, counted as the cost model counts a step's attention FLOPs (3×
+    the forward's ``4·B·H·L²·D``, halved when causal). Its rate moves a lot with the shape on a
+    CPU (19 GFLOP/s at 8 × 4 × 256 × 32, 67 at 1 × 8 × 1024 × 64 on one thread of this
+    machine), so it is measured at the workload's own shape, not at a fixed one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dims = (shape.batch, shape.heads, shape.length, shape.head_dim)
+        q, k, v = (torch.randn(dims, requires_grad=True) for _ in range(3))
+        grad = torch.ones(dims)
+
+        def step() -> None:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+            out.backward(grad)
+
+        step()  # warm-up
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            step()
+            count += 1
+        forward = 4.0 * math.prod(dims) * shape.length * (0.5 if shape.causal else 1.0)
+        return 3.0 * forward * count / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
 
 
 def matmul_rate(size: int = 512, seconds: float = 0.3, threads: int = 1) -> float:
@@ -105,6 +150,7 @@ def probe_group(
     calls: int = 15,
     seconds: float = 0.3,
     threads: int = 1,
+    attention: AttentionShape | None = None,
 ) -> Rates:
     """Collective: every rank of ``group`` (default: the world, of at least 2 ranks) calls it
     and gets the same :class:`Rates`.
@@ -112,7 +158,8 @@ def probe_group(
     Latency = median time of an all-to-all of one element per rank; bandwidth = the bytes a rank
     sends in an all-to-all of ``large_bytes`` over its median time beyond that latency; FLOP/s
     of matmuls and the memory bandwidth of a streaming copy (every rank at once) on ``threads``
-    threads. The slowest rank's figures are kept (a step waits for it).
+    threads, and with ``attention`` the attention kernel's rate at that shape. The slowest
+    rank's figures are kept (a step waits for it).
     """
     if not dist.is_initialized() or dist.get_world_size(group) < 2:
         raise ValueError(
@@ -123,18 +170,15 @@ def probe_group(
     flops = matmul_rate(seconds=seconds, threads=threads)
     dist.barrier(group=group)  # the ranks copy at the same time, sharing the memory bus
     memory = copy_rate(threads=threads)
+    attn = 0.0 if attention is None else attention_rate(attention, seconds, threads)
     small = torch.zeros(n * SMALL_ELEMENTS_PER_RANK)
     large = torch.zeros(max(large_bytes // 4 // n, 1) * n)
     latency = _median_call_s(group, small, calls)
     big = _median_call_s(group, large, max(calls // 2, 3))
     # the slowest rank's: max of the times, min of the rate
-    worst = torch.tensor([latency, big, -flops, -memory], dtype=torch.float64)
+    worst = torch.tensor([latency, big, -flops, -memory, -attn], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    latency, big, flops, memory = (
-        worst[0].item(),
-        worst[1].item(),
-        -worst[2].item(),
-        -worst[3].item(),
-    )
+    latency, big = worst[0].item(), worst[1].item()
+    flops, memory, attn = (-worst[i].item() for i in (2, 3, 4))
     sent = large.numel() * 4 * (n - 1) / n
-    return Rates(flops, sent / max(big - latency, 1e-9), latency, n, threads, memory)
+    return Rates(flops, sent / max(big - latency, 1e-9), latency, n, threads, memory, attn)
