@@ -71,8 +71,8 @@ def attention_rate(shape: AttentionShape, seconds: float = 0.3, threads: int = 1
     """FLOP/s of fp32 ``scaled_dot_product_attention`` forward + backward at ``shape`` on
     ``threads`` torch threads, counted as the cost model counts a step's attention FLOPs (3×
     the forward's ``4·B·H·L²·D``, halved when causal). Its rate moves a lot with the shape on a
-    CPU (19 GFLOP/s at 8 × 4 × 256 × 32, 67 at 1 × 8 × 1024 × 64 on one thread of this
-    machine), so it is measured at the workload's own shape, not at a fixed one."""
+    CPU (one thread of this machine: 12 GFLOP/s at 256 × 4 × 16 × 32, 55 at 8 × 4 × 256 × 32,
+    66 at 1 × 8 × 1024 × 64), so it is measured at the workload's own shape."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
