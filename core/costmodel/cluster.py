@@ -225,10 +225,11 @@ _PROBE_KEYS = ("measured_at", "probe")  # what the cache file adds to a Cluster'
 
 def cache_this_cpu(cluster: Cluster, rates: Rates) -> None:
     """Keep ``cluster`` as this machine's ``this-cpu`` (best effort, atomic), with when and how
-    it was probed (ranks and threads of the group: a probe at SP 4 differs from one at SP 2)."""
+    it was probed (ranks and threads of the group: a probe at SP 4 differs from one at SP 2).
+    The attention rate is left out: it was measured at one workload's shape, not the machine's."""
     path = _cache_path()
     record = {
-        **asdict(cluster),
+        **asdict(cluster.with_(attention_tflops=0.0)),
         "measured_at": time.time(),
         "probe": {"ranks": rates.ranks, "threads": rates.threads},
     }
