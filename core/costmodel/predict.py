@@ -188,17 +188,18 @@ def predict(
     flops = flops_per_rank(workload, plan, recompute)
     if not training:
         flops = forward_flops(workload).forward / n
-    # ring's causal work is unbalanced on a contiguous layout: the last rank does ~2× average
-    if strategy in ("ring", "usp") and workload.causal and n > 1:
-        flops *= 1 + forward_flops(workload).attention / forward_flops(workload).forward * (
-            (2 * n - 1) / n - 1
-        )
+    parts = forward_flops(workload)
+    share = parts.attention / parts.forward if parts.forward else 0.0
+    linear, attention = flops * (1 - share), flops * share
+    # causal attention on a contiguous layout (ring, LSS, USP's ring) is unbalanced: the last
+    # rank attends to every block before its own, (2N − 1)/N of the average (the zigzag
+    # layouts balance it)
+    if strategy in ("ring", "usp", "lss") and workload.causal and n > 1:
+        attention *= (2 * n - 1) / n
+    flops = linear + attention
     nbytes, collectives = busiest.bytes(), busiest.count()
-    compute = flops / cl.flops
-    if cl.attention_tflops:  # attention measured apart: its share of the FLOPs at its own rate
-        parts = forward_flops(workload)
-        share = parts.attention / parts.forward if parts.forward else 0.0
-        compute = flops * (1 - share) / cl.flops + flops * share / cl.attention_flops
+    # the attention at its own rate where it was measured apart (this-cpu), else the matmuls'
+    compute = linear / cl.flops + attention / cl.attention_flops
     latency = sum(c * cl.collective_latency(op, n) for op, c in busiest.collectives().items())
     comm = cl.transfer_time(nbytes, n, 0) + latency
     act_strategy = "ulysses" if strategy == "ulysses_flat" else strategy
