@@ -7,13 +7,14 @@ parent waits with a deadline and kills every worker that is still alive.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
 import queue as queue_module
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -145,3 +146,20 @@ def sub_mesh(size: int) -> SPMesh | None:
     if rank >= size:
         return None
     return SPMesh(world, rank, 1, size, 0, rank, sp_group=group)
+
+
+@contextlib.contextmanager
+def counting_calls(owner: Any, name: str) -> Iterator[list[int]]:
+    """Count the calls of ``owner.name`` inside the block (it still runs): yields a one-item
+    list holding the count, e.g. ``with counting_calls(dist, "all_to_all_single") as n:``."""
+    original, count = getattr(owner, name), [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    try:
+        yield count
+    finally:
+        setattr(owner, name, original)

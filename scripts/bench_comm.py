@@ -116,15 +116,12 @@ VARIANTS = (
 )
 
 
-def recycled_results(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with collective results on the group's recycled storages."""
+def with_settings(fn: Callable[[], object], **changes: Any) -> Callable[[], object]:
+    """``fn`` run with these comm settings (``SETTINGS.changed``)."""
 
     def run() -> object:
-        previous, SETTINGS.recycle_results = SETTINGS.recycle_results, True
-        try:
+        with SETTINGS.changed(**changes):
             return fn()
-        finally:
-            SETTINGS.recycle_results = previous
 
     return run
 
@@ -133,21 +130,6 @@ def _messages(shape: tuple[int, ...], n: int) -> str:
     """The direct path's messages to each peer for a ``[1, T/N, S, C]`` fp32 switch t → s."""
     _, t_local, s, c = shape
     return f"{t_local} x {format_bytes(s // n * c * 4)}"
-
-
-def on_path(fn: Callable[[], object], direct: bool) -> Callable[[], object]:
-    """``fn`` with every switch on the direct path (``direct``) or on the packed one."""
-
-    def run() -> object:
-        saved = SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages
-        SETTINGS.direct_min_bytes = 0 if direct else None
-        SETTINGS.direct_max_messages = 10**6
-        try:
-            return fn()
-        finally:
-            SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages = saved
-
-    return run
 
 
 def main() -> None:
@@ -207,9 +189,11 @@ def main() -> None:
             "bare": bare,
             "agree+bare": agree_then_bare,
             "switch": switched,
-            "switch (packed)": on_path(lambda: switched(packed_group), direct=False),
-            "switch (direct)": on_path(lambda: switched(direct_group), direct=True),
-            "switch (recycled)": recycled_results(switched),
+            "switch (packed)": with_settings(lambda: switched(packed_group), direct_min_bytes=None),
+            "switch (direct)": with_settings(
+                lambda: switched(direct_group), direct_min_bytes=0, direct_max_messages=10**6
+            ),
+            "switch (recycled)": with_settings(switched, recycle_results=True),
             "unchecked": lambda x=x: switch_agreed(x, 1, 2, group, src_length=length),
             "naive": lambda x=x: naive_switch(x, 1, 2, n),
         }

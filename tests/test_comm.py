@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dspzoo.core import comm
 from dspzoo.core.parallel.layout import shard_offset, shard_sizes
 from dspzoo.core.parallel.trace import trace_comm
-from dspzoo.core.testing import run_distributed
+from dspzoo.core.testing import counting_calls, run_distributed
 
 SHAPES = {
     "3d": [(2, 5, 3), (3, 4, 2)],  # lengths not divisible and divisible by 2, 3, 4
@@ -344,15 +344,10 @@ def _check_switch_bytes(rank: int, world: int) -> int:
     return checks
 
 
-@contextlib.contextmanager
-def _direct_path(min_bytes: int | None) -> Iterator[None]:
+def _direct_path(min_bytes: int | None) -> contextlib.AbstractContextManager:
     """Switches take the direct path (:mod:`~dspzoo.core.parallel.comm.direct`) for messages
     of at least ``min_bytes`` (``None``: never) inside the block."""
-    previous, comm.SETTINGS.direct_min_bytes = comm.SETTINGS.direct_min_bytes, min_bytes
-    try:
-        yield
-    finally:
-        comm.SETTINGS.direct_min_bytes = previous
+    return comm.SETTINGS.changed(direct_min_bytes=min_bytes)
 
 
 def _check_direct_switch(rank: int, world: int) -> int:
@@ -363,23 +358,13 @@ def _check_direct_switch(rank: int, world: int) -> int:
     from dspzoo.core.parallel.comm.direct import exchanges_started
 
     checks, before = 0, exchanges_started()
-    all_to_alls = [0]
-    packed = dist.all_to_all_single
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        all_to_alls[0] += 1
-        return packed(*args, **kwargs)
-
-    limit, comm.SETTINGS.direct_max_messages = comm.SETTINGS.direct_max_messages, 10**6
-    dist.all_to_all_single = counted
     comm.SETTINGS._rehearsals.clear()  # calls folded before kept their packed plans
-    try:
-        with _direct_path(0):
-            for check in SWITCH_CHECKS:
-                checks += check(rank, world)
-    finally:
-        dist.all_to_all_single = packed
-        comm.SETTINGS.direct_max_messages = limit
+    with (
+        counting_calls(dist, "all_to_all_single") as all_to_alls,
+        comm.SETTINGS.changed(direct_min_bytes=0, direct_max_messages=10**6),
+    ):
+        for check in SWITCH_CHECKS:
+            checks += check(rank, world)
     assert all_to_alls[0] == 0, f"{all_to_alls[0]} switches took the packed path"
     # every switch (forward and backward) above ran direct: hundreds of them
     assert exchanges_started() - before > 300, "the switches did not take the direct path"
@@ -393,12 +378,8 @@ def _check_direct_switch(rank: int, world: int) -> int:
     before = exchanges_started()
     with _direct_path(message + 1):  # one byte above the messages' length: packed
         assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
-    previous, comm.SETTINGS.direct_max_messages = comm.SETTINGS.direct_max_messages, 1
-    try:
-        with _direct_path(0):  # 2 messages per peer, 1 allowed: packed
-            assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
-    finally:
-        comm.SETTINGS.direct_max_messages = previous
+    with comm.SETTINGS.changed(direct_min_bytes=0, direct_max_messages=1):  # 2 per peer
+        assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
     assert exchanges_started() == before
     with _direct_path(message):  # exactly the messages' length: direct
         assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
@@ -479,14 +460,8 @@ def _check_recycled_results(rank: int, world: int) -> int:
     switches; a dropped one's storage comes back; results are not views and may be modified
     in place.
     """
-    from dspzoo.core.parallel.comm.settings import SETTINGS
-
-    group = dist.group.WORLD
-    previous, SETTINGS.recycle_results = SETTINGS.recycle_results, True  # off by default
-    try:
-        _recycled_results_stay_intact(group, rank, world)
-    finally:
-        SETTINGS.recycle_results = previous
+    with comm.SETTINGS.changed(recycle_results=True):  # off by default
+        _recycled_results_stay_intact(dist.group.WORLD, rank, world)
     return 1
 
 
@@ -534,14 +509,12 @@ def _check_mismatched_switch(rank: int, world: int) -> int:
         comm.switch(x, 1, 2, dist.group.WORLD, src_length=3 * world)
     assert "float32" in str(info.value)
     # the direct path's settings decide how a switch travels: every rank must have the same
-    previous = comm.SETTINGS.direct_min_bytes
-    comm.SETTINGS.direct_min_bytes = None if rank == 1 else 0
-    try:
-        with pytest.raises(comm.CollectiveInputError, match="rank 1 disagrees") as info:
-            comm.switch(torch.randn(1, 3, 4, 5), 1, 2, dist.group.WORLD, src_length=3 * world)
-        assert "DSPZOO_COMM_DIRECT_MIN_KIB" in str(info.value)
-    finally:
-        comm.SETTINGS.direct_min_bytes = previous
+    with (
+        _direct_path(None if rank == 1 else 0),
+        pytest.raises(comm.CollectiveInputError, match="rank 1 disagrees") as info,
+    ):
+        comm.switch(torch.randn(1, 3, 4, 5), 1, 2, dist.group.WORLD, src_length=3 * world)
+    assert "DSPZOO_COMM_DIRECT_MIN_KIB" in str(info.value)
     return 1
 
 

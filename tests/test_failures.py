@@ -31,7 +31,7 @@ from dspzoo.core.parallel.methods import (
     zigzag_lengths,
 )
 from dspzoo.core.parallel.trace import comm_region
-from dspzoo.core.testing import run_distributed
+from dspzoo.core.testing import counting_calls, run_distributed
 
 BAD = 1  # the rank that gets the bad input
 B, T, S, C = 2, 5, 7, 3  # lengths not divisible by 2 or 3
@@ -313,21 +313,28 @@ def _reference(model: TwoStage, x: torch.Tensor) -> torch.Tensor:
 
 def _rehearsed_calls_fail_everywhere(rank: int, world: int, direct: bool) -> dict[str, Any]:
     """Bad inputs on a call the group predicted: its agreement rides in the all-to-all itself
-    (``direct``: in a status message per peer, :mod:`dspzoo.core.parallel.comm.direct`)."""
+    (``direct``: every switch on the direct path, its status in a message per peer,
+    :mod:`dspzoo.core.parallel.comm.direct`; no packed all-to-all at all)."""
     from dspzoo.core.parallel.comm.direct import exchanges_started
     from dspzoo.core.parallel.comm.settings import SETTINGS
 
-    all_to_alls = [0]
-    if direct:  # every switch direct, none packed (counted below)
-        SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages = 0, 10**6
-        packed = dist.all_to_all_single
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            all_to_alls[0] += 1
-            return packed(*args, **kwargs)
-
-        dist.all_to_all_single = counted
     started = exchanges_started()
+    if not direct:
+        messages = _rehearsed_cases(rank, world)
+        assert exchanges_started() == started  # the default settings: every switch packed
+        return messages
+    with (
+        SETTINGS.changed(direct_min_bytes=0, direct_max_messages=10**6),
+        counting_calls(dist, "all_to_all_single") as all_to_alls,
+    ):
+        messages = _rehearsed_cases(rank, world)
+    assert exchanges_started() > started
+    assert all_to_alls[0] == 0, f"{all_to_alls[0]} switches took the packed path"
+    return messages
+
+
+def _rehearsed_cases(rank: int, world: int) -> dict[str, Any]:
+    from dspzoo.core.parallel.comm.settings import SETTINGS
 
     group = build_mesh(world, timeout_s=5).sp_group
     rehearsal = SETTINGS.rehearsal(group)
@@ -378,8 +385,6 @@ def _rehearsed_calls_fail_everywhere(rank: int, world: int, direct: bool) -> dic
     _reference(model, x_ref).sum().backward()
     torch.testing.assert_close(out, _reference(model, x2))
     torch.testing.assert_close(x_local.grad, _slice(x_ref.grad, 1, world, rank))
-    assert (exchanges_started() > started) == direct
-    assert all_to_alls[0] == 0, f"{all_to_alls[0]} switches took the packed path"
     return messages
 
 

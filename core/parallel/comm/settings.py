@@ -13,10 +13,12 @@ used dropped first), so building many meshes cannot grow memory without bound.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +219,23 @@ class CommSettings:
                 self._workspaces.popitem(last=False)
         self._workspaces.move_to_end(key)
         return entry[1]
+
+    @contextlib.contextmanager
+    def changed(self, **fields: Any) -> Iterator[CommSettings]:
+        """These settings changed inside the block, restored after it (benchmarks and tests
+        comparing paths: ``with SETTINGS.changed(direct_min_bytes=None): ...``). Changing a
+        setting the switch's choice reads on one rank only is a mismatch every rank reports."""
+        unknown = [k for k in fields if k.startswith("_") or not hasattr(self, k)]
+        if unknown:
+            raise AttributeError(f"CommSettings has no setting {unknown}")
+        before = {k: getattr(self, k) for k in fields}
+        for k, v in fields.items():
+            setattr(self, k, v)
+        try:
+            yield self
+        finally:
+            for k, v in before.items():
+                setattr(self, k, v)
 
     def release(self) -> int:
         """Drop every group's workspace; the bytes actually freed (result storages a tensor
