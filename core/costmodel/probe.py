@@ -15,9 +15,11 @@ call delayed by another process's burst does not move the figure (the first vers
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,68 +69,68 @@ class AttentionShape:
     causal: bool = False
 
 
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """Torch runs on ``threads`` threads inside the block (a benchmark's ranks run
+    ``cores // ranks`` each, one on this 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calls_per_second(call: Callable[[], object], seconds: float) -> float:
+    """How many times ``call`` runs per second, over ``seconds`` after one warm-up call."""
+    call()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        call()
+        count += 1
+    return count / (time.perf_counter() - start)
+
+
 def attention_rate(shape: AttentionShape, seconds: float = 0.3, threads: int = 1) -> float:
     """FLOP/s of fp32 ``scaled_dot_product_attention`` forward + backward at ``shape`` on
     ``threads`` torch threads, counted as the cost model counts a step's attention FLOPs (3×
     the forward's ``4·B·H·L²·D``, halved when causal). Its rate moves a lot with the shape on a
     CPU (one thread of this machine: 12 GFLOP/s at 256 × 4 × 16 × 32, 55 at 8 × 4 × 256 × 32,
     66 at 1 × 8 × 1024 × 64), so it is measured at the workload's own shape."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        dims = (shape.batch, shape.heads, shape.length, shape.head_dim)
-        q, k, v = (torch.randn(dims, requires_grad=True) for _ in range(3))
-        grad = torch.ones(dims)
+    dims = (shape.batch, shape.heads, shape.length, shape.head_dim)
+    q, k, v = (torch.randn(dims, requires_grad=True) for _ in range(3))
+    grad = torch.ones(dims)
 
-        def step() -> None:
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
-            out.backward(grad)
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+        out.backward(grad)
 
-        step()  # warm-up
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            step()
-            count += 1
-        forward = 4.0 * math.prod(dims) * shape.length * (0.5 if shape.causal else 1.0)
-        return 3.0 * forward * count / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
+    with _torch_threads(threads):
+        rate = _calls_per_second(step, seconds)
+    forward = 4.0 * math.prod(dims) * shape.length * (0.5 if shape.causal else 1.0)
+    return 3.0 * forward * rate
 
 
 def matmul_rate(size: int = 512, seconds: float = 0.3, threads: int = 1) -> float:
-    """FLOP/s of ``[size, size] @ [size, size]`` fp32 matmuls on ``threads`` torch threads (a
-    benchmark's ranks run ``cores // ranks`` each, one on this 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        a @ b  # warm-up
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a @ b
-            count += 1
-        return 2.0 * size**3 * count / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
+    """FLOP/s of ``[size, size] @ [size, size]`` fp32 matmuls on ``threads`` torch threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    with _torch_threads(threads):
+        return 2.0 * size**3 * _calls_per_second(lambda: a @ b, seconds)
 
 
 def copy_rate(nbytes: int = 64 << 20, calls: int = 7, threads: int = 1) -> float:
     """Bytes/s read + written by ``dst.copy_(src)`` of ``nbytes`` fp32 (a STREAM copy: far
     larger than the caches), the median of ``calls`` copies on ``threads`` torch threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        src = torch.ones(max(nbytes // 4, 1))
-        dst = torch.empty_like(src)
+    src = torch.ones(max(nbytes // 4, 1))
+    dst = torch.empty_like(src)
+    with _torch_threads(threads):
         dst.copy_(src)  # warm-up: the pages of both are mapped
         times = []
         for _ in range(calls):
             start = time.perf_counter()
             dst.copy_(src)
             times.append(time.perf_counter() - start)
-        return 2.0 * src.numel() * 4 / statistics.median(times)
-    finally:
-        torch.set_num_threads(before)
+    return 2.0 * src.numel() * 4 / statistics.median(times)
 
 
 def _median_call_s(group: Any, x: torch.Tensor, calls: int) -> float:
