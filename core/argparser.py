@@ -17,10 +17,12 @@ full usage. Subparsers made by ``add_subparsers`` are ``CommandParser`` s too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import NoReturn
 
 from .quiet import first_of_launch
@@ -46,9 +48,10 @@ def _by_model(prog: str | None) -> bool:
 class CommandParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose :meth:`error` is one line (module docstring).
 
-    Run by a by-model ``dspzoo`` command (``dspzoo sample stdit-mini-shapes ...``), its ``prog``
-    is the command as typed (a model folder's path included) and its ``--model-dir``, which
-    the command fills from its first word, is left out of the usage and help.
+    Run by a by-model ``dspzoo`` command (``dspzoo sample stdit-mini-shapes ...``), its errors
+    name the command as typed (a model folder's path included), its usage and help name the
+    model positionally (``dspzoo sample <model or folder>``), and its ``--model-dir``, which
+    the command fills from its first word, is left out of both.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -60,6 +63,25 @@ class CommandParser(argparse.ArgumentParser):
         if MODEL_FLAG in names and _by_model(self.prog):
             kwargs["help"] = argparse.SUPPRESS
         return super().add_argument(*names, **kwargs)  # type: ignore[arg-type]
+
+    def format_usage(self) -> str:
+        with self._positional_model():
+            return super().format_usage()
+
+    def format_help(self) -> str:
+        with self._positional_model():
+            return super().format_help()
+
+    @contextlib.contextmanager
+    def _positional_model(self) -> Iterator[None]:
+        """``prog`` as ``dspzoo <command> <model or folder>`` while usage or help is written."""
+        typed = self.prog
+        if _by_model(typed):
+            self.prog = " ".join([*typed.split()[:2], "<model or folder>"])
+        try:
+            yield
+        finally:
+            self.prog = typed
 
     def error(self, message: str) -> NoReturn:
         if first_of_launch():

@@ -18,26 +18,17 @@ import sys
 from dspzoo.core.argparser import CommandParser
 from dspzoo.zoo import inference
 
-#: how ``dspzoo generate <model or folder>`` names this script (``sys.argv[0]``, set by
-#: :mod:`dspzoo.zoo.run_cli`, which passes the model on as ``--model-dir``)
-CLI_PROG = "dspzoo generate"
 
-
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    """The flags; ``prog`` starting with :data:`CLI_PROG`: run as ``dspzoo generate <model or
-    folder>``, whose usage names the model positionally and hides ``--model-dir``."""
-    via_cli = prog is not None and prog.startswith(CLI_PROG)
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (run as ``dspzoo generate <model or folder>``, the parser names the model
+    positionally and leaves ``--model-dir`` out: :class:`~dspzoo.core.argparser.CommandParser`)."""
     parser = CommandParser(
-        prog=f"{CLI_PROG} <model or folder>" if via_cli else prog,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--model-dir",
         required=True,
-        help=argparse.SUPPRESS
-        if via_cli
-        else "a folder written by save_pretrained, or a shipped model's name "
+        help="a folder written by save_pretrained, or a shipped model's name "
         "(dspzoo list --pretrained)",
     )
     parser.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
@@ -55,14 +46,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seed of the sampling draws (default: 0)"
     )
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    if via_cli:  # the usage as typed; errors name the command as it ran
-        parser.usage = parser.format_usage().removeprefix("usage: ").strip()
-        parser.prog = prog
     return parser
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = build_parser(sys.argv[0] if argv is None else None)
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         loaded = inference.load(args.model_dir, inference.TEXT_FAMILIES, args.device)

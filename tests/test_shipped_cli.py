@@ -195,7 +195,7 @@ def test_by_model_help_leaves_out_the_model_flag(capsys, command: str, model: st
     """The command fills ``--model-dir`` from its first word: its help does not ask for it."""
     code, out, _ = _run([command, model, "--help"], capsys)
     assert code == 0
-    assert out.startswith(f"usage: dspzoo {command} {model} [-h]")
+    assert out.startswith(f"usage: dspzoo {command} <model or folder> [-h]")
     usage = out.split("\n\n")[0]
     assert "--model-dir" not in usage and "--model-dir MODEL_DIR" not in out  # nor as an option
 
