@@ -574,8 +574,8 @@ def test_a_bench_at_sp_1_predicts_on_the_cached_cluster(tmp_path, monkeypatch) -
     # the cached cluster has a memory bandwidth: the error is also given without those terms
     prediction = result["rows"][0]["prediction"]
     assert prediction["memory_s"] > 0
-    assert prediction["error_without_memory"] < prediction["error"]
-    assert "median_abs_without_memory" in result["prediction_error"]
+    assert prediction["error_without_probed_terms"] < prediction["error"]
+    assert "median_abs_without_probed_terms" in result["prediction_error"]
     assert result["cluster"]["peak_tflops"] == cached.peak_tflops
     with pytest.raises(ValueError, match="group of 2 or more"):
         probe_group()

@@ -125,7 +125,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{'; probed in this run' if 'probe' in result and cl['name'] == 'this-cpu' else ''}): "
             f"step-time prediction error median {e['median_abs']:.0%}, max {e['max_abs']:.0%}",
         ]
-        if "median_abs_without_memory" in e:
+        if "median_abs_without_probed_terms" in e:
             terms = []
             if cl.get("hbm_bw"):
                 terms.append(f"memory-bound terms at {cl['hbm_bw'] / 1e9:.1f} GB/s")
@@ -133,7 +133,7 @@ def markdown(result: dict[str, Any]) -> str:
                 terms.append(f"attention at {cl['attention_tflops'] * 1e3:.1f} GFLOP/s")
             lines[-1] += (
                 f" ({', '.join(terms)}; without them: median "
-                f"{e['median_abs_without_memory']:.0%}, max {e['max_abs_without_memory']:.0%})"
+                f"{e['median_abs_without_probed_terms']:.0%}, max {e['max_abs_without_probed_terms']:.0%})"
             )
     lines += ["", f"reproduce: `{result['command']}`", ""]
     return "\n".join(lines)

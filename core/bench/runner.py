@@ -540,10 +540,10 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
             "comm_s": p.comm_s,
             "memory_s": p.memory_s + p.copy_s,
             "error": err,
-            "error_without_memory": (p_plain.step_s - measured) / measured,
+            "error_without_probed_terms": (p_plain.step_s - measured) / measured,
         }
         errors.append(abs(err))
-        plain_errors.append(abs(row["prediction"]["error_without_memory"]))
+        plain_errors.append(abs(row["prediction"]["error_without_probed_terms"]))
     result["cluster"] = {k: v for k, v in cl.__dict__.items()}
     if errors:
         result["prediction_error"] = {
@@ -551,10 +551,10 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
             "max_abs": max(errors),
         }
         if cl.hbm_bw or cl.attention_tflops:
-            result["prediction_error"]["median_abs_without_memory"] = statistics.median(
+            result["prediction_error"]["median_abs_without_probed_terms"] = statistics.median(
                 plain_errors
             )
-            result["prediction_error"]["max_abs_without_memory"] = max(plain_errors)
+            result["prediction_error"]["max_abs_without_probed_terms"] = max(plain_errors)
 
 
 def reproduce_command(args: argparse.Namespace, world: int) -> str:
