@@ -515,6 +515,16 @@ def _check_mismatched_switch(rank: int, world: int) -> int:
     ):
         comm.switch(torch.randn(1, 3, 4, 5), 1, 2, dist.group.WORLD, src_length=3 * world)
     assert "DSPZOO_COMM_DIRECT_MIN_KIB" in str(info.value)
+    # ... and so must an attention method's entry, whose inner switches skip their agreement
+    from dspzoo.core.parallel.methods.ulysses import ulysses_attention
+
+    q = torch.randn(1, 2, 2 * world, 4)  # [B, tokens of this rank, heads, head dim]
+    with (
+        _direct_path(None if rank == 1 else 0),
+        pytest.raises(comm.CollectiveInputError, match="rank 1 disagrees") as info,
+    ):
+        ulysses_attention(q, q, q, group=dist.group.WORLD, seq_lengths=[2] * world)
+    assert "DSPZOO_COMM_DIRECT_MIN_KIB" in str(info.value)
     return 1
 
 
@@ -683,3 +693,15 @@ def test_workspace_limit() -> None:
             comm.set_workspace_limit(-1)
     finally:
         comm.set_workspace_limit(previous)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "abc"])
+def test_a_bad_direct_threshold_warns_and_keeps_the_default(monkeypatch, value: str) -> None:
+    """``DSPZOO_COMM_DIRECT_MIN_KIB`` is read at import: a bad value must not break it."""
+    from dspzoo.core.parallel.comm.settings import DIRECT_MIN_KIB, _env_kib
+
+    monkeypatch.setenv("DSPZOO_COMM_DIRECT_MIN_KIB", value)
+    with pytest.warns(UserWarning, match="DSPZOO_COMM_DIRECT_MIN_KIB"):
+        assert _env_kib("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB) == DIRECT_MIN_KIB * 1024
+    monkeypatch.setenv("DSPZOO_COMM_DIRECT_MIN_KIB", "off")
+    assert _env_kib("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB) is None

@@ -599,3 +599,22 @@ def test_a_measured_attention_rate_prices_the_attention_share() -> None:
     assert half.compute_s == pytest.approx(plain.compute_s * (1 + share))
     # the probe's rate: SDPA forward + backward at the given shape, in FLOP/s
     assert attention_rate(AttentionShape(2, 2, 64, 16), seconds=0.05) > 1e7
+
+
+def test_contiguous_causal_lss_is_priced_unbalanced_like_ring() -> None:
+    """Causal LSS on its contiguous layout: the last rank's attention is ``(2N − 1)/N`` of the
+    average (the zigzag layout balances it); without a causal mask both cost the same."""
+    from dspzoo.core.costmodel.cluster import PRESETS
+    from dspzoo.core.costmodel.formulas import forward_flops
+
+    wl = workload_for("bytelm-lss-12l", seq_len=4096, batch=1, itemsize=2)
+    h100, n = PRESETS["h100-nvlink-ib"], 4
+    assert wl.causal
+    parts = forward_flops(wl)
+    share = parts.attention / parts.forward
+    lss, zigzag = predict(wl, "lss", n, h100), predict(wl, "lss_zigzag", n, h100)
+    assert lss.compute_s == pytest.approx(zigzag.compute_s * (1 + share * ((2 * n - 1) / n - 1)))
+    plain = wl.with_(causal=False)
+    assert (
+        predict(plain, "lss", n, h100).compute_s == predict(plain, "lss_zigzag", n, h100).compute_s
+    )

@@ -482,9 +482,17 @@ def summarise(
     return result
 
 
+#: the longest sequence the attention probe runs: beyond it the kernel's rate has flattened
+#: (55–66 GFLOP/s from 256 to 2048 tokens here), and a 64K-token call would take the probe
+#: tens of seconds
+PROBE_MAX_LENGTH = 4096
+
+
 def attention_shape(workload: Any, sp_size: int) -> AttentionShape | None:
-    """One rank's call of the workload's heaviest self-attention stage (its sequences shared
-    over the SP group, as DSP and Ulysses share them), for the probe; ``None`` without one."""
+    """One rank's call of the workload's heaviest self-attention stage, for the probe: its
+    sequences shared over the SP group as DSP shares them, or, with fewer sequences than
+    ranks (one text sequence), its heads as Ulysses shares them; at most
+    :data:`PROBE_MAX_LENGTH` tokens. ``None`` without self-attention."""
     from ..costmodel.formulas import stage_flops
 
     stages = [s for layer in workload.layers for s in layer if s.attention]
@@ -494,10 +502,14 @@ def attention_shape(workload: Any, sp_size: int) -> AttentionShape | None:
     lengths = dict(zip(workload.dims, workload.lengths))
     length = math.prod(lengths[d] for d in heaviest.attention)
     sequences = workload.batch * math.prod(workload.lengths) // max(length, 1)
+    if sequences >= sp_size:
+        batch, heads = sequences // sp_size, workload.heads
+    else:
+        batch, heads = max(1, sequences), max(1, workload.heads // sp_size)
     return AttentionShape(
-        batch=max(1, sequences // sp_size),
-        heads=workload.heads,
-        length=length,
+        batch=batch,
+        heads=heads,
+        length=min(length, PROBE_MAX_LENGTH),
         head_dim=workload.head_dim,
         causal=workload.causal,
     )
@@ -550,7 +562,7 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
             "median_abs": statistics.median(errors),
             "max_abs": max(errors),
         }
-        if cl.hbm_bw or cl.attention_tflops:
+        if cl.name == "this-cpu":  # terms probed on this machine (not a preset's data sheet)
             result["prediction_error"]["median_abs_without_probed_terms"] = statistics.median(
                 plain_errors
             )

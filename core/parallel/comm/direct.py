@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .agreement import Signature
 from .blocks import offsets, result_tensor
 from .settings import SETTINGS
 
@@ -53,6 +54,27 @@ if TYPE_CHECKING:
 
 STATUS_TAG, DATA_TAG = 0x5D00, 0x5D01  # the point-to-point tags of a direct switch
 _EXCHANGES = [0]  # direct exchanges started by this process
+
+
+def path_settings() -> tuple[int | None, int]:
+    """The settings :func:`direct_plan` reads; equal on every rank, or ranks take other paths."""
+    return SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages
+
+
+def sign_path_settings(sig: Signature, device: torch.device | str) -> Signature:
+    """Add the path settings to ``sig`` (a collective's agreement) for CPU tensors, the only
+    ones the direct path takes: a rank with other settings then gets the same
+    :class:`~.agreement.CollectiveInputError` as every other rank instead of a hang. Every
+    agreement before switches that skip their own (a checked switch, an attention method's
+    entry) signs them."""
+    if torch.device(device).type == "cpu":
+        min_bytes, max_messages = path_settings()
+        sig.arg(_MIN_BYTES, min_bytes).arg(_MAX_MESSAGES, max_messages)
+    return sig
+
+
+_MIN_BYTES = "SETTINGS.direct_min_bytes (DSPZOO_COMM_DIRECT_MIN_KIB; must be equal on every rank)"
+_MAX_MESSAGES = "SETTINGS.direct_max_messages (must be equal on every rank)"
 
 
 def exchanges_started() -> int:
@@ -178,16 +200,17 @@ def exchange_direct(
     _EXCHANGES[0] += 1
     y = result_tensor(meta.y_shape, like, group)
     works: list[Any] = []
+    # global ranks of the peers (isend/irecv take them on every torch the package supports)
+    world = group is None or group is dist.group.WORLD
+    peers = [p if world else dist.get_global_rank(group, p) for p in range(n)]
     statuses = None
     if status is not None:
         statuses = torch.full((n,), status, dtype=torch.int64)
         word = torch.full((1,), status, dtype=torch.int64)
         for p in range(n):
             if p != r:
-                works.append(
-                    dist.irecv(statuses[p : p + 1], group=group, tag=STATUS_TAG, group_src=p)
-                )
-                works.append(dist.isend(word, group=group, tag=STATUS_TAG, group_dst=p))
+                works.append(dist.irecv(statuses[p : p + 1], peers[p], group, tag=STATUS_TAG))
+                works.append(dist.isend(word, peers[p], group, tag=STATUS_TAG))
     # a rank that missed sends zeros, cut like the predicted input (a meta tensor gives the cut)
     source = x if x is not None else torch.empty(meta.x_shape, dtype=like.dtype, device="meta")
     zeros = None
@@ -195,13 +218,13 @@ def exchange_direct(
         if p == r:
             continue
         for piece in plan.recv_pieces(y, p):
-            works.append(dist.irecv(piece, group=group, tag=DATA_TAG, group_src=p))
+            works.append(dist.irecv(piece, peers[p], group, tag=DATA_TAG))
         for piece in plan.send_pieces(source, p):
             if x is None:
                 if zeros is None or zeros.numel() < piece.numel():
                     zeros = torch.zeros(piece.numel(), dtype=like.dtype, device=like.device)
                 piece = zeros[: piece.numel()]
-            works.append(dist.isend(piece, group=group, tag=DATA_TAG, group_dst=p))
+            works.append(dist.isend(piece, peers[p], group, tag=DATA_TAG))
     if x is not None:  # own block into place while the messages travel
         own = x.narrow(meta.dst, offsets(meta.dst_sizes)[r], meta.dst_sizes[r])
         y.narrow(meta.src, offsets(meta.src_sizes)[r], meta.src_sizes[r]).copy_(own)

@@ -21,7 +21,7 @@ from ..layout import shard_sizes
 from ..trace import current_region
 from .agreement import Agreed, Signature, agree, agree_in_full, guard
 from .blocks import blocks_in_place, empty_blocks, offsets, pack_blocks, unpack_blocks
-from .direct import DirectPlan, direct_plan, exchange_direct
+from .direct import DirectPlan, direct_plan, exchange_direct, path_settings, sign_path_settings
 from .folded import MISS, OK, FoldedLayout, exchange_with_headers
 from .group import group_rank, group_size, norm_dim, record, record_size_sync
 from .rehearsal import Entry
@@ -254,7 +254,7 @@ def agree_switch(
         src_sizes = None if src_sizes is None else [int(s) for s in src_sizes]
         dst_sizes = None if dst_sizes is None else [int(s) for s in dst_sizes]
         call: tuple | None = (primitive, src, dst, src_length, _tuple(src_sizes), _tuple(dst_sizes))
-        call += (x.dtype, x.device, tuple(x.shape), x.stride(), *_path_settings())
+        call += (x.dtype, x.device, tuple(x.shape), x.stride(), *path_settings())
         hash(call)
     except (ValueError, TypeError):  # reported by the signature, to every rank
         call = None
@@ -318,8 +318,7 @@ def _switch_signature(
         if src == dst:
             raise ValueError(f"source and destination dims are both {src}; nothing to switch")
         sig.arg("src", src).arg("dst", dst).arg("src_length", src_length)
-        min_bytes, max_messages = _path_settings()  # the direct path's choice reads them
-        sig.arg(_MIN_BYTES, min_bytes).arg(_MAX_MESSAGES, max_messages)
+        sign_path_settings(sig, x.device)  # the direct path's choice reads them
         sig.sizes("src_sizes", src_sizes).sizes("dst_sizes", dst_sizes)
         sig.tensor("x", x, sharded=(src,)).local(f"rows of dim {src}", x.shape[src])
         _check_sizes("src_sizes", src_sizes, n, src_length)
@@ -332,13 +331,6 @@ def _switch_signature(
 
 
 _PACKS = "packs its send"  # the free word: 1 when this rank's send needs a layout copy anyway
-_MIN_BYTES = "SETTINGS.direct_min_bytes (DSPZOO_COMM_DIRECT_MIN_KIB; must be equal on every rank)"
-_MAX_MESSAGES = "SETTINGS.direct_max_messages (must be equal on every rank)"
-
-
-def _path_settings() -> tuple[int | None, int]:
-    """The settings the direct path's choice reads (:mod:`.direct`): every rank must agree."""
-    return SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages
 
 
 def _keep(n: int, r: int) -> range:

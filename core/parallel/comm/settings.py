@@ -45,11 +45,11 @@ def _env_kib(name: str, default: float) -> int | None:
         return None
     try:
         kib = float(value or default)
-        if kib < 0:
+        if not (math.isfinite(kib) and kib >= 0):
             raise ValueError(value)
     except ValueError:
         warnings.warn(
-            f"{name}={value!r} is not a non-negative number of KiB (or 'off'); using the "
+            f"{name}={value!r} is not a finite non-negative number of KiB (or 'off'); using the "
             f"default {default:g} KiB. E.g. {name}={default:g}",
             stacklevel=2,
         )
