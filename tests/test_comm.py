@@ -346,8 +346,81 @@ def _check_switch_bytes(rank: int, world: int) -> int:
 
 def _direct_path(min_bytes: int | None) -> contextlib.AbstractContextManager:
     """Switches take the direct path (:mod:`~dspzoo.core.parallel.comm.direct`) for messages
-    of at least ``min_bytes`` (``None``: never) inside the block."""
-    return comm.SETTINGS.changed(direct_min_bytes=min_bytes)
+    of at least ``min_bytes`` (``None``: never, the packed all-to-all) inside the block; not
+    through shared memory."""
+    return comm.SETTINGS.changed(direct_min_bytes=min_bytes, shm_slot_bytes=None)
+
+
+def _paths_taken() -> dict[str, int]:
+    """Switch exchanges started so far by this process, per path."""
+    from dspzoo.core.parallel.comm import direct, shm
+
+    return {"shm": shm.exchanges_started(), "direct": direct.exchanges_started()}
+
+
+def _check_switches_on_one_path(rank: int, world: int, path: str, **settings: Any) -> int:
+    """Every switch check with ``settings``; each of their switches (forward and backward:
+    hundreds) took ``path`` (``shm``, ``direct`` or ``packed``) and no other."""
+    before = _paths_taken()
+    comm.SETTINGS._rehearsals.clear()  # calls folded before kept the plans of their path
+    with (
+        counting_calls(dist, "all_to_all_single") as all_to_alls,
+        comm.SETTINGS.changed(**settings),
+    ):
+        checks = sum(check(rank, world) for check in SWITCH_CHECKS)
+    taken = {name: count - before[name] for name, count in _paths_taken().items()}
+    taken["packed"] = all_to_alls[0]
+    assert taken[path] > 300 and sum(taken.values()) == taken[path], (path, taken)
+    return checks
+
+
+def _check_packed_switch(rank: int, world: int) -> int:
+    """The switch checks on the packed all-to-all (gloo between hosts, or shared memory off)."""
+    return _check_switches_on_one_path(
+        rank, world, "packed", shm_slot_bytes=None, direct_min_bytes=None
+    )
+
+
+def _check_shm_switch(rank: int, world: int) -> int:
+    """The switch checks through shared memory in 64-byte chunks (most blocks are streams of
+    many chunks through two slots per pair, waited in any order), then what only this path
+    has: a dropped switch finished by the next wait, a group where one rank cannot share
+    memory (every rank keeps the all-to-all), the setting signed by the agreement."""
+    from dspzoo.core.parallel.comm import shm
+
+    checks = _check_switches_on_one_path(rank, world, "shm", shm_slot_bytes=64)
+    group = dist.group.WORLD
+    full = torch.randn(
+        1, 2 * world + 1, 3 * world + 2, 4, generator=torch.Generator().manual_seed(3)
+    )
+    x, want = _slice(full, 1, world, rank), _slice(full, 2, world, rank)
+    comm.SETTINGS._rehearsals.clear()  # no prediction to miss (a miss exchanges too)
+    with comm.SETTINGS.changed(shm_slot_bytes=64):
+        before = shm.exchanges_started()
+        handle = comm.switch_async(x, 1, 2, group, src_length=full.shape[1])
+        del handle  # its chunks stay queued; the next wait finishes them first
+        assert torch.equal(comm.switch(x, 1, 2, group, src_length=full.shape[1]), want)
+        assert shm.exchanges_started() - before == 2
+    # rank 1 cannot map shared memory: the new group's switches stay on the all-to-all
+    real = shm._can_share
+    shm._can_share = (lambda: False) if rank == 1 else real
+    try:
+        other = dist.new_group(list(range(world)), backend="gloo")
+        before = shm.exchanges_started()
+        with counting_calls(dist, "all_to_all_single") as all_to_alls:
+            y = comm.switch(x, 1, 2, other, src_length=full.shape[1])
+        assert torch.equal(y, want) and all_to_alls[0] == 1
+        assert shm.exchanges_started() == before and shm.channel_for(other) is None
+    finally:
+        shm._can_share = real
+    # every rank must have the same slot setting (it cuts the chunks)
+    with (
+        comm.SETTINGS.changed(shm_slot_bytes=None if rank == 1 else 4096),
+        pytest.raises(comm.CollectiveInputError, match="rank 1 disagrees") as info,
+    ):
+        comm.switch(x, 1, 2, group, src_length=full.shape[1])
+    assert "DSPZOO_COMM_SHM_SLOT_KIB" in str(info.value)
+    return checks + 3
 
 
 def _check_direct_switch(rank: int, world: int) -> int:
@@ -357,17 +430,9 @@ def _check_direct_switch(rank: int, world: int) -> int:
     agreement's errors and the folded (rehearsed) calls."""
     from dspzoo.core.parallel.comm.direct import exchanges_started
 
-    checks, before = 0, exchanges_started()
-    comm.SETTINGS._rehearsals.clear()  # calls folded before kept their packed plans
-    with (
-        counting_calls(dist, "all_to_all_single") as all_to_alls,
-        comm.SETTINGS.changed(direct_min_bytes=0, direct_max_messages=10**6),
-    ):
-        for check in SWITCH_CHECKS:
-            checks += check(rank, world)
-    assert all_to_alls[0] == 0, f"{all_to_alls[0]} switches took the packed path"
-    # every switch (forward and backward) above ran direct: hundreds of them
-    assert exchanges_started() - before > 300, "the switches did not take the direct path"
+    checks = _check_switches_on_one_path(
+        rank, world, "direct", shm_slot_bytes=None, direct_min_bytes=0, direct_max_messages=10**6
+    )
     # above the threshold, or with more messages per peer than allowed: the packed all-to-all
     # (unchecked switches: a folded call keeps the plan its group agreed on when it was learnt)
     from dspzoo.core.parallel.comm.exchange import switch_agreed
@@ -378,7 +443,9 @@ def _check_direct_switch(rank: int, world: int) -> int:
     before = exchanges_started()
     with _direct_path(message + 1):  # one byte above the messages' length: packed
         assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
-    with comm.SETTINGS.changed(direct_min_bytes=0, direct_max_messages=1):  # 2 per peer
+    with comm.SETTINGS.changed(  # 2 messages per peer
+        direct_min_bytes=0, direct_max_messages=1, shm_slot_bytes=None
+    ):
         assert torch.equal(switch_agreed(x, 1, 2, dist.group.WORLD, src_length=2 * world), want)
     assert exchanges_started() == before
     with _direct_path(message):  # exactly the messages' length: direct
@@ -388,8 +455,8 @@ def _check_direct_switch(rank: int, world: int) -> int:
 
 
 def _check_mixed_paths(rank: int, world: int) -> int:
-    """Direct and packed switches in flight together on one group, with a ring transfer and a
-    synchronous switch between them, waited in reverse order: all exact."""
+    """Shared-memory, direct and packed switches in flight together on one group, with a ring
+    transfer and a synchronous switch between them, waited in reverse order: all exact."""
     from dspzoo.core.parallel.comm.direct import exchanges_started
     from dspzoo.core.parallel.comm.p2p import RingTransfer
 
@@ -399,6 +466,8 @@ def _check_mixed_paths(rank: int, world: int) -> int:
     base = torch.randn(5, generator=gen)
     ring = base + rank
     comm.SETTINGS._rehearsals.clear()  # no prediction to miss (a miss exchanges too)
+    with comm.SETTINGS.changed(shm_slot_bytes=64):  # chunks left queued until its wait
+        h_shm = comm.switch_async(_slice(big, 1, world, rank), 1, 2, group, big.shape[1])
     with _direct_path(4 * 8 * big.element_size()):  # the shortest run of `big` is 4 rows × 8
         before = exchanges_started()
         h_big = comm.switch_async(_slice(big, 1, world, rank), 1, 2, group, big.shape[1])
@@ -412,6 +481,7 @@ def _check_mixed_paths(rank: int, world: int) -> int:
     assert torch.equal(y_sync, _slice(big, 1, world, rank))
     assert torch.equal(y_small, _slice(small, 1, world, rank))
     assert torch.equal(got_ring, base + (rank - 1) % world)
+    assert torch.equal(h_shm.wait(), _slice(big, 2, world, rank))
     return 1
 
 
@@ -443,7 +513,7 @@ def _workspace_bounded(rank: int, world: int) -> int:
     assert torch.equal(y, _slice(full, 2, world, rank))
     assert comm.release_workspace() > 0
     assert comm.release_workspace() == 0
-    previous = comm.set_workspace_limit(64)  # bytes: every send here is larger
+    previous = comm.set_workspace_limit(32)  # bytes: every send here is larger
     try:
         y = comm.switch(x, 1, 2, group)
         assert torch.equal(y, _slice(full, 2, world, rank))
@@ -591,7 +661,7 @@ def _check_rehearsed_switch(rank: int, world: int) -> int:
     return checks
 
 
-# every check of the switch's data movement and errors; run again on the direct path
+# every check of the switch's data movement and errors; run again on every path
 SWITCH_CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_explicit_sizes,
     _check_primitives,
@@ -606,7 +676,13 @@ SWITCH_CHECKS: tuple[Callable[[int, int], int], ...] = (
     _check_mismatched_switch,
     _check_rehearsed_switch,
 )
-CHECKS = (*SWITCH_CHECKS, _check_workspace, _check_direct_switch)
+CHECKS = (
+    *SWITCH_CHECKS,  # the default path: through shared memory, on this one host
+    _check_packed_switch,
+    _check_workspace,
+    _check_direct_switch,
+    _check_shm_switch,
+)
 
 
 def _check_all(rank: int, world: int) -> dict[str, int]:

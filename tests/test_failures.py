@@ -311,25 +311,34 @@ def _reference(model: TwoStage, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(model.spatial(torch.tanh(model.temporal(x))))
 
 
-def _rehearsed_calls_fail_everywhere(rank: int, world: int, direct: bool) -> dict[str, Any]:
-    """Bad inputs on a call the group predicted: its agreement rides in the all-to-all itself
-    (``direct``: every switch on the direct path, its status in a message per peer,
-    :mod:`dspzoo.core.parallel.comm.direct`; no packed all-to-all at all)."""
-    from dspzoo.core.parallel.comm.direct import exchanges_started
+def _rehearsed_calls_fail_everywhere(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Bad inputs on a call the group predicted: its agreement rides in the exchange itself.
+
+    ``path``: ``shm`` (the default on one host: the status in every chunk's header,
+    :mod:`dspzoo.core.parallel.comm.shm`), ``direct`` (its status in a message per peer,
+    :mod:`dspzoo.core.parallel.comm.direct`) or ``packed`` (in the all-to-all's headers); no
+    other path is taken.
+    """
+    from dspzoo.core.parallel.comm import direct, shm
     from dspzoo.core.parallel.comm.settings import SETTINGS
 
-    started = exchanges_started()
-    if not direct:
-        messages = _rehearsed_cases(rank, world)
-        assert exchanges_started() == started  # the default settings: every switch packed
-        return messages
+    settings = {
+        "shm": {},
+        "packed": {"shm_slot_bytes": None, "direct_min_bytes": None},
+        "direct": {"shm_slot_bytes": None, "direct_min_bytes": 0, "direct_max_messages": 10**6},
+    }[path]
+    started = {"shm": shm.exchanges_started(), "direct": direct.exchanges_started()}
     with (
-        SETTINGS.changed(direct_min_bytes=0, direct_max_messages=10**6),
+        SETTINGS.changed(**settings),
         counting_calls(dist, "all_to_all_single") as all_to_alls,
     ):
         messages = _rehearsed_cases(rank, world)
-    assert exchanges_started() > started
-    assert all_to_alls[0] == 0, f"{all_to_alls[0]} switches took the packed path"
+    taken = {
+        name: module.exchanges_started() - started[name]
+        for name, module in (("shm", shm), ("direct", direct))
+    }
+    taken["packed"] = all_to_alls[0]
+    assert taken[path] > 0 and sum(taken.values()) == taken[path], (path, taken)
     return messages
 
 
@@ -388,10 +397,12 @@ def _rehearsed_cases(rank: int, world: int) -> dict[str, Any]:
     return messages
 
 
-@pytest.mark.parametrize(("world", "direct"), [(2, False), (3, False), (2, True), (3, True)])
-def test_a_bad_input_on_a_rehearsed_call_raises_on_every_rank(world: int, direct: bool) -> None:
-    """``direct``: every switch on the direct path (its status words are separate messages)."""
-    results = run_distributed(_rehearsed_calls_fail_everywhere, world, direct, timeout=180)
+@pytest.mark.parametrize(
+    ("world", "path"), [(2, "shm"), (3, "shm"), (3, "packed"), (2, "direct"), (3, "direct")]
+)
+def test_a_bad_input_on_a_rehearsed_call_raises_on_every_rank(world: int, path: str) -> None:
+    """Every switch on one path (``shm``, the default on one host; ``packed``; ``direct``)."""
+    results = run_distributed(_rehearsed_calls_fail_everywhere, world, path, timeout=180)
     for name in results[0]:
         texts = {r: results[r][name] for r in range(world)}
         assert len(set(texts.values())) == 1, (name, texts)

@@ -56,9 +56,10 @@ STATUS_TAG, DATA_TAG = 0x5D00, 0x5D01  # the point-to-point tags of a direct swi
 _EXCHANGES = [0]  # direct exchanges started by this process
 
 
-def path_settings() -> tuple[int | None, int]:
-    """The settings :func:`direct_plan` reads; equal on every rank, or ranks take other paths."""
-    return SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages
+def path_settings() -> tuple[int | None, int, int | None]:
+    """The settings that choose a switch's path (:func:`direct_plan`, the shared-memory
+    :func:`~.shm.shm_plan`); equal on every rank, or ranks take other paths."""
+    return SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages, SETTINGS.shm_slot_bytes
 
 
 def sign_path_settings(sig: Signature, device: torch.device | str) -> Signature:
@@ -68,13 +69,15 @@ def sign_path_settings(sig: Signature, device: torch.device | str) -> Signature:
     agreement before switches that skip their own (a checked switch, an attention method's
     entry) signs them."""
     if torch.device(device).type == "cpu":
-        min_bytes, max_messages = path_settings()
+        min_bytes, max_messages, slot_bytes = path_settings()
         sig.arg(_MIN_BYTES, min_bytes).arg(_MAX_MESSAGES, max_messages)
+        sig.arg(_SLOT_BYTES, slot_bytes)
     return sig
 
 
 _MIN_BYTES = "SETTINGS.direct_min_bytes (DSPZOO_COMM_DIRECT_MIN_KIB; must be equal on every rank)"
 _MAX_MESSAGES = "SETTINGS.direct_max_messages (must be equal on every rank)"
+_SLOT_BYTES = "SETTINGS.shm_slot_bytes (DSPZOO_COMM_SHM_SLOT_KIB; must be equal on every rank)"
 
 
 def exchanges_started() -> int:

@@ -26,6 +26,7 @@ from .folded import MISS, OK, FoldedLayout, exchange_with_headers
 from .group import group_rank, group_size, norm_dim, record, record_size_sync
 from .rehearsal import Entry
 from .settings import SETTINGS
+from .shm import ShmPlan, exchange_shm, shm_plan
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,13 @@ def _launch(
     straight from ``x`` into place while the remote blocks travel: the pack copy shrinks by
     ``1/N`` and the local copy overlaps the transfer.
     """
+    shm = shm_plan(meta, x, group)
+    if shm is not None:
+        y, shm_work = exchange_shm(x, shm, x, group)
+        if async_op:
+            return y, shm_work, None, True
+        shm_work.wait()
+        return y, None, None, True
     direct = direct_plan(meta, x, group)
     if direct is not None:
         y, direct_work = exchange_direct(x.contiguous(), direct, x, group)
@@ -403,10 +411,34 @@ class _DirectFoldedSwitch(_FoldedPlan):
         return (y if ok else None), ok
 
 
+@dataclass(frozen=True)
+class _ShmFoldedSwitch(_FoldedPlan):
+    """A rehearsed switch through shared memory (:mod:`.shm`): its status word rides in the
+    header of every chunk."""
+
+    shm: ShmPlan
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def meta(self) -> _SwitchMeta:
+        return self.shm.meta
+
+    def exchange(
+        self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
+    ) -> tuple[torch.Tensor | None, bool]:
+        y, work = exchange_shm(x, self.shm, like, group, status)
+        work.wait()
+        assert work.statuses is not None
+        ok = x is not None and status == OK and all(s == OK for s in work.statuses.tolist())
+        return (y if ok else None), ok
+
+
 def _may_fold(agreed: Agreed, x: torch.Tensor, meta: _SwitchMeta, group: Any) -> None:
     """Let the group fold this call next time when that costs (almost) nothing.
 
-    On the direct path (:mod:`.direct`) the status word is one more small message per peer.
+    Through shared memory (:mod:`.shm`) the status word rides in every chunk's header; on
+    the direct path (:mod:`.direct`) it is one more small message per peer.
     Otherwise only if every rank packs its send anyway: the header then rides in the pack copy;
     a rank whose blocks lie in place would pay a copy it does not make today, more than the
     separate agreement at large sizes. CPU only: the folded exchange reads the status words on
@@ -414,8 +446,11 @@ def _may_fold(agreed: Agreed, x: torch.Tensor, meta: _SwitchMeta, group: Any) ->
     """
     if agreed.entry is None or x.device.type != "cpu":
         return
-    direct = direct_plan(meta, x, group)
-    if direct is not None:
+    shm = shm_plan(meta, x, group)
+    direct = None if shm is not None else direct_plan(meta, x, group)
+    if shm is not None:
+        agreed.entry.plan = _ShmFoldedSwitch(shm, x.dtype, x.device)
+    elif direct is not None:
         agreed.entry.plan = _DirectFoldedSwitch(direct, x.dtype, x.device)
     elif all(v[0] for v in agreed.local(_PACKS)):
         agreed.entry.plan = _FoldedSwitch(FoldedLayout.build(meta, x.dtype), x.dtype, x.device)

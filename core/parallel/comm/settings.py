@@ -32,6 +32,7 @@ def _env_flag(name: str) -> bool:
 
 
 DIRECT_MIN_KIB = 512  # the direct switch's shortest message by default (docs/comm.md)
+SHM_SLOT_KIB = 1024  # a shared-memory switch slot by default (docs/comm.md)
 
 
 def _env_kib(name: str, default: float) -> int | None:
@@ -176,6 +177,12 @@ class CommSettings:
             ``docs/comm.md``). Must be equal on every rank (a checked switch compares it).
         direct_max_messages: the direct path's largest number of messages per peer (equal on
             every rank, like ``direct_min_bytes``).
+        shm_slot_bytes: switches between the processes of one host on gloo go through shared
+            memory (:mod:`.shm`) in chunks of at most this many bytes, two in flight per pair of
+            ranks (``DSPZOO_COMM_SHM_SLOT_KIB``, default 1024; ``off`` or ``None`` here: over
+            gloo). Read at a group's first switch for the size of its mailboxes (a later,
+            larger value is capped at that size). Must be equal on every rank, like
+            ``direct_min_bytes``.
     """
 
     debug: bool = field(default_factory=lambda: _env_flag("DSPZOO_DEBUG"))
@@ -190,6 +197,9 @@ class CommSettings:
         default_factory=lambda: _env_kib("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB)
     )
     direct_max_messages: int = 32
+    shm_slot_bytes: int | None = field(
+        default_factory=lambda: _env_kib("DSPZOO_COMM_SHM_SLOT_KIB", SHM_SLOT_KIB)
+    )
     _workspaces: OrderedDict[int, tuple[Any, Workspace]] = field(
         default_factory=OrderedDict, repr=False
     )

@@ -1,0 +1,456 @@
+"""A switch between processes of one host through shared memory (gloo groups, CPU tensors).
+
+On gloo every byte of an all-to-all goes through a loopback TCP socket even when all ranks
+share one machine: the kernel copies it into the socket and out again, with a system call and a
+rendezvous per message, and the switch packs its strided blocks into a send buffer first. Here
+each rank of a group instead owns one shared-memory mailbox (a file in ``/dev/shm``, mapped by
+every rank of the group and unlinked at once, so nothing is left behind even after a crash):
+
+* the sender copies its block for rank ``q`` straight from the input (any strides) into its
+  slot for ``q`` and then raises a counter; that copy *is* the pack, there is no other;
+* the receiver waits for the counter, copies the slot straight into its place in the result
+  (any strides) and raises its own counter, which frees the slot for the sender's next chunk.
+
+So a remote byte is copied twice in user space (what the socket's kernel copies cost), with no
+pack copy and no system call. Each pair of ranks has :data:`SLOTS` slots of
+``SETTINGS.shm_slot_bytes``; a longer block travels as a stream of chunks through them, every
+chunk a contiguous run of rows of the block (:func:`chunk_cuts`, the same cut on both sides).
+Every pair exchanges at least one chunk per switch (an empty one when the block is empty), whose
+header carries the sender's status word: a folded (rehearsed) switch's miss reaches every rank
+as in :mod:`.folded`.
+
+Progress: chunks go out and come in strictly in order per pair of ranks (the ranks issue
+their switches in the same program order). A rank makes progress only inside :meth:`ShmWork.wait`
+(and one pass when a switch is launched); while it waits it also takes what its peers sent, so
+two ranks whose slots are full never wait on each other. An asynchronous switch dropped
+unwaited stays queued and is finished by the group's next wait.
+
+The channel is set up by the group's first switch that may take this path: every rank
+reports its host, whether it can map ``/dev/shm`` and whether it runs on x86-64 (whose stores
+become visible to other cores in program order, which the counters rely on); every rank
+creates and maps its mailbox and checks it sees every peer's; the group uses the path only if
+every step succeeded on every rank (two tiny all-reduces), else it keeps the all-to-all.
+A wait longer than the group's timeout raises :class:`~.agreement.CollectiveTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import mmap
+import os
+import platform
+import socket
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .agreement import CollectiveTimeoutError, group_timeout_s
+from .blocks import offsets, result_tensor
+from .group import group_rank, group_size
+from .settings import SETTINGS
+
+if TYPE_CHECKING:
+    from .exchange import _SwitchMeta
+
+SLOTS = 2  # chunks in flight per ordered pair of ranks
+_LINE = 8  # int64 words per cache line: counters written by different ranks never share one
+_PAGE = 4096
+_SHM_DIR = "/dev/shm"
+_MAX_CHANNELS = 16  # groups with a mailbox per process; more groups keep the all-to-all
+_EXCHANGES = [0]  # shared-memory exchanges started by this process
+
+
+def exchanges_started() -> int:
+    """How many shared-memory exchanges this process has started (tests and benchmarks)."""
+    return _EXCHANGES[0]
+
+
+# --------------------------------------------------------------------------------------------
+# the chunks of one block
+
+
+Cut = tuple[tuple[int, ...], int, int]  # (index of the leading axes, first row, rows) on axis a
+
+
+def chunk_cuts(shape: list[int] | torch.Size, itemsize: int, slot_bytes: int) -> list[Cut]:
+    """How a block of ``shape`` travels through slots of ``slot_bytes``: its chunks, in order.
+
+    The chunk axis ``a`` is the first axis whose trailing axes fit a slot; each chunk is
+    ``block[lead].narrow(0, start, rows)`` for one index ``lead`` of the axes before ``a`` — a
+    contiguous run of the block's rows, at most a slot long. An empty block is one empty chunk.
+    """
+    shape = list(shape)
+    if math.prod(shape) == 0:
+        return [((), 0, 0)]
+    per_slot = max(slot_bytes // itemsize, 1)
+    axis = next(a for a in range(len(shape)) if math.prod(shape[a + 1 :]) <= per_slot)
+    rows = max(per_slot // math.prod(shape[axis + 1 :]), 1)
+    return [
+        (lead, start, min(rows, shape[axis] - start))
+        for lead in itertools.product(*(range(s) for s in shape[:axis]))
+        for start in range(0, shape[axis], rows)
+    ]
+
+
+def chunk_view(block: torch.Tensor, cut: Cut) -> torch.Tensor:
+    """The chunk ``cut`` of ``block`` (a view)."""
+    lead, start, rows = cut
+    return block[lead].narrow(0, start, rows)
+
+
+# --------------------------------------------------------------------------------------------
+# the mailboxes of one group
+
+
+class ShmChannel:
+    """This rank's mailbox and its views of its peers' ones, for one group.
+
+    A mailbox is ``[counters | data]``. Counters (int64, one cache line each): for each peer
+    ``q``, the chunks sent to ``q`` so far and the status words of the slots for ``q``; for
+    each peer ``p``, the chunks taken from ``p`` so far. Data: ``SLOTS`` slots of
+    ``slot_bytes`` per peer.
+    """
+
+    def __init__(self, n: int, r: int, slot_bytes: int, timeout_s: float, boxes: list[Any]):
+        self.n, self.r, self.slot_bytes, self.timeout_s = n, r, slot_bytes, timeout_s
+        self.peers = [p for p in range(n) if p != r]
+        self.words = [memoryview(box).cast("B").cast("q") for box in boxes]
+        data_start = _counter_bytes(n)
+        self.data = [torch.frombuffer(box, dtype=torch.uint8)[data_start:] for box in boxes]
+        self.sent = [0] * n  # chunks this rank sent to q
+        self.taken = [0] * n  # chunks this rank took from p
+        self.outgoing: list[deque[_Chunk]] = [deque() for _ in range(n)]
+        self.incoming: list[deque[_Chunk]] = [deque() for _ in range(n)]
+
+    # counters: word offsets in a mailbox ------------------------------------------------
+    @staticmethod
+    def _sent_at(q: int) -> int:
+        return _LINE * (1 + q)
+
+    def _status_at(self, q: int, slot: int) -> int:
+        return _LINE * (1 + q) + 1 + slot
+
+    def _taken_at(self, p: int) -> int:
+        return _LINE * (1 + self.n + p)
+
+    def _slot(self, owner: int, to: int, slot: int) -> torch.Tensor:
+        """Slot ``slot`` of ``owner``'s mailbox for chunks to rank ``to``."""
+        index = to if to < owner else to - 1
+        start = (index * SLOTS + slot) * self.slot_bytes
+        return self.data[owner][start : start + self.slot_bytes]
+
+    # progress ---------------------------------------------------------------------------
+    def _send_ready(self, q: int) -> bool:
+        queue, words = self.outgoing[q], self.words[self.r]
+        moved = False
+        while queue:
+            k = self.sent[q]
+            if k - self.words[q][self._taken_at(self.r)] >= SLOTS:
+                break  # q has not taken the chunk that last used this slot
+            chunk = queue.popleft()
+            slot = k % SLOTS
+            if chunk.view is not None and chunk.nbytes:
+                _as(self._slot(self.r, q, slot), chunk).copy_(chunk.view)
+            words[self._status_at(q, slot)] = chunk.status
+            words[self._sent_at(q)] = k + 1  # after the data: x86 keeps stores in order
+            self.sent[q] = k + 1
+            chunk.work.pending -= 1
+            moved = True
+        return moved
+
+    def _take_ready(self, p: int) -> bool:
+        queue, theirs = self.incoming[p], self.words[p]
+        moved = False
+        while queue and theirs[self._sent_at(self.r)] > self.taken[p]:
+            chunk = queue.popleft()
+            k = self.taken[p]
+            slot = k % SLOTS
+            status = theirs[self._status_at(self.r, slot)]
+            if status == 0 and chunk.view is not None and chunk.nbytes:
+                chunk.view.copy_(_as(self._slot(p, self.r, slot), chunk))
+            if status != 0 and chunk.work.statuses is not None:
+                chunk.work.statuses[p] = status
+            self.words[self.r][self._taken_at(p)] = k + 1  # the slot is free again
+            self.taken[p] = k + 1
+            chunk.work.pending -= 1
+            moved = True
+        return moved
+
+    def pump(self) -> bool:
+        """One pass over every peer: send what fits, take what arrived. Whether anything moved."""
+        moved = False
+        for q in self.peers:
+            moved = self._send_ready(q) | moved
+        for p in self.peers:
+            moved = self._take_ready(p) | moved
+        return moved
+
+    def progress(self, work: ShmWork, what: str) -> None:
+        """Pump until ``work`` is complete (and every chunk queued before it)."""
+        idle, since = 0, 0.0
+        while work.pending:
+            if self.pump():
+                idle = 0
+                continue
+            idle += 1
+            if idle < 32:
+                continue
+            now = time.monotonic()
+            if idle == 32:
+                since = now
+            elif now - since > self.timeout_s:
+                raise CollectiveTimeoutError(
+                    f"{what} (shared memory, group of {self.n} ranks, this is rank {self.r}) "
+                    f"waited {self.timeout_s:g} s for a peer: another rank did not reach this "
+                    "switch (it raised, hung or took another path) or died. Look for the first "
+                    "error in the other ranks' logs; the timeout is the group's "
+                    "(build_mesh(timeout_s=...) or DSPZOO_COLLECTIVE_TIMEOUT), and "
+                    "DSPZOO_COMM_SHM_SLOT_KIB=off sends switches over gloo instead."
+                )
+            if idle < 2000:
+                os.sched_yield()  # a peer may need this core (more ranks than cores)
+            else:
+                time.sleep(50e-6)
+
+
+def _as(slot: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+    """The first ``chunk.nbytes`` of a slot as a tensor of the chunk's dtype and shape."""
+    return slot[: chunk.nbytes].view(chunk.dtype).view(chunk.shape)
+
+
+def _counter_bytes(n: int) -> int:
+    words = _LINE * (1 + 2 * n)
+    return -(-words * 8 // _PAGE) * _PAGE
+
+
+def _mailbox_bytes(n: int, slot_bytes: int) -> int:
+    return _counter_bytes(n) + (n - 1) * SLOTS * slot_bytes
+
+
+@dataclass
+class _Chunk:
+    work: ShmWork
+    view: torch.Tensor | None  # the rows sent (sender) or their place in the result (receiver)
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    status: int = 0
+
+
+class ShmWork:
+    """The chunks of one shared-memory exchange in flight; :meth:`wait` finishes them.
+
+    ``statuses`` (folded calls: ``[N]`` int64, this rank's own word at its index) holds every
+    peer's status word once waited on.
+    """
+
+    def __init__(self, channel: ShmChannel, statuses: torch.Tensor | None) -> None:
+        self.channel, self.statuses, self.pending = channel, statuses, 0
+
+    def wait(self) -> None:
+        if self.pending:
+            self.channel.progress(self, "switch")
+
+
+# --------------------------------------------------------------------------------------------
+# setting a group's channel up
+
+
+_CHANNELS: dict[int, tuple[Any, ShmChannel | None]] = {}
+
+
+def channel_for(group: Any) -> ShmChannel | None:
+    """``group``'s channel, set up by its first call (a collective: every rank of the group
+    must call this at the same point, as every switch does); ``None`` when some rank cannot
+    share memory with the others (the group then keeps the all-to-all)."""
+    key = id(group)
+    entry = _CHANNELS.get(key)
+    if entry is None or entry[0] is not group:
+        entry = (group, _set_up(group, _slot_capacity(SETTINGS.shm_slot_bytes)))
+        _CHANNELS[key] = entry  # holding the group keeps its id from being reused
+    return entry[1]
+
+
+def _slot_capacity(slot_bytes: int | None) -> int:
+    """A slot's bytes: the setting rounded down to whole cache lines (0: no channel)."""
+    return (slot_bytes or 0) // 64 * 64
+
+
+def chunk_bytes(channel: ShmChannel) -> int:
+    """The longest chunk now: the setting (equal on every rank), at most the channel's slot."""
+    return max(min(_slot_capacity(SETTINGS.shm_slot_bytes), channel.slot_bytes), 64)
+
+
+def release_channels() -> None:
+    """Forget every group's channel (the mailboxes are unmapped once no tensor views them)."""
+    _CHANNELS.clear()
+
+
+def _host_key() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _can_share() -> bool:
+    machine = platform.machine().lower()
+    return (
+        machine in ("x86_64", "amd64")
+        and os.path.isdir(_SHM_DIR)
+        and os.access(_SHM_DIR, os.W_OK)
+        and len(_CHANNELS) < _MAX_CHANNELS
+    )
+
+
+def _all_ok(ok: bool, group: Any) -> bool:
+    flag = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _set_up(group: Any, slot_bytes: int) -> ShmChannel | None:
+    """Create, map and check the group's mailboxes on every rank together (see the module)."""
+    n, r = group_size(group), group_rank(group)
+    nonce = uuid.uuid4().int & (2**62 - 1)
+    mine = (_host_key(), _can_share() and slot_bytes > 0, nonce, slot_bytes)
+    every: list[Any] = [None] * n
+    dist.all_gather_object(every, mine, group=group)
+    if len({host for host, *_ in every}) != 1 or not all(can for _, can, *_ in every):
+        return None
+    token = f"{every[0][2]:x}"
+    slot_bytes = min(e[3] for e in every)
+
+    def path(rank: int) -> str:
+        return os.path.join(_SHM_DIR, f"dspzoo-{token}-{rank}")
+
+    size = _mailbox_bytes(n, slot_bytes)
+    boxes: list[Any] = [None] * n
+    try:
+        try:
+            boxes[r] = _create(path(r), size)
+            memoryview(boxes[r]).cast("B").cast("q")[0] = every[r][2]
+            created = True
+        except OSError:
+            created = False
+        if not _all_ok(created, group):
+            return None
+        try:
+            for p in range(n):
+                if p != r:
+                    boxes[p] = _open(path(p), size)
+                    if memoryview(boxes[p]).cast("B").cast("q")[0] != every[p][2]:
+                        raise OSError(f"{path(p)} is not rank {p}'s mailbox")
+            seen = True
+        except OSError:
+            seen = False
+        if not _all_ok(seen, group):
+            return None
+    finally:
+        try:  # every rank has mapped (or given up on) every mailbox: the names can go
+            os.unlink(path(r))
+        except OSError:
+            pass
+    timeout = group_timeout_s(group) or 1800.0
+    return ShmChannel(n, r, slot_bytes, timeout, boxes)
+
+
+def _create(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)  # reserve the pages now: a full /dev/shm fails here
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _open(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise OSError(f"{path} has the wrong size")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------
+# the switch
+
+
+@dataclass(frozen=True)
+class ShmPlan:
+    """One rank's switch on the shared-memory path: its layout and its group's channel."""
+
+    meta: _SwitchMeta
+    channel: ShmChannel
+
+
+def shm_plan(meta: _SwitchMeta, x: torch.Tensor, group: Any) -> ShmPlan | None:
+    """The shared-memory plan of a switch, or ``None`` (then the direct or packed path).
+
+    Only for CPU tensors on gloo with ``SETTINGS.shm_slot_bytes`` set (equal on every rank: a
+    checked switch's agreement compares it), and only if the group's channel could be set up.
+    The first call on a group sets its channel up, a collective: every rank reaches it at the
+    same switch because everything read before it is agreed.
+    """
+    if x.device.type != "cpu" or SETTINGS.shm_slot_bytes is None:
+        return None
+    if dist.get_backend(group) != "gloo":
+        return None
+    channel = channel_for(group)
+    return None if channel is None else ShmPlan(meta, channel)
+
+
+def exchange_shm(
+    x: torch.Tensor | None,
+    plan: ShmPlan,
+    like: torch.Tensor,
+    group: Any,
+    status: int | None = None,
+) -> tuple[torch.Tensor, ShmWork]:
+    """Start one shared-memory switch exchange; ``(result, work)`` — the result
+    (``meta.y_shape``) is complete after ``work.wait()``.
+
+    ``x`` is the input (``meta.x_shape``, any strides), or ``None`` on a rank that missed a
+    folded call's prediction: it sends its status word in empty chunks and gets no usable
+    result. With ``status`` (a folded call) ``work.statuses`` holds every rank's word.
+    """
+    meta, channel = plan.meta, plan.channel
+    n, r = len(meta.src_sizes), meta.rank
+    _EXCHANGES[0] += 1
+    y = result_tensor(meta.y_shape, like, group)
+    statuses = None if status is None else torch.full((n,), status, dtype=torch.int64)
+    work = ShmWork(channel, statuses)
+    source = x if x is not None else torch.empty(meta.x_shape, dtype=like.dtype, device="meta")
+    itemsize, dtype, most = like.element_size(), like.dtype, chunk_bytes(channel)
+    dst_starts, src_starts = offsets(meta.dst_sizes), offsets(meta.src_sizes)
+    word = status or 0
+    for q in channel.peers:
+        block = source.narrow(meta.dst, dst_starts[q], meta.dst_sizes[q])
+        for cut in chunk_cuts(block.shape, itemsize, most):
+            view = chunk_view(block, cut)
+            data = view if x is not None and word == 0 else None
+            chunk = _Chunk(work, data, view.numel() * itemsize, dtype, tuple(view.shape), word)
+            channel.outgoing[q].append(chunk)
+            work.pending += 1
+    for p in channel.peers:
+        block = y.narrow(meta.src, src_starts[p], meta.src_sizes[p])
+        for cut in chunk_cuts(block.shape, itemsize, most):
+            view = chunk_view(block, cut)
+            chunk = _Chunk(work, view, view.numel() * itemsize, dtype, tuple(view.shape))
+            channel.incoming[p].append(chunk)
+            work.pending += 1
+    channel.pump()  # the first chunks go out now; the peers can take them while we copy
+    if x is not None:  # own block into place
+        own = x.narrow(meta.dst, dst_starts[r], meta.dst_sizes[r])
+        y.narrow(meta.src, src_starts[r], meta.src_sizes[r]).copy_(own)
+    return y, work
