@@ -16,20 +16,23 @@ turn, behind a barrier; the median per variant, the slowest rank's), on the same
 * ``switch``  — :func:`dspzoo.core.switch` from sharded-on-t to sharded-on-s of a
   ``[1, T/N, S, C]`` activation, in its steady state: the group rehearsed the call, so its
   agreement is folded into the all-to-all (a status header per chunk, no collective of its own;
-  :mod:`dspzoo.core.parallel.comm.rehearsal`), on the path the default settings pick for its
-  size (column ``path``): packed (one layout copy, one ``all_to_all_single``) or direct (one
-  point-to-point message per contiguous run, status words as messages of their own);
+  :mod:`dspzoo.core.parallel.comm.rehearsal`), on the path the default settings pick for it
+  (column ``path``): shm (ranks of one host on gloo: chunks through shared memory, straight
+  from the input into the result, :mod:`dspzoo.core.parallel.comm.shm`), packed (one layout
+  copy, one ``all_to_all_single``) or direct (one point-to-point message per contiguous run,
+  status words as messages of their own);
 * ``switch (recycled)`` — ``switch`` with its result on a recycled storage of the group
   (``SETTINGS.recycle_results``, ``DSPZOO_COMM_RECYCLE_RESULTS=1``): no page faults on first
   write, as the bare all-to-all's reused output buffer has none;
 * ``unchecked`` — the same switch without any agreement (``switch_agreed``, what attention
   methods use after agreeing once at entry): ``switch / unchecked`` is the agreement's cost in
   a real switch;
-* ``switch (packed)`` and ``switch (direct)`` — the same steady-state switch with its path
-  forced: the blocks packed into one ``all_to_all_single``, or sent as point-to-point messages
-  straight from the input into the result (:mod:`dspzoo.core.parallel.comm.direct`; gloo
-  only: on NCCL both are packed). Each runs on a group of its own (same ranks), which learnt
-  the call with that path;
+* ``switch (packed)``, ``switch (direct)`` and ``switch (shm)`` — the same steady-state switch
+  with its path forced: the blocks packed into one ``all_to_all_single``, sent as
+  point-to-point messages straight from the input into the result
+  (:mod:`dspzoo.core.parallel.comm.direct`), or through shared memory (gloo only: on NCCL all
+  three are packed). Each runs on a group of its own (same ranks), which learnt the call with
+  that path;
 * ``naive``   — the textbook form: chunk along s, make each chunk contiguous, list
   ``all_to_all``, concatenate along t;
 
@@ -51,7 +54,7 @@ import torch.distributed as dist
 from dspzoo.core import switch, trace_comm
 from dspzoo.core.accelerate import setup_accelerate
 from dspzoo.core.argparser import CommandParser
-from dspzoo.core.parallel.comm.direct import exchanges_started
+from dspzoo.core.parallel.comm import direct, shm
 from dspzoo.core.parallel.comm.exchange import agree_switch, switch_agreed
 from dspzoo.core.parallel.comm.settings import SETTINGS
 from dspzoo.core.parallel.trace import format_bytes
@@ -110,6 +113,7 @@ VARIANTS = (
     "switch",
     "switch (packed)",
     "switch (direct)",
+    "switch (shm)",
     "switch (recycled)",
     "unchecked",
     "naive",
@@ -124,6 +128,18 @@ def with_settings(fn: Callable[[], object], **changes: Any) -> Callable[[], obje
             return fn()
 
     return run
+
+
+def _started() -> dict[str, int]:
+    """Exchanges started so far by this process on the shared-memory and direct paths."""
+    return {"shm": shm.exchanges_started(), "direct": direct.exchanges_started()}
+
+
+def _path_since(started: dict[str, int]) -> str:
+    """The path the switches since ``started`` took (packed when neither counter moved)."""
+    now = _started()
+    moved = [k for k in now if now[k] > started[k]]
+    return moved[0] if len(moved) == 1 else "packed" if not moved else "+".join(moved)
 
 
 def _messages(shape: tuple[int, ...], n: int) -> str:
@@ -156,7 +172,7 @@ def main() -> None:
     device = accelerator.device
     group = dist.group.WORLD  # the mesh above has sp_size 1 (dist starts inside it)
     # one group per forced path: a group folds a call with the path it learnt it on
-    packed_group, direct_group = (dist.new_group(list(range(n))) for _ in range(2))
+    packed_group, direct_group, shm_group = (dist.new_group(list(range(n))) for _ in range(3))
     rows, cpu_rows = [], []
     t_local = args.frames // n
     length = t_local * n
@@ -189,35 +205,49 @@ def main() -> None:
             "bare": bare,
             "agree+bare": agree_then_bare,
             "switch": switched,
-            "switch (packed)": with_settings(lambda: switched(packed_group), direct_min_bytes=None),
-            "switch (direct)": with_settings(
-                lambda: switched(direct_group), direct_min_bytes=0, direct_max_messages=10**6
+            "switch (packed)": with_settings(
+                lambda: switched(packed_group), direct_min_bytes=None, shm_slot_bytes=None
             ),
+            "switch (direct)": with_settings(
+                lambda: switched(direct_group),
+                direct_min_bytes=0,
+                direct_max_messages=10**6,
+                shm_slot_bytes=None,
+            ),
+            "switch (shm)": lambda: switched(shm_group),
             "switch (recycled)": with_settings(switched, recycle_results=True),
             "unchecked": lambda x=x: switch_agreed(x, 1, 2, group, src_length=length),
             "naive": lambda x=x: naive_switch(x, 1, 2, n),
         }
         agree_then_bare()  # each group learns the timed sequence: agreement, then the switch
-        started = exchanges_started()
+        started = _started()
         switched()
-        path = "direct" if exchanges_started() > started else "packed"
-        direct_possible = dist.get_backend() == "gloo" and device.type == "cpu"
-        for name in ("switch (packed)", "switch (direct)"):
+        path = _path_since(started)
+        for name in ("switch (packed)", "switch (direct)", "switch (shm)"):
             variants[name]()
-        assert torch.equal(variants["switch (direct)"](), ref)
-        assert torch.equal(variants["switch (packed)"](), ref)
-        counts = [SETTINGS.rehearsal(g) for g in (group, packed_group, direct_group)]
+        for name in ("switch (packed)", "switch (direct)", "switch (shm)"):
+            started = _started()
+            assert torch.equal(variants[name](), ref), name
+            wanted = name[8:-1] if dist.get_backend() == "gloo" and device.type == "cpu" else None
+            assert wanted is None or _path_since(started) == wanted, (name, _path_since(started))
+        groups = (group, packed_group, direct_group, shm_group)
+        counts = [SETTINGS.rehearsal(g) for g in groups]
         before = [(c.hits, c.misses) for c in counts]
-        started = exchanges_started()
+        started = _started()
         timed, cpu = timed_interleaved(variants, args.iters, args.warmup)
         calls = args.iters + args.warmup
         folded = [(c.hits - h, c.misses - m) for c, (h, m) in zip(counts, before)]
-        assert folded == [(2 * calls, 0), (calls, 0), (calls, 0)], (
+        assert folded == [(2 * calls, 0), (calls, 0), (calls, 0), (calls, 0)], (
             f"folded switches (hits, misses) per group: {folded}"
         )
-        # the forced direct variant, and switch, recycled and unchecked when they go direct
-        direct_calls = calls * (4 if path == "direct" else 1) if direct_possible else 0
-        assert exchanges_started() - started == direct_calls, "a switch took the wrong path"
+        # switch, recycled and unchecked take the default path; each forced variant its own
+        want = {"shm": calls, "direct": calls}
+        if path in want:
+            want[path] += 3 * calls
+        if not (dist.get_backend() == "gloo" and device.type == "cpu"):
+            want = {"shm": 0, "direct": 0}
+        got = {k: v - started[k] for k, v in _started().items()}
+        assert got == want, f"exchanges per path {got}, expected {want}"
         rows.append((x.numel() * x.element_size(), tuple(x.shape), timed, measured, expected, path))
         cpu_rows.append(cpu)
 
@@ -229,7 +259,8 @@ def main() -> None:
         print(
             f"{'local size':>10} {'shape [1,T/N,S,C]':>22} {'messages/peer':>16} {'path':>6} "
             + " ".join(f"{v + ' ms':>17}" for v in VARIANTS)
-            + f" {'switch/bare':>12} {'packed/bare':>12} {'direct/bare':>12} {'recyc/bare':>11}"
+            + f" {'switch/bare':>12} {'packed/bare':>12} {'direct/bare':>12} {'shm/bare':>12}"
+            f" {'recyc/bare':>11}"
             f" {'switch/unchecked':>17} {'agree+bare/bare':>16} {'naive/switch':>13}"
             f" {'traced bytes':>13} {'formula':>10}"
         )
@@ -242,6 +273,7 @@ def main() -> None:
                 + f" {t['switch'] / t['bare']:11.3f}x"
                 f" {t['switch (packed)'] / t['bare']:11.3f}x"
                 f" {t['switch (direct)'] / t['bare']:11.3f}x"
+                f" {t['switch (shm)'] / t['bare']:11.3f}x"
                 f" {t['switch (recycled)'] / t['bare']:10.3f}x"
                 f" {t['switch'] / t['unchecked']:16.3f}x"
                 f" {t['agree+bare'] / t['bare']:15.3f}x {t['naive'] / t['switch']:12.3f}x"
@@ -261,6 +293,8 @@ def main() -> None:
                 f"   packed/bare {paired(times, 'switch (packed)', 'bare')}"
                 f"   direct/bare {paired(times, 'switch (direct)', 'bare')}"
                 f"   direct/packed {paired(times, 'switch (direct)', 'switch (packed)')}"
+                f"   shm/bare {paired(times, 'switch (shm)', 'bare')}"
+                f"   shm/packed {paired(times, 'switch (shm)', 'switch (packed)')}"
                 f"   switch/unchecked {paired(times, 'switch', 'unchecked')}"
                 f"   recycled/bare {paired(times, 'switch (recycled)', 'bare')}"
             )
