@@ -544,6 +544,7 @@ def test_this_cpu_probe_measures_caches_and_reads_back(tmp_path, monkeypatch) ->
     assert probed.name == "this-cpu" and probed.mfu == 1.0
     assert probed.flops > 1e8 and probed.intra_bw > 1e6 and 0 < probed.intra_lat < 1.0
     assert probed.hbm_bw > 1e8  # the streaming copy: the memory-bound terms are on
+    assert probed.switch_bw > 1e6 and 0 < probed.switch_lat < 1.0  # a real switch, timed
     path = tmp_path / "dspzoo" / "this-cpu.json"
     record = json.loads(path.read_text())
     assert record["measured_at"] > 0 and record["probe"] == {"ranks": 2, "threads": 1}
@@ -599,6 +600,32 @@ def test_a_measured_attention_rate_prices_the_attention_share() -> None:
     assert half.compute_s == pytest.approx(plain.compute_s * (1 + share))
     # the probe's rate: SDPA forward + backward at the given shape, in FLOP/s
     assert attention_rate(AttentionShape(2, 2, 64, 16), seconds=0.05) > 1e7
+
+
+def test_a_probed_switch_rate_prices_the_switches_bytes_and_their_layout_work() -> None:
+    """Where switches take their own transport (``this-cpu``: shared memory), their
+    all-to-all bytes and calls run at the probed switch rate and latency, which include the
+    layout work (no separate copy term); other collectives keep the all-to-all's α-β."""
+    from dspzoo.core.costmodel.cluster import PRESETS
+    from dspzoo.core.costmodel.formulas import comm_bytes
+
+    wl = workload_for("stdit-720M", frames=16, spatial=64, batch=1, itemsize=2)
+    h100 = PRESETS["h100-nvlink-ib"]
+    assert h100.switch_bw == 0 and h100.switch_lat == 0  # presets: unchanged
+    plain = predict(wl, "dsp", 4, h100)
+    fast = h100.with_(switch_bw=h100.intra_bw * 4, switch_lat=h100.intra_lat / 2)
+    quick = predict(wl, "dsp", 4, fast)
+    assert plain.copy_s > 0 and quick.copy_s == 0
+    a2a = comm_bytes(wl, "dsp", 4, 0).bytes(op="all_to_all")
+    assert a2a > 0
+    other = plain.bytes - a2a
+    assert quick.comm_s - quick.latency_s == pytest.approx(
+        h100.transfer_time(other, 4) + a2a / fast.switch_bw
+    )
+    assert fast.collective_latency("all_to_all", 4) == fast.switch_lat
+    assert fast.collective_latency("all_gather", 4) == h100.collective_latency("all_gather", 4)
+    # Megatron-SP sends no all-to-all: the switch rate leaves it as it was
+    assert predict(wl, "megatron_sp", 4, fast).step_s == predict(wl, "megatron_sp", 4, h100).step_s
 
 
 def test_contiguous_causal_lss_is_priced_unbalanced_like_ring() -> None:

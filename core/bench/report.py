@@ -131,6 +131,11 @@ def markdown(result: dict[str, Any]) -> str:
                 terms.append(f"memory-bound terms at {cl['hbm_bw'] / 1e9:.1f} GB/s")
             if cl.get("attention_tflops"):
                 terms.append(f"attention at {cl['attention_tflops'] * 1e3:.1f} GFLOP/s")
+            if cl.get("switch_bw"):
+                terms.append(
+                    f"switches at {cl['switch_bw'] / 1e6:.0f} MB/s, "
+                    f"{cl['switch_lat'] * 1e3:.2f} ms per call"
+                )
             lines[-1] += (
                 f" ({', '.join(terms)}; without them: median "
                 f"{e['median_abs_without_probed_terms']:.0%}, max {e['max_abs_without_probed_terms']:.0%})"

@@ -534,8 +534,10 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
         cl = get_cluster(cluster)
     sp, dp = result["sp"], result["dp"]
     wl = case.workload(case.batch // dp)
-    errors, plain_errors = [], []  # plain: without memory terms and attention rate (same rates)
-    plain = replace(cl, hbm_bw=0.0, attention_tflops=0.0)
+    # plain: without the memory terms, the attention rate and the switch's own rates (the
+    # all-to-all's α-β prices switches too), on the same probed rates otherwise
+    errors, plain_errors = [], []
+    plain = replace(cl, hbm_bw=0.0, attention_tflops=0.0, switch_bw=0.0, switch_lat=0.0)
     for row in result["rows"]:
         name = "ulysses" if row["strategy"] == PEER else row["strategy"]
         try:

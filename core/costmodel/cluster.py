@@ -52,6 +52,11 @@ class Cluster:
         attention_tflops: achieved TFLOP/s of the attention kernels where measured apart
             (``this-cpu`` probed at the workload's attention shape); 0: attention runs at the
             matmul rate (``peak_tflops · mfu``), as on every preset.
+        switch_bw / switch_lat: bytes/s (beyond the fixed cost) and seconds per call of a
+            ``switch``'s all-to-all where switches take another transport than the other
+            collectives, layout work included (``this-cpu``: shared memory between the ranks
+            of one host, probed); 0, as on every preset: a switch is priced as an all-to-all
+            at ``intra_bw``/``inter_bw`` plus its layout copies at ``hbm_bw``.
     """
 
     name: str
@@ -71,6 +76,8 @@ class Cluster:
     fused_attention: bool = True
     sp_layout: tuple[int, int, int] | None = None
     attention_tflops: float = 0.0
+    switch_bw: float = 0.0
+    switch_lat: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -129,10 +136,12 @@ class Cluster:
         reduce-scatter take ``group − 1`` steps (``nodes − 1`` of them across nodes), an
         all-reduce twice that, an all-to-all or a point-to-point send one step (its
         messages to the peers go out concurrently). Without them: ``intra_lat`` /
-        ``inter_lat`` per collective.
+        ``inter_lat`` per collective. An all-to-all costs ``switch_lat`` where that is set.
         """
         if group <= 1:
             return 0.0
+        if op == "all_to_all" and self.switch_lat:
+            return self.switch_lat
         if self.sp_layout is not None and self.sp_layout[0] == group:
             nodes = self.sp_layout[2]
         else:
@@ -217,6 +226,8 @@ def this_cpu(rates: Rates) -> Cluster:
         memory_gib=_memory_gib(),
         hbm_bw=rates.memory_bandwidth,  # the element-wise work and layout copies run at it
         attention_tflops=rates.attention_flops / 1e12,
+        switch_bw=rates.switch_bandwidth,  # a switch's own transport (shared memory here)
+        switch_lat=rates.switch_latency,
     )
 
 

@@ -201,7 +201,8 @@ def predict(
     # the attention at its own rate where it was measured apart (this-cpu), else the matmuls'
     compute = linear / cl.flops + attention / cl.attention_flops
     latency = sum(c * cl.collective_latency(op, n) for op, c in busiest.collectives().items())
-    comm = cl.transfer_time(nbytes, n, 0) + latency
+    switched = busiest.bytes(op="all_to_all") if cl.switch_bw else 0.0
+    comm = cl.transfer_time(nbytes - switched, n, 0) + switched / (cl.switch_bw or 1) + latency
     act_strategy = "ulysses" if strategy == "ulysses_flat" else strategy
     memory = copies = 0.0
     if cl.hbm_bw:
@@ -211,7 +212,8 @@ def predict(
         if not cl.fused_attention:
             traffic += unfused_score_bytes(workload, n, training=training, recompute=recompute)
         memory = traffic / cl.hbm_bw
-        copies = layout_copy_bytes(busiest.bytes(op="all_to_all"), n) / cl.hbm_bw
+        if not cl.switch_bw:  # a probed switch rate has its layout work in it
+            copies = layout_copy_bytes(busiest.bytes(op="all_to_all"), n) / cl.hbm_bw
     act = activation_bytes(_recompute(workload, recompute), act_strategy, n) if training else 0.0
     if not training:
         states = workload.params * workload.itemsize / (n if strategy == "megatron_sp" else 1)

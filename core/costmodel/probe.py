@@ -1,5 +1,6 @@
 """Measure this machine's rates for the ``this-cpu`` cluster: matmul FLOP/s, streaming-copy
-memory bandwidth and all-to-all α-β.
+memory bandwidth, all-to-all α-β, and the α-β of a ``switch`` (which between the ranks of one
+host goes through shared memory, not through the backend's all-to-all).
 
 Two ways in, one measurement:
 
@@ -47,6 +48,10 @@ class Rates:
             forward + backward, counted as 3× the forward's ``4·B·H·L²·D``) at the workload's
             own shape (:class:`AttentionShape`); 0: not measured (the matmul rate prices
             attention too).
+        switch_bandwidth / switch_latency: the same α-β of :func:`dspzoo.core.comm.switch` in
+            its steady state (rehearsed, on the path the settings pick: shared memory between
+            the ranks of one host, :mod:`dspzoo.core.parallel.comm.shm`), layout work
+            included; 0: not measured (a switch costs what the all-to-all costs).
     """
 
     flops: float
@@ -56,6 +61,8 @@ class Rates:
     threads: int = 1
     memory_bandwidth: float = 0.0
     attention_flops: float = 0.0
+    switch_bandwidth: float = 0.0
+    switch_latency: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,26 @@ def _median_call_s(group: Any, x: torch.Tensor, calls: int) -> float:
     return statistics.median(times)
 
 
+def _median_switch_s(group: Any, local_bytes: int, calls: int) -> float:
+    """Median seconds of a ``switch`` of a ``[1, 2, S, 4]`` fp32 shard of ``local_bytes`` from
+    sharded on axis 1 to sharded on axis 2, each call behind a barrier, after the group has
+    learnt the call (steady state: its agreement folded in)."""
+    from ..parallel.comm import switch
+
+    n = dist.get_world_size(group)
+    s = max(local_bytes // (2 * 4 * 4) // n, 1) * n
+    x = torch.zeros(1, 2, s, 4)
+    for _ in range(3):  # agreed, learnt, folded
+        switch(x, 1, 2, group, src_length=2 * n)
+    times = []
+    for _ in range(calls):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        switch(x, 1, 2, group, src_length=2 * n)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def probe_group(
     group: Any = None,
     large_bytes: int = LARGE_BYTES,
@@ -177,10 +204,24 @@ def probe_group(
     large = torch.zeros(max(large_bytes // 4 // n, 1) * n)
     latency = _median_call_s(group, small, calls)
     big = _median_call_s(group, large, max(calls // 2, 3))
+    small_switch = _median_switch_s(group, 16 * 4 * n, calls)
+    big_switch = _median_switch_s(group, large_bytes, max(calls // 2, 3))
     # the slowest rank's: max of the times, min of the rate
-    worst = torch.tensor([latency, big, -flops, -memory, -attn], dtype=torch.float64)
+    times = [latency, big, small_switch, big_switch, -flops, -memory, -attn]
+    worst = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    latency, big = worst[0].item(), worst[1].item()
-    flops, memory, attn = (-worst[i].item() for i in (2, 3, 4))
+    latency, big, small_switch, big_switch = (worst[i].item() for i in range(4))
+    flops, memory, attn = (-worst[i].item() for i in (4, 5, 6))
     sent = large.numel() * 4 * (n - 1) / n
-    return Rates(flops, sent / max(big - latency, 1e-9), latency, n, threads, memory, attn)
+    switch_sent = large_bytes * (n - 1) / n
+    return Rates(
+        flops,
+        sent / max(big - latency, 1e-9),
+        latency,
+        n,
+        threads,
+        memory,
+        attn,
+        switch_sent / max(big_switch - small_switch, 1e-9),
+        small_switch,
+    )
