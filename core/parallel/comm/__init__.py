@@ -30,8 +30,11 @@ Shards are balanced and unpadded (:func:`dspzoo.core.parallel.layout.shard_sizes
 exactly the blocks other ranks need, laid out by one copy so that a single
 ``all_to_all_single`` (with per-rank split sizes when lengths are uneven) does the exchange and
 the received buffer is the result, or needs one more copy when leading axes are not trivial;
-on gloo, when each block is a few long contiguous runs, the runs travel as point-to-point
-messages from the input into the result instead, with no layout copy at all (:mod:`.direct`).
+between the processes of one host on gloo the blocks go through shared memory instead, copied
+straight from the input into a slot and from the slot into the result (:mod:`.shm`, the
+default there); elsewhere on gloo, when each block is a few long contiguous runs, the runs
+travel as point-to-point messages from the input into the result, with no layout copy at all
+(:mod:`.direct`).
 Outputs are never views of their inputs, so in-place ops on them are fine.
 
 Failures reach every rank: each forward primitive first agrees on its arguments across the
@@ -44,7 +47,8 @@ agreement into its all-to-all instead: :mod:`.rehearsal`, :mod:`.folded`); a bac
 Modules: :mod:`.settings` (the settings object: debug mode, per-group send workspaces),
 :mod:`.agreement` (the cross-rank agreement and the errors), :mod:`.blocks` (block layout:
 the one pack/unpack), :mod:`.rehearsal` (each group's agreed calls, predicting the next),
-:mod:`.folded` (the switch exchange with status words in its chunks), :mod:`.direct` (the switch
+:mod:`.folded` (the switch exchange with status words in its chunks), :mod:`.shm` (the switch
+through shared memory between the processes of one host), :mod:`.direct` (the switch
 sent as point-to-point messages straight from the input into the result, gloo, long blocks),
 :mod:`.checks` (``check_consistent`` for user code), :mod:`.group`
 (group queries, tracing, small reductions), :mod:`.replicate` (split, gather,
