@@ -498,6 +498,49 @@ def _check_dropped_direct_switch(rank: int, world: int) -> int:
     return 1
 
 
+def _check_ring_transfers(rank: int, world: int) -> int:
+    """``ring_exchange`` and :class:`RingTransfer` through shared memory (64-byte chunks: long
+    streams through both slots) and over gloo: every shift, uneven and empty shapes, several
+    tensors and dtypes per transfer, two transfers in flight waited in reverse order, and the
+    exchange's gradient — each exact, each on the path named."""
+    from dspzoo.core.parallel.comm import shm
+    from dspzoo.core.parallel.comm.p2p import RingTransfer
+
+    group, checks = dist.group.WORLD, 0
+    for slot, path in ((64, "shm"), (None, "gloo")):
+        with comm.SETTINGS.changed(shm_slot_bytes=slot):
+            before = shm.exchanges_started()
+            for shift in range(-1, world + 1):
+                src = (rank - shift) % world
+
+                def mine(r: int, shift: int = shift) -> torch.Tensor:
+                    gen = torch.Generator().manual_seed(100 * r + shift % world)
+                    return torch.randn(2, r + 1, 3, generator=gen, dtype=torch.float64)
+
+                x = mine(rank).requires_grad_(True)
+                y = comm.ring_exchange(x, group, shift, recv_shape=mine(src).shape)
+                assert torch.equal(y, mine(src)), (path, shift)
+                (y * (rank + 1)).sum().backward()  # the gradient comes back from rank + shift
+                assert torch.equal(x.grad, torch.full_like(x, (rank + shift) % world + 1))
+                checks += 1
+            # several tensors (one empty on rank 0, bf16) and two transfers in flight
+            sends = [torch.arange(5.0) + rank, torch.zeros(0 if rank == 0 else 4, 2)]
+            sends.append(torch.full((3, 7), float(rank), dtype=torch.bfloat16).t())  # strided
+            left = (rank - 1) % world
+            shapes = [(5,), (0 if left == 0 else 4, 2), (7, 3)]
+            first = RingTransfer(sends, group, shapes)
+            second = RingTransfer([sends[0] * 2], group, [(5,)], shift=-1)
+            back = second.wait()[0]
+            got = first.wait()
+            assert torch.equal(back, (torch.arange(5.0) + (rank + 1) % world) * 2)
+            assert torch.equal(got[0], torch.arange(5.0) + left) and got[1].shape == shapes[1]
+            assert torch.equal(got[2], torch.full((7, 3), float(left), dtype=torch.bfloat16))
+            taken = shm.exchanges_started() - before
+            assert (taken > 0) == (path == "shm"), (path, taken)
+            checks += 1
+    return checks
+
+
 def _check_workspace(rank: int, world: int) -> int:
     """The CPU send workspace is bounded by its limit and released on request."""
     with _direct_path(None):  # the packed path is the one with a send buffer
@@ -682,6 +725,7 @@ CHECKS = (
     _check_workspace,
     _check_direct_switch,
     _check_shm_switch,
+    _check_ring_transfers,
 )
 
 

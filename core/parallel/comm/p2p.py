@@ -9,7 +9,9 @@ Receive shapes may differ per rank (uneven shards); the receiver names them (``r
 since it knows the sender's shard size from the layout. Tensors with no elements are not put on
 the wire (sender and receiver agree on that from the shapes). Ranks are group-local; peers are
 mapped to global ranks with ``dist.get_global_rank``. Each transfer is traced as ``"p2p"`` with
-the bytes this rank *sends*.
+the bytes this rank *sends*. Between the processes of one host on gloo the tensors go through
+the group's shared-memory channel (:mod:`.shm`), as switches do; every agreement before a
+transfer signs the setting that picks that path (:func:`~.direct.sign_path_settings`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from torch.autograd.function import once_differentiable
 
 from ..trace import current_region
 from .agreement import Signature, agree, guard, ranks_text
+from .direct import sign_path_settings
 from .group import group_rank, group_size, record
+from .shm import start_transfer, transfer_channel
 
 
 def _peers(group: Any, shift: int) -> tuple[int, int]:
@@ -70,6 +74,18 @@ class RingTransfer:
                     raise ValueError(f"shift 0: recv shape {tuple(buf.shape)} != {tuple(t.shape)}")
                 buf.copy_(t)
             return
+        channel = transfer_channel(group, self.received[0].device) if self.received else None
+        if channel is not None:
+            for t in self._send:
+                record("p2p", t.numel() * t.element_size(), group, t, phase, region)
+            n, r = group_size(group), group_rank(group)
+            with guard(f"ring transfer ({phase})", group, region):
+                self._works = [
+                    start_transfer(
+                        channel, self._send, (r + shift) % n, self.received, (r - shift) % n
+                    )
+                ]
+            return
         dst, src = _peers(group, shift)
         ops = []
         for i, t in enumerate(self._send):
@@ -111,6 +127,7 @@ def ring_exchange(
     n = group_size(group)
     if n > 1:
         sig = Signature("ring_exchange").arg("shift", int(shift) % n).tensor("x", x, range(x.dim()))
+        sign_path_settings(sig, x.device)
         sig.local("shape", x.shape).local("recv_shape", recv_shape)
         agreed = agree(sig, group, x.device)
         shapes, wanted = agreed.local("shape"), agreed.local("recv_shape")

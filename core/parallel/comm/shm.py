@@ -192,7 +192,11 @@ class ShmChannel:
         return moved
 
     def progress(self, work: ShmWork, what: str) -> None:
-        """Pump until ``work`` is complete (and every chunk queued before it)."""
+        """Pump until ``work`` is complete (and every chunk queued before it).
+
+        Idle, it polls 32 times, then yields its core between polls (a peer may need it when
+        there are more ranks than cores), and after 200 µs sleeps 50 µs between them.
+        """
         idle, since = 0, 0.0
         while work.pending:
             if self.pump():
@@ -208,13 +212,13 @@ class ShmChannel:
                 raise CollectiveTimeoutError(
                     f"{what} (shared memory, group of {self.n} ranks, this is rank {self.r}) "
                     f"waited {self.timeout_s:g} s for a peer: another rank did not reach this "
-                    "switch (it raised, hung or took another path) or died. Look for the first "
-                    "error in the other ranks' logs; the timeout is the group's "
+                    "collective (it raised, hung or took another path) or died. Look for the "
+                    "first error in the other ranks' logs; the timeout is the group's "
                     "(build_mesh(timeout_s=...) or DSPZOO_COLLECTIVE_TIMEOUT), and "
-                    "DSPZOO_COMM_SHM_SLOT_KIB=off sends switches over gloo instead."
+                    "DSPZOO_COMM_SHM_SLOT_KIB=off sends over gloo instead."
                 )
-            if idle < 2000:
-                os.sched_yield()  # a peer may need this core (more ranks than cores)
+            if now - since < 200e-6:
+                os.sched_yield()
             else:
                 time.sleep(50e-6)
 
@@ -250,12 +254,12 @@ class ShmWork:
     peer's status word once waited on.
     """
 
-    def __init__(self, channel: ShmChannel, statuses: torch.Tensor | None) -> None:
-        self.channel, self.statuses, self.pending = channel, statuses, 0
+    def __init__(self, channel: ShmChannel, statuses: torch.Tensor | None, what: str = "switch"):
+        self.channel, self.statuses, self.what, self.pending = channel, statuses, what, 0
 
     def wait(self) -> None:
         if self.pending:
-            self.channel.progress(self, "switch")
+            self.channel.progress(self, self.what)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,6 +390,52 @@ def _open(path: str, size: int) -> mmap.mmap:
 # the switch
 
 
+def transfer_channel(group: Any, device: torch.device | str) -> ShmChannel | None:
+    """The channel a collective on ``group`` sends through, or ``None`` (gloo then): CPU
+    tensors, gloo, ``SETTINGS.shm_slot_bytes`` set (equal on every rank: the agreements sign
+    it, :func:`~.direct.sign_path_settings`), and the group's channel set up (the first call
+    on a group sets it up, a collective)."""
+    if group is None or torch.device(device).type != "cpu" or SETTINGS.shm_slot_bytes is None:
+        return None
+    if dist.get_backend(group) != "gloo":
+        return None
+    return channel_for(group)
+
+
+def _queue(
+    channel: ShmChannel, work: ShmWork, t: torch.Tensor, peer: int, out: bool, status: int = 0
+) -> None:
+    """Queue ``t``'s chunks to (``out``) or from ``peer``: on a sender ``t`` is the data (or a
+    meta tensor of its shape, for status-only chunks), on a receiver where it lands."""
+    itemsize = t.element_size()
+    for cut in chunk_cuts(t.shape, itemsize, chunk_bytes(channel)):
+        view = chunk_view(t, cut)
+        data = None if view.device.type == "meta" or (out and status) else view
+        chunk = _Chunk(work, data, view.numel() * itemsize, t.dtype, tuple(view.shape), status)
+        (channel.outgoing if out else channel.incoming)[peer].append(chunk)
+        work.pending += 1
+
+
+def start_transfer(
+    channel: ShmChannel,
+    sends: list[torch.Tensor],
+    dst: int,
+    receives: list[torch.Tensor],
+    src: int,
+    what: str = "ring transfer",
+) -> ShmWork:
+    """Send ``sends`` (any strides) to group rank ``dst`` and receive into ``receives`` (the
+    senders' shapes and dtypes) from ``src``, in order; complete after ``work.wait()``."""
+    _EXCHANGES[0] += 1
+    work = ShmWork(channel, None, what)
+    for t in sends:
+        _queue(channel, work, t, dst, out=True)
+    for t in receives:
+        _queue(channel, work, t, src, out=False)
+    channel.pump()
+    return work
+
+
 @dataclass(frozen=True)
 class ShmPlan:
     """One rank's switch on the shared-memory path: its layout and its group's channel."""
@@ -431,24 +481,13 @@ def exchange_shm(
     statuses = None if status is None else torch.full((n,), status, dtype=torch.int64)
     work = ShmWork(channel, statuses)
     source = x if x is not None else torch.empty(meta.x_shape, dtype=like.dtype, device="meta")
-    itemsize, dtype, most = like.element_size(), like.dtype, chunk_bytes(channel)
     dst_starts, src_starts = offsets(meta.dst_sizes), offsets(meta.src_sizes)
     word = status or 0
     for q in channel.peers:
         block = source.narrow(meta.dst, dst_starts[q], meta.dst_sizes[q])
-        for cut in chunk_cuts(block.shape, itemsize, most):
-            view = chunk_view(block, cut)
-            data = view if x is not None and word == 0 else None
-            chunk = _Chunk(work, data, view.numel() * itemsize, dtype, tuple(view.shape), word)
-            channel.outgoing[q].append(chunk)
-            work.pending += 1
+        _queue(channel, work, block, q, out=True, status=word)
     for p in channel.peers:
-        block = y.narrow(meta.src, src_starts[p], meta.src_sizes[p])
-        for cut in chunk_cuts(block.shape, itemsize, most):
-            view = chunk_view(block, cut)
-            chunk = _Chunk(work, view, view.numel() * itemsize, dtype, tuple(view.shape))
-            channel.incoming[p].append(chunk)
-            work.pending += 1
+        _queue(channel, work, y.narrow(meta.src, src_starts[p], meta.src_sizes[p]), p, out=False)
     channel.pump()  # the first chunks go out now; the peers can take them while we copy
     if x is not None:  # own block into place
         own = x.narrow(meta.dst, dst_starts[r], meta.dst_sizes[r])
