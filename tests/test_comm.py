@@ -420,7 +420,32 @@ def _check_shm_switch(rank: int, world: int) -> int:
     ):
         comm.switch(x, 1, 2, group, src_length=full.shape[1])
     assert "DSPZOO_COMM_SHM_SLOT_KIB" in str(info.value)
-    return checks + 3
+    # ... compared by every agreement, a gather's too (its all-gather takes the channel)
+    with (
+        comm.SETTINGS.changed(shm_slot_bytes=None if rank == 1 else 4096),
+        pytest.raises(comm.CollectiveInputError, match="rank 1 disagrees") as info,
+    ):
+        comm.gather(x, 1, group, length=full.shape[1])
+    assert "DSPZOO_COMM_SHM_SLOT_KIB" in str(info.value)
+    # the all-gather and its reduce-scatter backward in 64-byte chunks: exact, uneven shards
+    full = torch.randn(3, 2 * world + 1, 5, dtype=torch.float64)
+    torch.distributed.broadcast(full, 0)
+    x = _slice(full, 1, world, rank).requires_grad_(True)
+
+    def weight(q: int) -> torch.Tensor:  # a different weight on every rank
+        return torch.randn(
+            full.shape, generator=torch.Generator().manual_seed(q), dtype=torch.float64
+        )
+
+    with comm.SETTINGS.changed(shm_slot_bytes=64):
+        before = shm.exchanges_started()
+        y = comm.gather_for_local_use(x, 1, group)
+        assert torch.equal(y, full)
+        (y * weight(rank)).sum().backward()
+        assert shm.exchanges_started() - before == 2
+    summed = sum(weight(q) for q in range(world))
+    torch.testing.assert_close(x.grad, _slice(summed, 1, world, rank), rtol=1e-12, atol=1e-12)
+    return checks + 5
 
 
 def _check_direct_switch(rank: int, world: int) -> int:

@@ -114,7 +114,7 @@ class Signature:
     "hash", "dtype", "device", "shape"), read only to write an error message.
     """
 
-    __slots__ = ("primitive", "same", "same_fields", "free", "free_fields", "error")
+    __slots__ = ("primitive", "same", "same_fields", "free", "free_fields", "error", "path_signed")
 
     def __init__(self, primitive: str) -> None:
         self.primitive = primitive
@@ -123,6 +123,7 @@ class Signature:
         self.free: list[int] = []
         self.free_fields: list[tuple[str, str, int]] = []
         self.error: Exception | None = None
+        self.path_signed = False  # the comm path settings are in ``same`` (CPU agreements)
 
     def _add(self, name: str, kind: str, words: Sequence[int]) -> Signature:
         self.same += words
@@ -299,6 +300,25 @@ def _verdict(sig: Signature, table: list[list[int]], region: str, group: Any) ->
     )
 
 
+PATH_SETTINGS = (
+    "the comm path settings (DSPZOO_COMM_SHM_SLOT_KIB, DSPZOO_COMM_DIRECT_MIN_KIB, "
+    "SETTINGS.direct_max_messages: a CRC of their values; they must be equal on every rank)"
+)
+
+
+def _sign_path_settings(sig: Signature, device: torch.device | str) -> None:
+    """Add the settings that choose how collectives on CPU tensors travel (shared memory, the
+    direct switch: :meth:`~.settings.CommSettings.path_settings`) to ``sig``, once, as one
+    word: a rank with other settings then gets the same :class:`CollectiveInputError` as
+    every other rank instead of a hang when the ranks take different paths (the collectives
+    after an agreement — an attention method's inner switches and ring transfers — read them
+    without agreeing again)."""
+    if sig.path_signed or torch.device(device).type != "cpu":
+        return
+    sig.path_signed = True
+    sig.arg(PATH_SETTINGS, zlib.crc32(repr(SETTINGS.path_settings()).encode()))
+
+
 def agree(
     sig: Signature, group: Any, device: torch.device | str = "cpu", fold: bool = False
 ) -> Agreed:
@@ -322,6 +342,7 @@ def agree(
         if sig.error is not None:
             raise sig.error
         return Agreed(sig, [sig.words(0)], 1, region)
+    _sign_path_settings(sig, device)
     status = int(sig.error is not None)
     words = sig.words(status)
     rehearsal = SETTINGS.rehearsal(group)
@@ -342,6 +363,7 @@ def agree_in_full(
     n = group_size(group)
     region = current_region()
     if words is None:
+        _sign_path_settings(sig, device)
         words = sig.words(int(sig.error is not None))
     mine = torch.frombuffer(array.array("q", words), dtype=torch.long)  # no copy (CPU)
     if torch.device(device).type != "cpu":  # NCCL moves device tensors only

@@ -20,9 +20,9 @@ long runs: :func:`direct_plan` takes it when every message is at least
 ``SETTINGS.direct_min_bytes`` and there are at most ``SETTINGS.direct_max_messages`` per peer
 (``docs/comm.md`` has the measurements). The decision depends on what every rank of the group
 agreed on (the global shape, the split sizes, the dtype, the backend) and on those two
-settings, which a checked switch's agreement compares across the ranks too (they must be equal
-on every rank; a rank with other settings gets a :class:`~.agreement.CollectiveInputError`
-naming them), so the whole group takes the same path. A non-contiguous input is made
+settings, which every agreement compares across the ranks too (:func:`~.agreement.agree`:
+they must be equal on every rank; a rank with other settings gets a
+:class:`~.agreement.CollectiveInputError` naming them), so the whole group takes the same path. A non-contiguous input is made
 contiguous first (one copy: then only the unpack copy is saved).
 
 Messages are matched by gloo in posting order per (peer, tag): every rank posts its receives
@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .agreement import Signature
 from .blocks import offsets, result_tensor
 from .settings import SETTINGS
 
@@ -54,30 +53,6 @@ if TYPE_CHECKING:
 
 STATUS_TAG, DATA_TAG = 0x5D00, 0x5D01  # the point-to-point tags of a direct switch
 _EXCHANGES = [0]  # direct exchanges started by this process
-
-
-def path_settings() -> tuple[int | None, int, int | None]:
-    """The settings that choose a switch's path (:func:`direct_plan`, the shared-memory
-    :func:`~.shm.shm_plan`); equal on every rank, or ranks take other paths."""
-    return SETTINGS.direct_min_bytes, SETTINGS.direct_max_messages, SETTINGS.shm_slot_bytes
-
-
-def sign_path_settings(sig: Signature, device: torch.device | str) -> Signature:
-    """Add the path settings to ``sig`` (a collective's agreement) for CPU tensors, the only
-    ones the direct path takes: a rank with other settings then gets the same
-    :class:`~.agreement.CollectiveInputError` as every other rank instead of a hang. Every
-    agreement before switches that skip their own (a checked switch, an attention method's
-    entry) signs them."""
-    if torch.device(device).type == "cpu":
-        min_bytes, max_messages, slot_bytes = path_settings()
-        sig.arg(_MIN_BYTES, min_bytes).arg(_MAX_MESSAGES, max_messages)
-        sig.arg(_SLOT_BYTES, slot_bytes)
-    return sig
-
-
-_MIN_BYTES = "SETTINGS.direct_min_bytes (DSPZOO_COMM_DIRECT_MIN_KIB; must be equal on every rank)"
-_MAX_MESSAGES = "SETTINGS.direct_max_messages (must be equal on every rank)"
-_SLOT_BYTES = "SETTINGS.shm_slot_bytes (DSPZOO_COMM_SHM_SLOT_KIB; must be equal on every rank)"
 
 
 def exchanges_started() -> int:

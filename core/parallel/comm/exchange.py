@@ -21,7 +21,7 @@ from ..layout import shard_sizes
 from ..trace import current_region
 from .agreement import Agreed, Signature, agree, agree_in_full, guard
 from .blocks import blocks_in_place, empty_blocks, offsets, pack_blocks, unpack_blocks
-from .direct import DirectPlan, direct_plan, exchange_direct, path_settings, sign_path_settings
+from .direct import DirectPlan, direct_plan, exchange_direct
 from .folded import MISS, OK, FoldedLayout, exchange_with_headers
 from .group import group_rank, group_size, norm_dim, record, record_size_sync
 from .rehearsal import Entry
@@ -262,7 +262,7 @@ def agree_switch(
         src_sizes = None if src_sizes is None else [int(s) for s in src_sizes]
         dst_sizes = None if dst_sizes is None else [int(s) for s in dst_sizes]
         call: tuple | None = (primitive, src, dst, src_length, _tuple(src_sizes), _tuple(dst_sizes))
-        call += (x.dtype, x.device, tuple(x.shape), x.stride(), *path_settings())
+        call += (x.dtype, x.device, tuple(x.shape), x.stride(), *SETTINGS.path_settings())
         hash(call)
     except (ValueError, TypeError):  # reported by the signature, to every rank
         call = None
@@ -326,7 +326,6 @@ def _switch_signature(
         if src == dst:
             raise ValueError(f"source and destination dims are both {src}; nothing to switch")
         sig.arg("src", src).arg("dst", dst).arg("src_length", src_length)
-        sign_path_settings(sig, x.device)  # the direct path's choice reads them
         sig.sizes("src_sizes", src_sizes).sizes("dst_sizes", dst_sizes)
         sig.tensor("x", x, sharded=(src,)).local(f"rows of dim {src}", x.shape[src])
         _check_sizes("src_sizes", src_sizes, n, src_length)

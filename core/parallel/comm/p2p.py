@@ -10,8 +10,8 @@ since it knows the sender's shard size from the layout. Tensors with no elements
 the wire (sender and receiver agree on that from the shapes). Ranks are group-local; peers are
 mapped to global ranks with ``dist.get_global_rank``. Each transfer is traced as ``"p2p"`` with
 the bytes this rank *sends*. Between the processes of one host on gloo the tensors go through
-the group's shared-memory channel (:mod:`.shm`), as switches do; every agreement before a
-transfer signs the setting that picks that path (:func:`~.direct.sign_path_settings`).
+the group's shared-memory channel (:mod:`.shm`), as switches do; the setting that picks that
+path is compared by every agreement (:func:`~.agreement.agree`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from torch.autograd.function import once_differentiable
 
 from ..trace import current_region
 from .agreement import Signature, agree, guard, ranks_text
-from .direct import sign_path_settings
 from .group import group_rank, group_size, record
-from .shm import start_transfer, transfer_channel
+from .shm import start_exchange, transfer_channel
 
 
 def _peers(group: Any, shift: int) -> tuple[int, int]:
@@ -79,12 +78,10 @@ class RingTransfer:
             for t in self._send:
                 record("p2p", t.numel() * t.element_size(), group, t, phase, region)
             n, r = group_size(group), group_rank(group)
+            sends = [((r + shift) % n, t) for t in self._send]
+            receives = [((r - shift) % n, t) for t in self.received]
             with guard(f"ring transfer ({phase})", group, region):
-                self._works = [
-                    start_transfer(
-                        channel, self._send, (r + shift) % n, self.received, (r - shift) % n
-                    )
-                ]
+                self._works = [start_exchange(channel, sends, receives, "ring transfer")]
             return
         dst, src = _peers(group, shift)
         ops = []
@@ -127,7 +124,6 @@ def ring_exchange(
     n = group_size(group)
     if n > 1:
         sig = Signature("ring_exchange").arg("shift", int(shift) % n).tensor("x", x, range(x.dim()))
-        sign_path_settings(sig, x.device)
         sig.local("shape", x.shape).local("recv_shape", recv_shape)
         agreed = agree(sig, group, x.device)
         shapes, wanted = agreed.local("shape"), agreed.local("recv_shape")

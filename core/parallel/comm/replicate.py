@@ -9,6 +9,7 @@ input on one rank raises the same error on every rank.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -29,6 +30,7 @@ from .group import (
     reduce_scatter_single,
 )
 from .settings import SETTINGS
+from .shm import start_exchange, transfer_channel
 
 
 def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -152,6 +154,18 @@ def all_gather_along(
             f"{sum(sizes)} over {n} ranks gives it {sizes[r]} (callers must agree first)"
         )
     longest = max(sizes)
+    channel = transfer_channel(group, x.device)
+    if channel is not None:  # one host: through shared memory, no padding, no pack
+        out = torch.empty(_rows(x.shape, dim, sum(sizes)), dtype=x.dtype, device=x.device)
+        starts, peers = offsets(sizes), [p for p in range(n) if p != r]
+        receives = [(p, out.narrow(dim, starts[p], sizes[p])) for p in peers]
+        with guard(f"all_gather ({phase})", group, region, x.device):
+            work = start_exchange(channel, [(q, x) for q in peers], receives, "all_gather")
+            out.narrow(dim, starts[r], sizes[r]).copy_(x)
+            work.wait()
+        chunk = math.prod(_rows(x.shape, dim, longest)) * x.element_size()
+        record("all_gather", (n - 1) * chunk, group, x, phase, region)
+        return out
     send = pack_blocks(x, dim, [x.shape[dim]], pad_to=longest)
     shape = _rows(x.shape, dim, sum(sizes))
     recv = empty_blocks(shape, dim, sizes, x, pad_to=longest)
@@ -180,6 +194,21 @@ def reduce_scatter_along(
     """Sum ``grad`` (full on ``dim``) over the group and keep this rank's shard of ``dim``."""
     n, r = group_size(group), group_rank(group)
     longest = max(sizes)
+    channel = transfer_channel(group, grad.device)
+    if channel is not None:  # one host: through shared memory, summed in rank order
+        starts, peers = offsets(sizes), [p for p in range(n) if p != r]
+        mine = _rows(grad.shape, dim, sizes[r])
+        parts = {p: torch.empty(mine, dtype=grad.dtype, device=grad.device) for p in peers}
+        parts[r] = grad.narrow(dim, starts[r], sizes[r])
+        sends = [(q, grad.narrow(dim, starts[q], sizes[q])) for q in peers]
+        with guard(f"reduce_scatter ({phase})", group, region, grad.device):
+            start_exchange(channel, sends, [(p, parts[p]) for p in peers], "reduce_scatter").wait()
+        out = parts[0].clone()
+        for p in range(1, n):
+            out.add_(parts[p])
+        chunk = math.prod(_rows(grad.shape, dim, longest)) * grad.element_size()
+        record("reduce_scatter", (n - 1) * chunk, group, out, phase, region)
+        return out
     send = pack_blocks(grad, dim, sizes, pad_to=longest)
     out = torch.empty(_rows(grad.shape, dim, longest), dtype=grad.dtype, device=grad.device)
     with guard(f"reduce_scatter ({phase})", group, region, grad.device):

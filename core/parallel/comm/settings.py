@@ -205,6 +205,12 @@ class CommSettings:
     )
     _rehearsals: dict[int, tuple[Any, Rehearsal]] = field(default_factory=dict, repr=False)
 
+    def path_settings(self) -> tuple[int | None, int, int | None]:
+        """The settings that choose how a collective travels (the shared-memory channel, the
+        direct switch); they must be equal on every rank, and every agreement compares them
+        (:func:`~.agreement.agree`)."""
+        return self.direct_min_bytes, self.direct_max_messages, self.shm_slot_bytes
+
     def rehearsal(self, group: Any) -> Rehearsal:
         """The agreed calls of ``group`` (:mod:`.rehearsal`), created on first use.
 

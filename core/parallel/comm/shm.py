@@ -392,8 +392,8 @@ def _open(path: str, size: int) -> mmap.mmap:
 
 def transfer_channel(group: Any, device: torch.device | str) -> ShmChannel | None:
     """The channel a collective on ``group`` sends through, or ``None`` (gloo then): CPU
-    tensors, gloo, ``SETTINGS.shm_slot_bytes`` set (equal on every rank: the agreements sign
-    it, :func:`~.direct.sign_path_settings`), and the group's channel set up (the first call
+    tensors, gloo, ``SETTINGS.shm_slot_bytes`` set (equal on every rank: every agreement
+    compares it, :func:`~.agreement.agree`), and the group's channel set up (the first call
     on a group sets it up, a collective)."""
     if group is None or torch.device(device).type != "cpu" or SETTINGS.shm_slot_bytes is None:
         return None
@@ -416,22 +416,21 @@ def _queue(
         work.pending += 1
 
 
-def start_transfer(
+def start_exchange(
     channel: ShmChannel,
-    sends: list[torch.Tensor],
-    dst: int,
-    receives: list[torch.Tensor],
-    src: int,
-    what: str = "ring transfer",
+    sends: list[tuple[int, torch.Tensor]],
+    receives: list[tuple[int, torch.Tensor]],
+    what: str,
 ) -> ShmWork:
-    """Send ``sends`` (any strides) to group rank ``dst`` and receive into ``receives`` (the
-    senders' shapes and dtypes) from ``src``, in order; complete after ``work.wait()``."""
+    """Send each ``(group rank, tensor)`` of ``sends`` (any strides) and receive into each of
+    ``receives`` (the sender's shape and dtype, any strides), in list order per peer — the
+    order the peer lists them in; complete after ``work.wait()``."""
     _EXCHANGES[0] += 1
     work = ShmWork(channel, None, what)
-    for t in sends:
-        _queue(channel, work, t, dst, out=True)
-    for t in receives:
-        _queue(channel, work, t, src, out=False)
+    for peer, t in sends:
+        _queue(channel, work, t, peer, out=True)
+    for peer, t in receives:
+        _queue(channel, work, t, peer, out=False)
     channel.pump()
     return work
 
@@ -447,8 +446,8 @@ class ShmPlan:
 def shm_plan(meta: _SwitchMeta, x: torch.Tensor, group: Any) -> ShmPlan | None:
     """The shared-memory plan of a switch, or ``None`` (then the direct or packed path).
 
-    Only for CPU tensors on gloo with ``SETTINGS.shm_slot_bytes`` set (equal on every rank: a
-    checked switch's agreement compares it), and only if the group's channel could be set up.
+    Only for CPU tensors on gloo with ``SETTINGS.shm_slot_bytes`` set (equal on every rank:
+    every agreement compares it), and only if the group's channel could be set up.
     The first call on a group sets its channel up, a collective: every rank reaches it at the
     same switch because everything read before it is agreed.
     """

@@ -41,7 +41,6 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..comm.agreement import Signature, agree
-from ..comm.direct import sign_path_settings
 from ..comm.group import group_rank, group_size, norm_dim
 from ..comm.p2p import RingTransfer
 from ..comm.replicate import agree_replicated, gather_agreed
@@ -158,7 +157,7 @@ def ring_signature(
     sig.number("scale", scale).arg("layout", LAYOUTS.index(layout) if layout in LAYOUTS else -1)
     for name, t in (("q", q), ("k", k), ("v", v)):
         sig.tensor(name, t, sharded=(1,) if t.dim() > 1 else ())
-    return sign_path_settings(sig, q.device)  # its ring transfers read them
+    return sig
 
 
 def _check_ring_args(

@@ -47,7 +47,6 @@ import torch
 from ...layers.attention import attend
 from ..comm import group_rank, group_size
 from ..comm.agreement import Signature, agree
-from ..comm.direct import sign_path_settings
 from ..comm.exchange import switch_agreed
 from ..layout import shard_sizes
 from ..trace import comm_region
@@ -128,7 +127,6 @@ def agree_attention_args(
             more_checks()
     except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
-    sign_path_settings(sig, q.device)  # its inner switches skip their own agreement
     agree(sig, group, q.device)
 
 

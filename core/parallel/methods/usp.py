@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from ..comm.agreement import Signature, agree
-from ..comm.direct import sign_path_settings
 from ..comm.exchange import switch_agreed
 from ..comm.group import group_rank, group_size
 from ..layout import shard_offset, shard_sizes
@@ -137,7 +136,6 @@ def _agree(
         sig.error = exc
     for name, t in (("q", q), ("k", k), ("v", v)):
         sig.tensor(name, t, sharded=(1,) if t.dim() > 1 else ())
-    sign_path_settings(sig, q.device)  # its Ulysses switches skip their own agreement
     verdict: Exception | None = None
     try:
         agree(sig, ulysses_group, q.device)
