@@ -4,7 +4,9 @@
 shards, unpadded when the length divides evenly and padded to the longest shard otherwise.
 Outputs are fresh tensors, never views of the input, so in-place ops on them are allowed.
 Every forward first agrees on its arguments across the group (:mod:`.agreement`), so a bad
-input on one rank raises the same error on every rank.
+input on one rank raises the same error on every rank. Between the processes of one host on
+gloo the all-gather and the reduce-scatter go through the group's shared-memory channel
+(:mod:`.shm`): no padding, the reduction summed in rank order.
 """
 
 from __future__ import annotations
