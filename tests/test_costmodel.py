@@ -545,6 +545,8 @@ def test_this_cpu_probe_measures_caches_and_reads_back(tmp_path, monkeypatch) ->
     assert probed.flops > 1e8 and probed.intra_bw > 1e6 and 0 < probed.intra_lat < 1.0
     assert probed.hbm_bw > 1e8  # the streaming copy: the memory-bound terms are on
     assert probed.switch_bw > 1e6 and 0 < probed.switch_lat < 1.0  # a real switch, timed
+    # every collective of the library takes the switch's transport on this host
+    assert (probed.intra_bw, probed.intra_lat) == (probed.switch_bw, probed.switch_lat)
     path = tmp_path / "dspzoo" / "this-cpu.json"
     record = json.loads(path.read_text())
     assert record["measured_at"] > 0 and record["probe"] == {"ranks": 2, "threads": 1}

@@ -213,20 +213,27 @@ def _probe_worker(rank: int, world: int) -> Rates:
 
 
 def this_cpu(rates: Rates) -> Cluster:
-    """The ``this-cpu`` cluster of measured :class:`~.probe.Rates` (one thread per rank)."""
+    """The ``this-cpu`` cluster of measured :class:`~.probe.Rates` (one thread per rank).
+
+    Its links are the transport this library's collectives take between the processes of one
+    host — shared memory, timed as a real ``switch`` (``Rates.switch_*``) — where measured,
+    else the backend's all-to-all (a cache from before that probe)."""
+    switch = rates.switch_bandwidth > 0
+    bandwidth = rates.switch_bandwidth if switch else rates.bandwidth
+    latency = rates.switch_latency if switch else rates.latency
     return Cluster(
         name="this-cpu",
         peak_tflops=rates.flops / 1e12,
         mfu=1.0,  # the probe measures the achieved rate
-        intra_bw=rates.bandwidth,
-        inter_bw=rates.bandwidth,
-        intra_lat=rates.latency,
-        inter_lat=rates.latency,
+        intra_bw=bandwidth,
+        inter_bw=bandwidth,
+        intra_lat=latency,
+        inter_lat=latency,
         gpus_per_node=os.cpu_count() or 1,
         memory_gib=_memory_gib(),
         hbm_bw=rates.memory_bandwidth,  # the element-wise work and layout copies run at it
         attention_tflops=rates.attention_flops / 1e12,
-        switch_bw=rates.switch_bandwidth,  # a switch's own transport (shared memory here)
+        switch_bw=rates.switch_bandwidth,  # a switch's rate has its layout copies in it
         switch_lat=rates.switch_latency,
     )
 
