@@ -25,11 +25,16 @@ their switches in the same program order). A rank makes progress only inside :me
 two ranks whose slots are full never wait on each other. An asynchronous switch dropped
 unwaited stays queued and is finished by the group's next wait.
 
-The channel is set up by the group's first switch that may take this path: every rank
+The same channel carries the group's ring transfers, all-gathers and reduce-scatters
+(:func:`start_exchange`): chunks of every kind share the queue of their pair of ranks.
+
+The channel is set up by the group's first collective that may take this path: every rank
 reports its host, whether it can map ``/dev/shm`` and whether it runs on x86-64 (whose stores
-become visible to other cores in program order, which the counters rely on); every rank
-creates and maps its mailbox and checks it sees every peer's; the group uses the path only if
-every step succeeded on every rank (two tiny all-reduces), else it keeps the all-to-all.
+become visible to other cores in program order, which the counters rely on), and the slot it
+can afford (the setting, at most what keeps the group's mailboxes within a quarter of the free
+``/dev/shm``: a container's is often 64 MiB); every rank creates and maps its mailbox (the
+smallest slot offered) and checks it sees every peer's; the group uses the path only if every
+step succeeded on every rank (two tiny all-reduces), else it keeps gloo.
 A wait longer than the group's timeout raises :class:`~.agreement.CollectiveTimeoutError`.
 """
 
@@ -63,6 +68,7 @@ _LINE = 8  # int64 words per cache line: counters written by different ranks nev
 _PAGE = 4096
 _SHM_DIR = "/dev/shm"
 _MAX_CHANNELS = 16  # groups with a mailbox per process; more groups keep the all-to-all
+_MIN_SLOT = 64 << 10  # a /dev/shm too full for slots this long keeps the all-to-all
 _EXCHANGES = [0]  # shared-memory exchanges started by this process
 
 
@@ -315,6 +321,17 @@ def _can_share() -> bool:
     )
 
 
+def _fitting_slot(n: int) -> int:
+    """The largest slot whose mailboxes, for every rank of an ``n``-rank group, take at most a
+    quarter of what ``/dev/shm`` has free (a container's default is often 64 MiB in all)."""
+    try:
+        stat = os.statvfs(_SHM_DIR)
+    except OSError:
+        return 0
+    free = stat.f_bavail * stat.f_frsize // 4 - n * _counter_bytes(n)
+    return max(free // (n * max(n - 1, 1) * SLOTS), 0) // 64 * 64
+
+
 def _all_ok(ok: bool, group: Any) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -325,7 +342,10 @@ def _set_up(group: Any, slot_bytes: int) -> ShmChannel | None:
     """Create, map and check the group's mailboxes on every rank together (see the module)."""
     n, r = group_size(group), group_rank(group)
     nonce = uuid.uuid4().int & (2**62 - 1)
-    mine = (_host_key(), _can_share() and slot_bytes > 0, nonce, slot_bytes)
+    fitting = _fitting_slot(n) if _can_share() else 0
+    can = slot_bytes > 0 and fitting >= min(slot_bytes, _MIN_SLOT)
+    slot_bytes = min(slot_bytes, fitting)
+    mine = (_host_key(), can, nonce, slot_bytes)
     every: list[Any] = [None] * n
     dist.all_gather_object(every, mine, group=group)
     if len({host for host, *_ in every}) != 1 or not all(can for _, can, *_ in every):
