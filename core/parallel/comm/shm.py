@@ -287,6 +287,16 @@ def channel_for(group: Any) -> ShmChannel | None:
     return entry[1]
 
 
+def transport(group: Any) -> str:
+    """How ``group``'s collectives travel so far, in words (a report's line): ``"shared
+    memory"`` once its channel is set up, else the backend's name (also before its first
+    collective, and for one rank)."""
+    entry = _CHANNELS.get(id(group))
+    if entry is not None and entry[0] is group and entry[1] is not None:
+        return "shared memory"
+    return dist.get_backend(group) if group is not None and dist.is_initialized() else "none"
+
+
 def _slot_capacity(slot_bytes: int | None) -> int:
     """A slot's bytes: the setting rounded down to whole cache lines (0: no channel)."""
     return (slot_bytes or 0) // 64 * 64
