@@ -523,6 +523,64 @@ def _check_dropped_direct_switch(rank: int, world: int) -> int:
     return 1
 
 
+def _check_shm_failures(rank: int, world: int) -> int:
+    """Failures through shared memory reach every rank, each on a throwaway group with a short
+    timeout: a slot setting changed on one rank before a rehearsed call (the full agreement
+    names it, no timeout); a switch one rank skips (a timeout there breaks the channel, and
+    the next collective of every rank on that group raises instead of reading a stale chunk);
+    a peer whose process is gone (named after about a second, not after the timeout)."""
+    import datetime
+    import time
+
+    from dspzoo.core.parallel.comm import shm
+    from dspzoo.core.parallel.comm.exchange import switch_agreed
+    from dspzoo.core.parallel.comm.p2p import RingTransfer
+
+    def fresh(seconds: float) -> Any:
+        return dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=seconds))
+
+    full = torch.randn(
+        1, 2 * world + 1, 3 * world + 2, 4, generator=torch.Generator().manual_seed(5)
+    )
+    x, want, length = _slice(full, 1, world, rank), _slice(full, 2, world, rank), full.shape[1]
+    group = fresh(20)
+    for _ in range(3):  # learnt, rehearsed: the next call is folded
+        assert torch.equal(comm.switch(x, 1, 2, group, src_length=length), want)
+    start = time.monotonic()
+    with (
+        comm.SETTINGS.changed(shm_slot_bytes=64 if rank == 1 else comm.SETTINGS.shm_slot_bytes),
+        pytest.raises(comm.CollectiveInputError, match="DSPZOO_COMM_SHM_SLOT_KIB"),
+    ):
+        comm.switch(x, 1, 2, group, src_length=length)
+    assert time.monotonic() - start < 10, "a mismatch must not wait for the timeout"
+    assert torch.equal(comm.switch(x, 1, 2, group, src_length=length), want)  # still usable
+    # a skipped switch: rank 0 times out, and the channel is closed for every rank
+    group = fresh(2)
+    assert torch.equal(switch_agreed(x, 1, 2, group, src_length=length), want)
+    if rank == 0:
+        with pytest.raises(comm.CollectiveTimeoutError, match="waited 2 s for a peer"):
+            switch_agreed(x, 1, 2, group, src_length=length)
+    dist.barrier()  # over gloo: rank 1 goes on only after rank 0 gave up
+    with pytest.raises(comm.CollectiveTimeoutError, match="channel is broken"):
+        switch_agreed(x, 1, 2, group, src_length=length)
+    with pytest.raises(comm.CollectiveTimeoutError, match="channel is broken"):
+        RingTransfer([x], group, [x.shape]).wait()
+    # a peer that is gone: its pid is checked after a second of waiting
+    group = fresh(60)
+    assert torch.equal(switch_agreed(x, 1, 2, group, src_length=length), want)
+    if rank == 0:
+        gone = torch.multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+        gone.start()
+        gone.join()
+        shm.channel_for(group).pids[1] = gone.pid  # rank 1 "died": its pid is no process now
+        start = time.monotonic()
+        with pytest.raises(comm.CollectiveTimeoutError, match=r"rank\(s\) \[1\] is gone"):
+            switch_agreed(x, 1, 2, group, src_length=length)
+        assert time.monotonic() - start < 5
+    dist.barrier()
+    return 3
+
+
 def _check_ring_transfers(rank: int, world: int) -> int:
     """``ring_exchange`` and :class:`RingTransfer` through shared memory (64-byte chunks: long
     streams through both slots) and over gloo: every shift, uneven and empty shapes, several
@@ -750,6 +808,7 @@ CHECKS = (
     _check_workspace,
     _check_direct_switch,
     _check_shm_switch,
+    _check_shm_failures,
     _check_ring_transfers,
 )
 

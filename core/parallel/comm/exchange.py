@@ -118,8 +118,9 @@ def _launch(
 
     ``work`` is ``None`` once the exchange is complete (always, unless ``async_op``). The send
     buffer must stay alive until then; synchronous launches pack into the CPU workspace.
-    ``joined``: the receive buffer is the result (the direct path, :mod:`.direct`, which sends
-    from ``x`` itself); else :func:`unpack_blocks` makes it.
+    ``joined``: the receive buffer is the result (the shared-memory and direct paths,
+    :mod:`.shm` and :mod:`.direct`, which send from ``x`` itself); else :func:`unpack_blocks`
+    makes it.
 
     On the first and last rank of the group the rank's own block sits at an end of both the
     send and the receive buffer, so it is left out of the collective (split size 0) and copied

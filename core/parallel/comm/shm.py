@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .agreement import CollectiveTimeoutError, group_timeout_s
+from ..trace import current_region
+from .agreement import CollectiveTimeoutError, group_timeout_s, guard
 from .blocks import offsets, result_tensor
 from .group import group_rank, group_size
 from .settings import SETTINGS
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 
 SLOTS = 2  # chunks in flight per ordered pair of ranks
 _LINE = 8  # int64 words per cache line: counters written by different ranks never share one
+_BROKEN = 1  # the header word a rank sets when it gives up on the channel
 _PAGE = 4096
 _SHM_DIR = "/dev/shm"
 _MAX_CHANNELS = 16  # groups with a mailbox per process; more groups keep the all-to-all
@@ -117,14 +119,25 @@ def chunk_view(block: torch.Tensor, cut: Cut) -> torch.Tensor:
 class ShmChannel:
     """This rank's mailbox and its views of its peers' ones, for one group.
 
-    A mailbox is ``[counters | data]``. Counters (int64, one cache line each): for each peer
-    ``q``, the chunks sent to ``q`` so far and the status words of the slots for ``q``; for
-    each peer ``p``, the chunks taken from ``p`` so far. Data: ``SLOTS`` slots of
-    ``slot_bytes`` per peer.
+    A mailbox is ``[header | counters | data]`` (int64 words, one cache line each part): the
+    header holds the setup nonce (word 0) and the broken word (word 1: nonzero once this rank
+    gave up on the channel, after which every rank refuses it); for each peer ``q`` a line with
+    the chunks sent to ``q`` so far, then per slot the chunk's status word, then per slot its
+    byte count (the receiver checks it against its own cut); for each peer ``p`` a line with
+    the chunks taken from ``p`` so far. Data: ``SLOTS`` slots of ``slot_bytes`` per peer.
     """
 
-    def __init__(self, n: int, r: int, slot_bytes: int, timeout_s: float, boxes: list[Any]):
+    def __init__(
+        self,
+        n: int,
+        r: int,
+        slot_bytes: int,
+        timeout_s: float,
+        boxes: list[Any],
+        pids: list[int] | None = None,
+    ):
         self.n, self.r, self.slot_bytes, self.timeout_s = n, r, slot_bytes, timeout_s
+        self.pids = pids  # the peers' process ids, where they share this process's pid namespace
         self.peers = [p for p in range(n) if p != r]
         self.words = [memoryview(box).cast("B").cast("q") for box in boxes]
         data_start = _counter_bytes(n)
@@ -142,6 +155,9 @@ class ShmChannel:
     def _status_at(self, q: int, slot: int) -> int:
         return _LINE * (1 + q) + 1 + slot
 
+    def _nbytes_at(self, q: int, slot: int) -> int:
+        return _LINE * (1 + q) + 1 + SLOTS + slot
+
     def _taken_at(self, p: int) -> int:
         return _LINE * (1 + self.n + p)
 
@@ -151,6 +167,30 @@ class ShmChannel:
         start = (index * SLOTS + slot) * self.slot_bytes
         return self.data[owner][start : start + self.slot_bytes]
 
+    # failures ---------------------------------------------------------------------------
+    def check_usable(self, what: str) -> None:
+        """Raise on every rank once any rank gave up on the channel (a timeout, an interrupted
+        exchange, a stream out of step): its queues may hold another collective's chunks, so
+        nothing may travel through it any more (a gloo connection is closed alike)."""
+        broken = [p for p in range(self.n) if self.words[p][_BROKEN]]
+        if broken:
+            raise CollectiveTimeoutError(
+                f"{self._about(what)}: the group's channel is broken since an earlier failure on rank(s) {broken} (a "
+                "timeout or an interrupted collective); the group cannot communicate any more. "
+                "Look for the first error in the ranks' logs and start again."
+            )
+
+    def _about(self, what: str) -> str:
+        """``what`` with its comm region, the transport, the group and this rank: an error's
+        opening words, as :func:`~.agreement.guard` writes them."""
+        return (
+            f"{what} (comm region '{current_region() or '-'}', shared memory, group of "
+            f"{self.n} ranks, this is rank {self.r})"
+        )
+
+    def _give_up(self) -> None:
+        self.words[self.r][_BROKEN] = 1
+
     # progress ---------------------------------------------------------------------------
     def _send_ready(self, q: int) -> bool:
         queue, words = self.outgoing[q], self.words[self.r]
@@ -159,12 +199,14 @@ class ShmChannel:
             k = self.sent[q]
             if k - self.words[q][self._taken_at(self.r)] >= SLOTS:
                 break  # q has not taken the chunk that last used this slot
-            chunk = queue.popleft()
+            chunk = queue[0]
             slot = k % SLOTS
             if chunk.view is not None and chunk.nbytes:
                 _as(self._slot(self.r, q, slot), chunk).copy_(chunk.view)
             words[self._status_at(q, slot)] = chunk.status
+            words[self._nbytes_at(q, slot)] = chunk.nbytes
             words[self._sent_at(q)] = k + 1  # after the data: x86 keeps stores in order
+            queue.popleft()
             self.sent[q] = k + 1
             chunk.work.pending -= 1
             moved = True
@@ -174,59 +216,123 @@ class ShmChannel:
         queue, theirs = self.incoming[p], self.words[p]
         moved = False
         while queue and theirs[self._sent_at(self.r)] > self.taken[p]:
-            chunk = queue.popleft()
+            chunk = queue[0]
             k = self.taken[p]
             slot = k % SLOTS
-            status = theirs[self._status_at(self.r, slot)]
+            status, nbytes = (
+                theirs[self._status_at(self.r, slot)],
+                theirs[self._nbytes_at(self.r, slot)],
+            )
+            if nbytes != chunk.nbytes and status == 0:
+                raise _OutOfStep(
+                    f"rank {p} sent a chunk of {nbytes} bytes where rank {self.r} expected "
+                    f"{chunk.nbytes}: the ranks' collectives are out of step (another program "
+                    "order on some rank, or a receive shape other than the sender's)"
+                )
             if status == 0 and chunk.view is not None and chunk.nbytes:
                 chunk.view.copy_(_as(self._slot(p, self.r, slot), chunk))
             if status != 0 and chunk.work.statuses is not None:
                 chunk.work.statuses[p] = status
             self.words[self.r][self._taken_at(p)] = k + 1  # the slot is free again
+            queue.popleft()
             self.taken[p] = k + 1
             chunk.work.pending -= 1
             moved = True
         return moved
 
     def pump(self) -> bool:
-        """One pass over every peer: send what fits, take what arrived. Whether anything moved."""
+        """One pass over every peer: send what fits, take what arrived. Whether anything moved.
+
+        Anything raised in between (a stream out of step, an interrupt) breaks the channel on
+        every rank (:meth:`check_usable`) before it propagates."""
         moved = False
-        for q in self.peers:
-            moved = self._send_ready(q) | moved
-        for p in self.peers:
-            moved = self._take_ready(p) | moved
+        try:
+            for q in self.peers:
+                moved = self._send_ready(q) | moved
+            for p in self.peers:
+                moved = self._take_ready(p) | moved
+        except BaseException:
+            self._give_up()
+            raise
         return moved
 
-    def progress(self, work: ShmWork, what: str) -> None:
+    def progress(self, work: ShmWork) -> None:
         """Pump until ``work`` is complete (and every chunk queued before it).
 
         Idle, it polls 32 times, then yields its core between polls (a peer may need it when
-        there are more ranks than cores), and after 200 µs sleeps 50 µs between them.
+        there are more ranks than cores); after 200 µs it sleeps between polls, from 50 µs up
+        to 1 ms. Every 100 ms of idling after the first second it checks that the peers are
+        alive; a peer that broke the channel, died, or a wait beyond the group's timeout
+        raises :class:`~.agreement.CollectiveTimeoutError` (and breaks the channel).
         """
-        idle, since = 0, 0.0
+        idle, since, nap, checked = 0, 0.0, 50e-6, 0.0
         while work.pending:
             if self.pump():
-                idle = 0
+                idle, nap = 0, 50e-6
                 continue
             idle += 1
             if idle < 32:
                 continue
             now = time.monotonic()
             if idle == 32:
-                since = now
-            elif now - since > self.timeout_s:
+                since = checked = now
+                continue
+            waited = now - since
+            if waited > 1.0 and now - checked > 0.1:
+                checked = now
+                self._check_peers(work.what)
+            if waited > self.timeout_s:
+                self._give_up()
                 raise CollectiveTimeoutError(
-                    f"{what} (shared memory, group of {self.n} ranks, this is rank {self.r}) "
-                    f"waited {self.timeout_s:g} s for a peer: another rank did not reach this "
-                    "collective (it raised, hung or took another path) or died. Look for the "
-                    "first error in the other ranks' logs; the timeout is the group's "
+                    f"{self._about(work.what)} waited {self.timeout_s:g} s for a peer: another rank did not reach this "
+                    "collective (it raised, hung or took another path). Look for the first "
+                    "error in the other ranks' logs; the timeout is the group's "
                     "(build_mesh(timeout_s=...) or DSPZOO_COLLECTIVE_TIMEOUT), and "
                     "DSPZOO_COMM_SHM_SLOT_KIB=off sends over gloo instead."
                 )
-            if now - since < 200e-6:
+            if waited < 200e-6:
                 os.sched_yield()
             else:
-                time.sleep(50e-6)
+                time.sleep(nap)
+                nap = min(nap * 2, 1e-3)
+
+    def _check_peers(self, what: str) -> None:
+        """Raise if a peer broke the channel or its process is gone."""
+        try:
+            self.check_usable(what)
+            dead = [p for p in self.peers if self.pids and not _alive(self.pids[p])]
+        except CollectiveTimeoutError:
+            self._give_up()
+            raise
+        if dead:
+            self._give_up()
+            raise CollectiveTimeoutError(
+                f"{self._about(what)}: the process of rank(s) {dead} is gone (pid {[self.pids[p] for p in dead]}); look "
+                "for its error in its log."
+            )
+
+
+class _OutOfStep(CollectiveTimeoutError):
+    """A chunk's byte count is not the one the receiver cut: the ranks' collectives differ."""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent — a
+    launcher's child that crashed — counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X", "x")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:  # another user's process of that pid: alive
+            return True
+        return True
 
 
 def _as(slot: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
@@ -257,15 +363,15 @@ class ShmWork:
     """The chunks of one shared-memory exchange in flight; :meth:`wait` finishes them.
 
     ``statuses`` (folded calls: ``[N]`` int64, this rank's own word at its index) holds every
-    peer's status word once waited on.
+    peer's status word once waited on. ``what`` names the collective in errors.
     """
 
-    def __init__(self, channel: ShmChannel, statuses: torch.Tensor | None, what: str = "switch"):
+    def __init__(self, channel: ShmChannel, statuses: torch.Tensor | None, what: str) -> None:
         self.channel, self.statuses, self.what, self.pending = channel, statuses, what, 0
 
     def wait(self) -> None:
         if self.pending:
-            self.channel.progress(self, self.what)
+            self.channel.progress(self)
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +388,8 @@ def channel_for(group: Any) -> ShmChannel | None:
     key = id(group)
     entry = _CHANNELS.get(key)
     if entry is None or entry[0] is not group:
-        entry = (group, _set_up(group, _slot_capacity(SETTINGS.shm_slot_bytes)))
+        with guard("shared-memory setup", group, current_region()):
+            entry = (group, _set_up(group, _slot_capacity(SETTINGS.shm_slot_bytes)))
         _CHANNELS[key] = entry  # holding the group keeps its id from being reused
     return entry[1]
 
@@ -327,7 +434,7 @@ def _can_share() -> bool:
         machine in ("x86_64", "amd64")
         and os.path.isdir(_SHM_DIR)
         and os.access(_SHM_DIR, os.W_OK)
-        and len(_CHANNELS) < _MAX_CHANNELS
+        and sum(channel is not None for _, channel in _CHANNELS.values()) < _MAX_CHANNELS
     )
 
 
@@ -355,13 +462,16 @@ def _set_up(group: Any, slot_bytes: int) -> ShmChannel | None:
     fitting = _fitting_slot(n) if _can_share() else 0
     can = slot_bytes > 0 and fitting >= min(slot_bytes, _MIN_SLOT)
     slot_bytes = min(slot_bytes, fitting)
-    mine = (_host_key(), can, nonce, slot_bytes)
+    mine = (_host_key(), can, nonce, slot_bytes, os.getpid(), _pid_namespace())
     every: list[Any] = [None] * n
     dist.all_gather_object(every, mine, group=group)
     if len({host for host, *_ in every}) != 1 or not all(can for _, can, *_ in every):
         return None
     token = f"{every[0][2]:x}"
     slot_bytes = min(e[3] for e in every)
+    # liveness checks by pid only where every rank sees the others' pids
+    shared_pids = len({e[5] for e in every}) == 1 and every[0][5] is not None
+    pids = [e[4] for e in every] if shared_pids else None
 
     def path(rank: int) -> str:
         return os.path.join(_SHM_DIR, f"dspzoo-{token}-{rank}")
@@ -394,7 +504,14 @@ def _set_up(group: Any, slot_bytes: int) -> ShmChannel | None:
         except OSError:
             pass
     timeout = group_timeout_s(group) or 1800.0
-    return ShmChannel(n, r, slot_bytes, timeout, boxes)
+    return ShmChannel(n, r, slot_bytes, timeout, boxes, pids)
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _create(path: str, size: int) -> mmap.mmap:
@@ -433,12 +550,13 @@ def transfer_channel(group: Any, device: torch.device | str) -> ShmChannel | Non
 
 
 def _queue(
-    channel: ShmChannel, work: ShmWork, t: torch.Tensor, peer: int, out: bool, status: int = 0
+    work: ShmWork, t: torch.Tensor, peer: int, out: bool, most: int, status: int = 0
 ) -> None:
-    """Queue ``t``'s chunks to (``out``) or from ``peer``: on a sender ``t`` is the data (or a
-    meta tensor of its shape, for status-only chunks), on a receiver where it lands."""
-    itemsize = t.element_size()
-    for cut in chunk_cuts(t.shape, itemsize, chunk_bytes(channel)):
+    """Queue ``t``'s chunks (at most ``most`` bytes each) to (``out``) or from ``peer``: on a
+    sender ``t`` is the data (or a meta tensor of its shape, for status-only chunks), on a
+    receiver where it lands."""
+    itemsize, channel = t.element_size(), work.channel
+    for cut in chunk_cuts(t.shape, itemsize, most):
         view = chunk_view(t, cut)
         data = None if view.device.type == "meta" or (out and status) else view
         chunk = _Chunk(work, data, view.numel() * itemsize, t.dtype, tuple(view.shape), status)
@@ -455,22 +573,28 @@ def start_exchange(
     """Send each ``(group rank, tensor)`` of ``sends`` (any strides) and receive into each of
     ``receives`` (the sender's shape and dtype, any strides), in list order per peer — the
     order the peer lists them in; complete after ``work.wait()``."""
+    channel.check_usable(what)
     _EXCHANGES[0] += 1
     work = ShmWork(channel, None, what)
+    most = chunk_bytes(channel)  # the settings, agreed by the caller's agreement
     for peer, t in sends:
-        _queue(channel, work, t, peer, out=True)
+        _queue(work, t, peer, out=True, most=most)
     for peer, t in receives:
-        _queue(channel, work, t, peer, out=False)
+        _queue(work, t, peer, out=False, most=most)
     channel.pump()
     return work
 
 
 @dataclass(frozen=True)
 class ShmPlan:
-    """One rank's switch on the shared-memory path: its layout and its group's channel."""
+    """One rank's switch on the shared-memory path: its layout, its group's channel and its
+    chunk length, fixed when the plan is made from the agreed settings (a rehearsed call's
+    plan cuts alike on every rank even if one rank's settings changed since: that rank then
+    misses and the full agreement names the setting)."""
 
     meta: _SwitchMeta
     channel: ShmChannel
+    chunk_bytes: int
 
 
 def shm_plan(meta: _SwitchMeta, x: torch.Tensor, group: Any) -> ShmPlan | None:
@@ -486,7 +610,7 @@ def shm_plan(meta: _SwitchMeta, x: torch.Tensor, group: Any) -> ShmPlan | None:
     if dist.get_backend(group) != "gloo":
         return None
     channel = channel_for(group)
-    return None if channel is None else ShmPlan(meta, channel)
+    return None if channel is None else ShmPlan(meta, channel, chunk_bytes(channel))
 
 
 def exchange_shm(
@@ -503,20 +627,22 @@ def exchange_shm(
     folded call's prediction: it sends its status word in empty chunks and gets no usable
     result. With ``status`` (a folded call) ``work.statuses`` holds every rank's word.
     """
-    meta, channel = plan.meta, plan.channel
+    meta, channel, most = plan.meta, plan.channel, plan.chunk_bytes
     n, r = len(meta.src_sizes), meta.rank
+    channel.check_usable("switch")
     _EXCHANGES[0] += 1
     y = result_tensor(meta.y_shape, like, group)
     statuses = None if status is None else torch.full((n,), status, dtype=torch.int64)
-    work = ShmWork(channel, statuses)
+    work = ShmWork(channel, statuses, "switch")
     source = x if x is not None else torch.empty(meta.x_shape, dtype=like.dtype, device="meta")
     dst_starts, src_starts = offsets(meta.dst_sizes), offsets(meta.src_sizes)
     word = status or 0
     for q in channel.peers:
         block = source.narrow(meta.dst, dst_starts[q], meta.dst_sizes[q])
-        _queue(channel, work, block, q, out=True, status=word)
+        _queue(work, block, q, out=True, most=most, status=word)
     for p in channel.peers:
-        _queue(channel, work, y.narrow(meta.src, src_starts[p], meta.src_sizes[p]), p, out=False)
+        block = y.narrow(meta.src, src_starts[p], meta.src_sizes[p])
+        _queue(work, block, p, out=False, most=most)
     channel.pump()  # the first chunks go out now; the peers can take them while we copy
     if x is not None:  # own block into place
         own = x.narrow(meta.dst, dst_starts[r], meta.dst_sizes[r])
