@@ -76,10 +76,14 @@ def test_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path: Path) -> None:
     probe = result["probe"]
     assert probe["ranks"] == 2 and probe["flops"] > 0 and probe["bandwidth"] > 0
     assert 0 < probe["latency"] < 1.0
-    assert result["cluster"]["intra_lat"] == probe["latency"]
+    # the links are the transport the strategies' collectives took: shared memory on this host
+    assert 0 < probe["switch_latency"] < 1.0 and probe["switch_bandwidth"] > 0
+    assert result["transport"] == "shared memory"
+    assert result["cluster"]["intra_lat"] == probe["switch_latency"]
     assert result["cluster"]["peak_tflops"] == pytest.approx(probe["flops"] / 1e12)
     cached = json.loads((tmp_path / "cache" / "dspzoo" / "this-cpu.json").read_text())
-    assert cached["intra_bw"] == probe["bandwidth"] and cached["measured_at"] > 0
+    assert cached["intra_bw"] == probe["switch_bandwidth"] and cached["measured_at"] > 0
+    assert "collectives went over shared memory" in (result["_out"] / "results.md").read_text()
     assert all(r["prediction"]["step_s"] > 0 for r in rows.values())
     assert "probed in this run" in (result["_out"] / "results.md").read_text()
     # the one strategy list: every registered strategy ran, dsp first
