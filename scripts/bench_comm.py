@@ -8,7 +8,11 @@ For each activation size it times, interleaved (each repetition runs every varia
 turn, behind a barrier; the median per variant, the slowest rank's), on the same tensors:
 
 * ``bare``    — ``all_to_all_single`` of a ready, contiguous buffer with the same bytes
-  (the floor: no layout work, no checks);
+  (gloo's floor: no layout work, no checks);
+* ``bare (shm)`` — the same ready, contiguous blocks through the group's shared-memory channel
+  (:func:`dspzoo.core.parallel.comm.shm.start_exchange`, own block copied while the peers take
+  theirs): the shared-memory transport's floor, what its switch is measured against (gloo
+  only, on a group of its own; elsewhere the gloo figure again);
 * ``agree+bare`` — the full agreement (one tiny all-gather of the call's signature and the
   checks on it: what a switch's first call, or a call the group did not predict, costs;
   :func:`dspzoo.core.parallel.comm.exchange.agree_switch` with ``in_full``) followed by the bare
@@ -109,6 +113,7 @@ def naive_switch(x: torch.Tensor, src: int, dst: int, n: int) -> torch.Tensor:
 
 VARIANTS = (
     "bare",
+    "bare (shm)",
     "agree+bare",
     "switch",
     "switch (packed)",
@@ -172,7 +177,10 @@ def main() -> None:
     device = accelerator.device
     group = dist.group.WORLD  # the mesh above has sp_size 1 (dist starts inside it)
     # one group per forced path: a group folds a call with the path it learnt it on
-    packed_group, direct_group, shm_group = (dist.new_group(list(range(n))) for _ in range(3))
+    packed_group, direct_group, shm_group, bare_shm_group = (
+        dist.new_group(list(range(n))) for _ in range(4)
+    )
+    bare_channel = shm.transfer_channel(bare_shm_group, device)
     rows, cpu_rows = [], []
     t_local = args.frames // n
     length = t_local * n
@@ -194,6 +202,20 @@ def main() -> None:
         def bare(flat: torch.Tensor = flat, out: torch.Tensor = out) -> None:
             dist.all_to_all_single(out, flat, group=group)
 
+        def bare_shm(flat: torch.Tensor = flat, out: torch.Tensor = out) -> None:
+            if bare_channel is None:  # not on gloo between processes of one host
+                return bare(flat, out)
+            blocks, landing = flat.view(n, -1), out.view(n, -1)
+            peers = [q for q in range(n) if q != mesh.rank]
+            work = shm.start_exchange(
+                bare_channel,
+                [(q, blocks[q]) for q in peers],
+                [(p, landing[p]) for p in peers],
+                "bare exchange",
+            )
+            landing[mesh.rank].copy_(blocks[mesh.rank])
+            work.wait()
+
         def agree_then_bare(x: torch.Tensor = x) -> None:
             agree_switch(x, 1, 2, group, length, None, None, "switch", in_full=True)
             bare()
@@ -203,6 +225,7 @@ def main() -> None:
 
         variants: dict[str, Callable[[], object]] = {
             "bare": bare,
+            "bare (shm)": bare_shm,
             "agree+bare": agree_then_bare,
             "switch": switched,
             "switch (packed)": with_settings(
@@ -219,6 +242,10 @@ def main() -> None:
             "unchecked": lambda x=x: switch_agreed(x, 1, 2, group, src_length=length),
             "naive": lambda x=x: naive_switch(x, 1, 2, n),
         }
+        bare()
+        gloo_out = out.clone()
+        bare_shm()
+        assert torch.equal(out, gloo_out), "the shared-memory and gloo all-to-alls disagree"
         agree_then_bare()  # each group learns the timed sequence: agreement, then the switch
         started = _started()
         switched()
@@ -241,7 +268,7 @@ def main() -> None:
             f"folded switches (hits, misses) per group: {folded}"
         )
         # switch, recycled and unchecked take the default path; each forced variant its own
-        want = {"shm": calls, "direct": calls}
+        want = {"shm": calls * (1 if bare_channel is None else 2), "direct": calls}
         if path in want:
             want[path] += 3 * calls
         if not (dist.get_backend() == "gloo" and device.type == "cpu"):
@@ -259,7 +286,8 @@ def main() -> None:
         print(
             f"{'local size':>10} {'shape [1,T/N,S,C]':>22} {'messages/peer':>16} {'path':>6} "
             + " ".join(f"{v + ' ms':>17}" for v in VARIANTS)
-            + f" {'switch/bare':>12} {'packed/bare':>12} {'direct/bare':>12} {'shm/bare':>12}"
+            + f" {'switch/bare':>12} {'switch/bare(shm)':>17} {'packed/bare':>12}"
+            f" {'direct/bare':>12} {'shm/bare':>12}"
             f" {'recyc/bare':>11}"
             f" {'switch/unchecked':>17} {'agree+bare/bare':>16} {'naive/switch':>13}"
             f" {'traced bytes':>13} {'formula':>10}"
@@ -271,6 +299,7 @@ def main() -> None:
                 f"{format_bytes(size):>10} {str(shape):>22} {_messages(shape, n):>16} {path:>6} "
                 + " ".join(f"{t[v] * 1e3:17.3f}" for v in VARIANTS)
                 + f" {t['switch'] / t['bare']:11.3f}x"
+                f" {t['switch'] / t['bare (shm)']:16.3f}x"
                 f" {t['switch (packed)'] / t['bare']:11.3f}x"
                 f" {t['switch (direct)'] / t['bare']:11.3f}x"
                 f" {t['switch (shm)'] / t['bare']:11.3f}x"
@@ -290,6 +319,8 @@ def main() -> None:
         for size, _, times, *_ in rows:
             print(
                 f"{format_bytes(size):>10}  switch/bare {paired(times, 'switch', 'bare')}"
+                f"   switch/bare(shm) {paired(times, 'switch', 'bare (shm)')}"
+                f"   bare(shm)/bare {paired(times, 'bare (shm)', 'bare')}"
                 f"   packed/bare {paired(times, 'switch (packed)', 'bare')}"
                 f"   direct/bare {paired(times, 'switch (direct)', 'bare')}"
                 f"   direct/packed {paired(times, 'switch (direct)', 'switch (packed)')}"

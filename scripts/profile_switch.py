@@ -5,7 +5,10 @@ Two gloo ranks (spawned here), a ``[1, T/2, S, C]`` float32 activation switched 
 piece once behind a barrier, in turn (odd repetitions in reverse order); the table gives the
 median wall time (slowest rank) and process CPU time (all threads, larger rank) per piece:
 
-* ``bare a2a``: ``all_to_all_single`` of a ready buffer into a ready buffer (the reference);
+* ``bare a2a``: ``all_to_all_single`` of a ready buffer into a ready buffer (gloo's floor);
+* ``bare shm``: the same ready, contiguous blocks through the group's shared-memory channel,
+  own block copied while the peer takes its one (that transport's floor; the gloo figure again
+  where the group has no channel);
 * ``a2a as switched``: the same bytes as the switch sends them (own block left out, split sizes,
   asynchronous launch then wait);
 * ``fresh result`` / ``recycled result``: allocating the result and writing it once (page faults
@@ -14,7 +17,9 @@ median wall time (slowest rank) and process CPU time (all threads, larger rank) 
 * ``own block``: the copy of the rank's own block into the result;
 * ``layout`` / ``layout cached``: computing the switch's sizes (``_SwitchMeta.build``) / looking
   them up;
-* ``launch``: pack, exchange and own block together, no Python around them;
+* ``launch``: the exchange on the path the settings pick (shared memory between the processes
+  of one host: chunks straight from ``x`` into the result; else pack, all-to-all and own block)
+  with a fresh result, no Python around it;
 * ``unchecked``: ``switch_agreed`` (launch + the handle, autograd node, guard and trace hooks);
 * ``switch``: the checked switch in its steady state (agreement folded into the exchange).
 
@@ -39,6 +44,7 @@ from dspzoo.core.entry import release_communicators
 
 def _pieces(rank: int, mib: float) -> tuple[dict[str, Callable[[], object]], tuple[int, ...]]:
     from dspzoo.core import switch
+    from dspzoo.core.parallel.comm import shm
     from dspzoo.core.parallel.comm.blocks import pack_blocks, result_tensor
     from dspzoo.core.parallel.comm.exchange import (
         _launch,
@@ -60,11 +66,24 @@ def _pieces(rank: int, mib: float) -> tuple[dict[str, Callable[[], object]], tup
     own_src = x.narrow(2, rank * (s // 2), s // 2)
     own_dst = result.view(-1)[:half] if rank == 0 else result.view(-1)[half:]
 
+    channel = shm.transfer_channel(group, "cpu")
+    blocks, landing = flat.view(n, -1), out.view(n, -1)
+
+    def bare_shm() -> None:
+        if channel is None:
+            dist.all_to_all_single(out, flat, group=group)
+            return
+        peer = 1 - rank
+        work = shm.start_exchange(channel, [(peer, blocks[peer])], [(peer, landing[peer])], "bare")
+        landing[rank].copy_(blocks[rank])
+        work.wait()
+
     def a2a_as_switched() -> None:
         dist.all_to_all_single(remote, flat[:half], splits, splits, async_op=True).wait()
 
     return {
         "bare a2a": lambda: dist.all_to_all_single(out, flat, group=group),
+        "bare shm": bare_shm,
         "a2a as switched": a2a_as_switched,
         "fresh result": lambda: torch.empty(meta.y_shape).fill_(0),
         "recycled result": lambda: result_tensor(meta.y_shape, x, group).fill_(0),
