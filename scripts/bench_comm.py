@@ -37,10 +37,19 @@ turn, behind a barrier; the median per variant, the slowest rank's), on the same
   (:mod:`dspzoo.core.parallel.comm.direct`), or through shared memory (gloo only: on NCCL all
   three are packed). Each runs on a group of its own (same ranks), which learnt the call with
   that path;
+* ``shm (no doorbell)`` — ``switch (shm)`` with ``SETTINGS.shm_doorbell`` off, on a group of its
+  own: a rank that waits longer than 200 µs sleeps 50 µs – 1 ms between polls instead of dozing
+  on a doorbell its peer rings (what the doorbell saves where ranks wait for each other: more
+  ranks than cores, or ranks that reach the switch at different times);
 * ``naive``   — the textbook form: chunk along s, make each chunk contiguous, list
   ``all_to_all``, concatenate along t;
 
-and checks the tracer's byte count against ``(local elements)·(N−1)/N·itemsize`` (the
+Then, at the first size, a **late peer**: the last rank computes ``D`` ms (``--late-ms``, a busy
+loop) before its switch while the others wait in theirs; the time from the late rank's call to
+the last other rank's result is what the switch costs once everyone is there, waiting
+included — ``switch (shm)`` against ``shm (no doorbell)``, interleaved.
+
+It checks the tracer's byte count against ``(local elements)·(N−1)/N·itemsize`` (the
 agreement is control traffic and is not traced), that every timed ``switch`` ran folded, and
 that every switch took the path its variant names.
 """
@@ -48,6 +57,7 @@ that every switch took the path its variant names.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -119,6 +129,7 @@ VARIANTS = (
     "switch (packed)",
     "switch (direct)",
     "switch (shm)",
+    "shm (no doorbell)",
     "switch (recycled)",
     "unchecked",
     "naive",
@@ -164,6 +175,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--channels", type=int, default=256)
     parser.add_argument("--frames", type=int, default=16, help="global T (sharded dim)")
+    parser.add_argument(
+        "--late-ms",
+        type=float,
+        nargs="*",
+        default=[0.5, 2.0, 5.0],
+        help="the last rank's compute before its switch in the late-peer table (none: skip it)",
+    )
     args = parser.parse_args()
 
     accelerator, mesh, _ = setup_accelerate(
@@ -177,8 +195,8 @@ def main() -> None:
     device = accelerator.device
     group = dist.group.WORLD  # the mesh above has sp_size 1 (dist starts inside it)
     # one group per forced path: a group folds a call with the path it learnt it on
-    packed_group, direct_group, shm_group, bare_shm_group = (
-        dist.new_group(list(range(n))) for _ in range(4)
+    packed_group, direct_group, shm_group, bare_shm_group, no_bell_group = (
+        dist.new_group(list(range(n))) for _ in range(5)
     )
     bare_channel = shm.transfer_channel(bare_shm_group, device)
     rows, cpu_rows = [], []
@@ -238,6 +256,7 @@ def main() -> None:
                 shm_slot_bytes=None,
             ),
             "switch (shm)": lambda: switched(shm_group),
+            "shm (no doorbell)": with_settings(lambda: switched(no_bell_group), shm_doorbell=False),
             "switch (recycled)": with_settings(switched, recycle_results=True),
             "unchecked": lambda x=x: switch_agreed(x, 1, 2, group, src_length=length),
             "naive": lambda x=x: naive_switch(x, 1, 2, n),
@@ -250,25 +269,31 @@ def main() -> None:
         started = _started()
         switched()
         path = _path_since(started)
-        for name in ("switch (packed)", "switch (direct)", "switch (shm)"):
+        forced = {
+            "switch (packed)": "packed",
+            "switch (direct)": "direct",
+            "switch (shm)": "shm",
+            "shm (no doorbell)": "shm",
+        }
+        for name in forced:
             variants[name]()
-        for name in ("switch (packed)", "switch (direct)", "switch (shm)"):
+        for name, wanted in forced.items():
             started = _started()
             assert torch.equal(variants[name](), ref), name
-            wanted = name[8:-1] if dist.get_backend() == "gloo" and device.type == "cpu" else None
-            assert wanted is None or _path_since(started) == wanted, (name, _path_since(started))
-        groups = (group, packed_group, direct_group, shm_group)
+            on_gloo = dist.get_backend() == "gloo" and device.type == "cpu"
+            assert not on_gloo or _path_since(started) == wanted, (name, _path_since(started))
+        groups = (group, packed_group, direct_group, shm_group, no_bell_group)
         counts = [SETTINGS.rehearsal(g) for g in groups]
         before = [(c.hits, c.misses) for c in counts]
         started = _started()
         timed, cpu = timed_interleaved(variants, args.iters, args.warmup)
         calls = args.iters + args.warmup
         folded = [(c.hits - h, c.misses - m) for c, (h, m) in zip(counts, before)]
-        assert folded == [(2 * calls, 0), (calls, 0), (calls, 0), (calls, 0)], (
+        assert folded == [(2 * calls, 0)] + [(calls, 0)] * 4, (
             f"folded switches (hits, misses) per group: {folded}"
         )
         # switch, recycled and unchecked take the default path; each forced variant its own
-        want = {"shm": calls * (1 if bare_channel is None else 2), "direct": calls}
+        want = {"shm": calls * (2 if bare_channel is None else 3), "direct": calls}
         if path in want:
             want[path] += 3 * calls
         if not (dist.get_backend() == "gloo" and device.type == "cpu"):
@@ -277,6 +302,12 @@ def main() -> None:
         assert got == want, f"exchanges per path {got}, expected {want}"
         rows.append((x.numel() * x.element_size(), tuple(x.shape), timed, measured, expected, path))
         cpu_rows.append(cpu)
+        if len(rows) == 1 and args.late_ms:
+            late = {name: variants[name] for name in ("switch (shm)", "shm (no doorbell)")}
+            late_rows = [
+                (ms, late_peer(late, ms * 1e-3, n - 1, args.iters, args.warmup))
+                for ms in args.late_ms
+            ]
 
     if mesh.is_main:
         print(
@@ -326,17 +357,65 @@ def main() -> None:
                 f"   direct/packed {paired(times, 'switch (direct)', 'switch (packed)')}"
                 f"   shm/bare {paired(times, 'switch (shm)', 'bare')}"
                 f"   shm/packed {paired(times, 'switch (shm)', 'switch (packed)')}"
+                f"   shm/no-doorbell {paired(times, 'switch (shm)', 'shm (no doorbell)')}"
                 f"   switch/unchecked {paired(times, 'switch', 'unchecked')}"
                 f"   recycled/bare {paired(times, 'switch (recycled)', 'bare')}"
             )
         print(
-            "\nreproduce: OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "
+            "\nreproduce: OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes "
+            f"{n} --num_machines 1 --mixed_precision no --dynamo_backend no scripts/bench_comm.py "
             + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                 for k, v in vars(args).items()
             )
         )
+    if mesh.is_main and args.late_ms:
+        print(
+            f"\nlate peer ({format_bytes(rows[0][0])}): rank {n - 1} computes D ms before its "
+            "switch; from its call to the last other rank's result, median, and the ratio per "
+            "repetition: median [25%-75%]"
+        )
+        for ms, times in late_rows:
+            shm_ms, no_bell_ms = (times.median(dim=0).values * 1e3).tolist()
+            ratio = times[:, 0] / times[:, 1]
+            q25, q50, q75 = torch.quantile(
+                ratio, torch.tensor([0.25, 0.5, 0.75], dtype=ratio.dtype)
+            )
+            print(
+                f"  D {ms:4g} ms   switch (shm) {shm_ms:.3f} ms   shm (no doorbell) "
+                f"{no_bell_ms:.3f} ms   shm/no-doorbell {q50:.3f}x [{q25:.3f}-{q75:.3f}]"
+            )
     accelerator.wait_for_everyone()
+
+
+def late_peer(
+    fns: dict[str, Callable[[], object]], late_s: float, late_rank: int, iters: int, warmup: int
+) -> torch.Tensor:
+    """``[iters, len(fns)]`` times (s) from the moment ``late_rank``, after busy-waiting
+    ``late_s``, starts its call to the moment the last punctual rank has its result (one
+    monotonic clock: the ranks share a host). The variants in turn, odd repetitions reversed,
+    a barrier before each call."""
+    rank = dist.get_rank()
+    order = list(enumerate(fns.values()))
+    ready = torch.full((iters, len(fns)), -math.inf, dtype=torch.float64)
+    done = ready.clone()
+    for i in range(-warmup, iters):
+        for j, fn in order if i % 2 == 0 else order[::-1]:
+            dist.barrier()
+            if rank == late_rank:
+                until = time.perf_counter() + late_s
+                while time.perf_counter() < until:
+                    pass
+                start = time.perf_counter()
+            fn()
+            if i >= 0:
+                if rank == late_rank:
+                    ready[i, j] = start
+                else:
+                    done[i, j] = time.perf_counter()
+    dist.all_reduce(ready, op=dist.ReduceOp.MAX)
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return done - ready
 
 
 if __name__ == "__main__":

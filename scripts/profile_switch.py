@@ -3,7 +3,9 @@
 Two gloo ranks (spawned here), a ``[1, T/2, S, C]`` float32 activation switched from sharded on
 ``T`` to sharded on ``S`` (the shape of ``scripts/bench_comm.py``). Every repetition runs each
 piece once behind a barrier, in turn (odd repetitions in reverse order); the table gives the
-median wall time (slowest rank) and process CPU time (all threads, larger rank) per piece:
+median wall time (slowest rank) and process CPU time (all threads, larger rank) per piece, and
+the mean wall time of a run of calls with no barrier between them (``in a row``: the steady
+per-call cost, free of the ranks' skew leaving a barrier, which dominates a single small call):
 
 * ``bare a2a``: ``all_to_all_single`` of a ready buffer into a ready buffer (gloo's floor);
 * ``bare shm``: the same ready, contiguous blocks through the group's shared-memory channel,
@@ -117,13 +119,35 @@ def _run(rank: int, mib: float, iters: int, port: int) -> None:
             cpu[i, j] = time.process_time() - start_cpu
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+    in_a_row = _back_to_back(fns, iters)
     if rank == 0:
         print(f"switch pieces, N = 2, x {shape} float32 ({mib:g} MiB), median of {iters}")
-        print(f"{'piece':<18} {'wall us':>9} {'cpu us':>9}")
+        print(f"{'piece':<18} {'wall us':>9} {'cpu us':>9} {'in a row us':>12}")
         walls, cpus = wall.median(0).values.tolist(), cpu.median(0).values.tolist()
-        for name, w, c in zip(fns, walls, cpus):
-            print(f"{name:<18} {w * 1e6:9.1f} {c * 1e6:9.1f}")
+        for name, w, c, b in zip(fns, walls, cpus, in_a_row.tolist()):
+            print(f"{name:<18} {w * 1e6:9.1f} {c * 1e6:9.1f} {b * 1e6:12.1f}")
+        print(
+            "wall, cpu: one call behind a barrier (the wall time includes the ranks' skew leaving "
+            "it);\nin a row: the mean of a run of calls with no barrier between them (the "
+            "steady per-call cost; slowest rank, median of 5 runs)"
+        )
     release_communicators()  # also the groups held in reference cycles (else gloo aborts at exit)
+
+
+def _back_to_back(fns: dict[str, Callable[[], object]], iters: int) -> torch.Tensor:
+    """Per piece, the mean wall time (s) of ``iters`` calls in a row with no barrier between
+    them; the slowest rank's, median of 5 runs (the pieces in turn, odd runs reversed)."""
+    order = list(enumerate(fns.values()))
+    runs = torch.zeros(5, len(fns), dtype=torch.float64)
+    for i in range(5):
+        for j, fn in order if i % 2 == 0 else order[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            runs[i, j] = (time.perf_counter() - start) / iters
+    dist.all_reduce(runs, op=dist.ReduceOp.MAX)
+    return runs.median(0).values
 
 
 def main() -> None:

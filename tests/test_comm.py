@@ -445,7 +445,49 @@ def _check_shm_switch(rank: int, world: int) -> int:
         assert shm.exchanges_started() - before == 2
     summed = sum(weight(q) for q in range(world))
     torch.testing.assert_close(x.grad, _slice(summed, 1, world, rank), rtol=1e-12, atol=1e-12)
-    return checks + 5
+    return checks + 5 + _check_shm_doorbells(rank, world)
+
+
+def _check_shm_doorbells(rank: int, world: int) -> int:
+    """A rank waiting for a late peer dozes on its doorbell and the peer's chunk wakes it
+    (``channel.woken``); with the doorbell off, or on a rank that has none, it sleeps its
+    dozes out; the switches stay exact either way."""
+    import time
+
+    from dspzoo.core.parallel.comm import shm
+    from dspzoo.core.parallel.comm.exchange import switch_agreed
+
+    full = torch.randn(1, world + 1, 2 * world + 1, 3, generator=torch.Generator().manual_seed(9))
+    x, want, length = _slice(full, 1, world, rank), _slice(full, 2, world, rank), full.shape[1]
+
+    def late_switches(group: Any, late: int, doorbell: bool) -> int:
+        """Doorbell wakes on every rank but ``late``, which reaches 5 switches 50 ms late."""
+        channel = shm.channel_for(group)
+        assert channel is not None
+        before = channel.woken
+        with comm.SETTINGS.changed(shm_doorbell=doorbell):
+            for _ in range(5):
+                if rank == late:
+                    time.sleep(0.05)
+                assert torch.equal(switch_agreed(x, 1, 2, group, src_length=length), want)
+        return channel.woken - before
+
+    group = dist.new_group(list(range(world)), backend="gloo")
+    woken = late_switches(group, late=world - 1, doorbell=True)
+    assert rank == world - 1 or woken >= 1, "the late peer's chunks never rang the doorbell"
+    assert late_switches(group, late=world - 1, doorbell=False) == 0
+    # rank 0 has no doorbell (its FIFO could not be made): it sleeps its dozes out
+    real = shm._make_bell
+    shm._make_bell = (lambda path: None) if rank == 0 else real
+    try:
+        group = dist.new_group(list(range(world)), backend="gloo")
+        assert late_switches(group, late=1, doorbell=True) == 0 or rank != 0
+        channel = shm.channel_for(group)
+        assert (channel.bell is None) == (rank == 0)
+        assert rank == 0 or channel.bells[0] is None  # nobody rings a missing doorbell
+    finally:
+        shm._make_bell = real
+    return 3
 
 
 def _check_direct_switch(rank: int, world: int) -> int:
@@ -902,10 +944,31 @@ def test_workspace_limit() -> None:
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "abc"])
 def test_a_bad_direct_threshold_warns_and_keeps_the_default(monkeypatch, value: str) -> None:
     """``DSPZOO_COMM_DIRECT_MIN_KIB`` is read at import: a bad value must not break it."""
-    from dspzoo.core.parallel.comm.settings import DIRECT_MIN_KIB, _env_kib
+    from dspzoo.core.parallel.comm.settings import DIRECT_MIN_KIB, _env_bytes
 
     monkeypatch.setenv("DSPZOO_COMM_DIRECT_MIN_KIB", value)
     with pytest.warns(UserWarning, match="DSPZOO_COMM_DIRECT_MIN_KIB"):
-        assert _env_kib("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB) == DIRECT_MIN_KIB * 1024
+        assert _env_bytes("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB) == DIRECT_MIN_KIB * 1024
     monkeypatch.setenv("DSPZOO_COMM_DIRECT_MIN_KIB", "off")
-    assert _env_kib("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB) is None
+    assert _env_bytes("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB) is None
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "abc", "off"])
+def test_a_bad_workspace_limit_warns_and_keeps_the_default(monkeypatch, value: str) -> None:
+    """``DSPZOO_COMM_WORKSPACE_MIB`` (read at import) warns on a bad value, 'off' included
+    (a limit has no 'off'), and keeps 256 MiB; a good one is read in MiB."""
+    from dspzoo.core.parallel.comm.settings import CommSettings
+
+    monkeypatch.setenv("DSPZOO_COMM_WORKSPACE_MIB", value)
+    with pytest.warns(UserWarning, match="DSPZOO_COMM_WORKSPACE_MIB.*MiB"):
+        assert CommSettings().workspace_limit == 256 * 2**20
+    monkeypatch.setenv("DSPZOO_COMM_WORKSPACE_MIB", "1.5")
+    assert CommSettings().workspace_limit == 3 * 2**19
+
+
+@pytest.mark.parametrize(("value", "on"), [("", True), ("1", True), ("0", False), ("off", False)])
+def test_the_doorbell_setting(monkeypatch, value: str, on: bool) -> None:
+    from dspzoo.core.parallel.comm.settings import CommSettings
+
+    monkeypatch.setenv("DSPZOO_COMM_SHM_DOORBELL", value)
+    assert CommSettings().shm_doorbell is on

@@ -27,35 +27,43 @@ import torch
 from .rehearsal import Rehearsal
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+def _env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in ("0", "false", "off", "no")
 
 
 DIRECT_MIN_KIB = 512  # the direct switch's shortest message by default (docs/comm.md)
 SHM_SLOT_KIB = 1024  # a shared-memory switch slot by default (docs/comm.md)
 
 
-def _env_kib(name: str, default: float) -> int | None:
-    """``name``'s value in KiB as bytes (``off``: ``None``); ``default`` KiB when unset.
+_UNITS = {"KiB": 1024, "MiB": 2**20}
+
+
+def _env_bytes(name: str, default: float, unit: str = "KiB", can_be_off: bool = True) -> int | None:
+    """``name``'s value in ``unit`` as bytes (``off``: ``None``, where ``can_be_off``);
+    ``default`` ``unit`` when unset.
 
     A value that is not a number warns (naming the variable and the default it uses) instead
     of failing at import, which would break every command, ``--help`` included.
     """
     value = os.environ.get(name, "").strip()
-    if value.lower() in ("off", "none", "never"):
+    if can_be_off and value.lower() in ("off", "none", "never"):
         return None
     try:
-        kib = float(value or default)
-        if not (math.isfinite(kib) and kib >= 0):
+        amount = float(value or default)
+        if not (math.isfinite(amount) and amount >= 0):
             raise ValueError(value)
     except ValueError:
+        off = " (or 'off')" if can_be_off else ""
         warnings.warn(
-            f"{name}={value!r} is not a finite non-negative number of KiB (or 'off'); using the "
-            f"default {default:g} KiB. E.g. {name}={default:g}",
+            f"{name}={value!r} is not a finite non-negative number of {unit}{off}; using the "
+            f"default {default:g} {unit}. E.g. {name}={default:g}",
             stacklevel=2,
         )
-        kib = default
-    return int(kib * 1024)
+        amount = default
+    return int(amount * _UNITS[unit])
 
 
 class Workspace:
@@ -183,22 +191,27 @@ class CommSettings:
             gloo). Read at a group's first switch for the size of its mailboxes (a later,
             larger value is capped at that size). Must be equal on every rank, like
             ``direct_min_bytes``.
+        shm_doorbell: a rank waiting on the shared-memory channel for longer than 200 µs
+            dozes on a doorbell (a FIFO) that the peer moving its next chunk rings, instead of
+            sleeping a fixed 50 µs – 1 ms (``DSPZOO_COMM_SHM_DOORBELL=0``: the fixed sleeps).
+            Only how a rank waits; it may differ between ranks.
     """
 
     debug: bool = field(default_factory=lambda: _env_flag("DSPZOO_DEBUG"))
     workspace_limit: int = field(
-        default_factory=lambda: int(
-            float(os.environ.get("DSPZOO_COMM_WORKSPACE_MIB", "256")) * 2**20
-        )
+        default_factory=lambda: _env_bytes("DSPZOO_COMM_WORKSPACE_MIB", 256, "MiB", False) or 0
     )
     max_workspaces: int = 8
     recycle_results: bool = field(default_factory=lambda: _env_flag("DSPZOO_COMM_RECYCLE_RESULTS"))
     direct_min_bytes: int | None = field(
-        default_factory=lambda: _env_kib("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB)
+        default_factory=lambda: _env_bytes("DSPZOO_COMM_DIRECT_MIN_KIB", DIRECT_MIN_KIB)
     )
     direct_max_messages: int = 32
     shm_slot_bytes: int | None = field(
-        default_factory=lambda: _env_kib("DSPZOO_COMM_SHM_SLOT_KIB", SHM_SLOT_KIB)
+        default_factory=lambda: _env_bytes("DSPZOO_COMM_SHM_SLOT_KIB", SHM_SLOT_KIB)
+    )
+    shm_doorbell: bool = field(
+        default_factory=lambda: _env_flag("DSPZOO_COMM_SHM_DOORBELL", default=True)
     )
     _workspaces: OrderedDict[int, tuple[Any, Workspace]] = field(
         default_factory=OrderedDict, repr=False

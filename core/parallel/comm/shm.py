@@ -45,9 +45,11 @@ import math
 import mmap
 import os
 import platform
+import select
 import socket
 import time
 import uuid
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
 SLOTS = 2  # chunks in flight per ordered pair of ranks
 _LINE = 8  # int64 words per cache line: counters written by different ranks never share one
 _BROKEN = 1  # the header word a rank sets when it gives up on the channel
+_DOZING = 2  # the header word a rank sets while it sleeps on its doorbell
 _PAGE = 4096
 _SHM_DIR = "/dev/shm"
 _MAX_CHANNELS = 16  # groups with a mailbox per process; more groups keep the all-to-all
@@ -138,6 +141,12 @@ class ShmChannel:
     ):
         self.n, self.r, self.slot_bytes, self.timeout_s = n, r, slot_bytes, timeout_s
         self.pids = pids  # the peers' process ids, where they share this process's pid namespace
+        # doorbells (set up by _set_up, which closes them with the channel): this rank's (a
+        # FIFO's read end) and its peers' (write ends; None where one could not be opened: that
+        # peer then sleeps its doze out); a dozing rank is woken by a peer that moves a chunk
+        self.bell: int | None = None
+        self.bells: list[int | None] = [None] * n
+        self.woken = 0  # dozes this rank's doorbell ended before their timeout (tests)
         self.peers = [p for p in range(n) if p != r]
         self.words = [memoryview(box).cast("B").cast("q") for box in boxes]
         data_start = _counter_bytes(n)
@@ -243,25 +252,68 @@ class ShmChannel:
     def pump(self) -> bool:
         """One pass over every peer: send what fits, take what arrived. Whether anything moved.
 
-        Anything raised in between (a stream out of step, an interrupt) breaks the channel on
-        every rank (:meth:`check_usable`) before it propagates."""
+        A peer this rank sent a chunk to, or freed a slot of, is woken if it dozes
+        (:meth:`_ring`). Anything raised in between (a stream out of step, an interrupt)
+        breaks the channel on every rank (:meth:`check_usable`) before it propagates."""
         moved = False
         try:
             for q in self.peers:
-                moved = self._send_ready(q) | moved
+                if self._send_ready(q):
+                    self._ring(q)
+                    moved = True
             for p in self.peers:
-                moved = self._take_ready(p) | moved
+                if self._take_ready(p):
+                    self._ring(p)
+                    moved = True
         except BaseException:
             self._give_up()
             raise
         return moved
 
+    def _ring(self, q: int) -> None:
+        """Wake ``q`` if it dozes on its doorbell (one byte into its FIFO; a full FIFO has
+        been rung already, a gone reader is the liveness check's business)."""
+        fd = self.bells[q]
+        if fd is not None and self.words[q][_DOZING]:
+            try:
+                os.write(fd, b"\x01")
+            except OSError:  # BlockingIOError (full: rung already), BrokenPipeError
+                pass
+
+    def _doze(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, woken early by a peer's :meth:`_ring`; whether a chunk
+        moved meanwhile (a last pass after the dozing word is set, so a peer that moved a
+        chunk before seeing it is not slept through).
+
+        The dozing word and a peer's counter are written and read in opposite orders by the
+        two ranks; x86 may let each rank's read pass its own write, so both may miss the
+        other once: the timeout bounds that (the sleep the path had without a doorbell).
+        """
+        if self.bell is None or not SETTINGS.shm_doorbell:
+            time.sleep(seconds)
+            return False
+        mine = self.words[self.r]
+        mine[_DOZING] = 1
+        try:
+            if self.pump():
+                return True
+            if select.select([self.bell], [], [], seconds)[0]:
+                self.woken += 1
+        finally:
+            mine[_DOZING] = 0
+        try:
+            os.read(self.bell, 4096)  # drain the rings
+        except BlockingIOError:
+            pass
+        return False
+
     def progress(self, work: ShmWork) -> None:
         """Pump until ``work`` is complete (and every chunk queued before it).
 
         Idle, it polls 32 times, then yields its core between polls (a peer may need it when
-        there are more ranks than cores); after 200 µs it sleeps between polls, from 50 µs up
-        to 1 ms. Every 100 ms of idling after the first second it checks that the peers are
+        there are more ranks than cores); after 200 µs it dozes on its doorbell between polls
+        (:meth:`_doze`: woken by the peer that moves a chunk for it, else after 50 µs up to
+        1 ms). Every 100 ms of idling after the first second it checks that the peers are
         alive; a peer that broke the channel, died, or a wait beyond the group's timeout
         raises :class:`~.agreement.CollectiveTimeoutError` (and breaks the channel).
         """
@@ -292,8 +344,9 @@ class ShmChannel:
                 )
             if waited < 200e-6:
                 os.sched_yield()
+            elif self._doze(nap):
+                idle, nap = 0, 50e-6
             else:
-                time.sleep(nap)
                 nap = min(nap * 2, 1e-3)
 
     def _check_peers(self, what: str) -> None:
@@ -478,6 +531,7 @@ def _set_up(group: Any, slot_bytes: int) -> ShmChannel | None:
 
     size = _mailbox_bytes(n, slot_bytes)
     boxes: list[Any] = [None] * n
+    bell, bells = None, [None] * n
     try:
         try:
             boxes[r] = _create(path(r), size)
@@ -485,6 +539,7 @@ def _set_up(group: Any, slot_bytes: int) -> ShmChannel | None:
             created = True
         except OSError:
             created = False
+        bell = _make_bell(path(r) + ".bell") if created else None
         if not _all_ok(created, group):
             return None
         try:
@@ -493,18 +548,24 @@ def _set_up(group: Any, slot_bytes: int) -> ShmChannel | None:
                     boxes[p] = _open(path(p), size)
                     if memoryview(boxes[p]).cast("B").cast("q")[0] != every[p][2]:
                         raise OSError(f"{path(p)} is not rank {p}'s mailbox")
+                    bells[p] = _ring_end(path(p) + ".bell")
             seen = True
         except OSError:
             seen = False
         if not _all_ok(seen, group):
             return None
+        channel = ShmChannel(n, r, slot_bytes, group_timeout_s(group) or 1800.0, boxes, pids)
+        channel.bell, channel.bells = bell, bells
+        weakref.finalize(channel, _close_all, [fd for fd in (bell, *bells) if fd is not None])
+        bell, bells = None, [None] * n  # the channel owns them now
+        return channel
     finally:
-        try:  # every rank has mapped (or given up on) every mailbox: the names can go
-            os.unlink(path(r))
-        except OSError:
-            pass
-    timeout = group_timeout_s(group) or 1800.0
-    return ShmChannel(n, r, slot_bytes, timeout, boxes, pids)
+        _close_all([fd for fd in (bell, *bells) if fd is not None])
+        for name in (path(r), path(r) + ".bell"):
+            try:  # every rank has mapped (or given up on) every mailbox: the names can go
+                os.unlink(name)
+            except OSError:
+                pass
 
 
 def _pid_namespace() -> str | None:
@@ -512,6 +573,33 @@ def _pid_namespace() -> str | None:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
+
+
+def _make_bell(path: str) -> int | None:
+    """A doorbell: a FIFO at ``path``, opened for reading (and writing, so it never reports
+    end-of-file), non-blocking; ``None`` where one cannot be made (the rank then sleeps its
+    dozes out, as without a doorbell)."""
+    try:
+        os.mkfifo(path, 0o600)
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
+def _ring_end(path: str) -> int | None:
+    """The write end of a peer's doorbell at ``path`` (non-blocking), or ``None``."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _create(path: str, size: int) -> mmap.mmap:
