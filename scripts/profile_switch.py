@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dspzoo.core.entry import release_communicators
+from dspzoo.core.perf import keep_freed_memory
 
 
 def _pieces(rank: int, mib: float) -> tuple[dict[str, Callable[[], object]], tuple[int, ...]]:
@@ -102,6 +103,7 @@ def _pieces(rank: int, mib: float) -> tuple[dict[str, Callable[[], object]], tup
 def _run(rank: int, mib: float, iters: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    keep_freed_memory()  # as every launch through setup_accelerate does on CPU
     dist.init_process_group("gloo", rank=rank, world_size=2)
     fns, shape = _pieces(rank, mib)
     for fn in fns.values():
