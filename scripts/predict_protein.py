@@ -1,10 +1,12 @@
 r"""Predict a protein's distogram and contact map with DSP across the launched processes.
 
-    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/predict_protein.py \
-        --model-dir evoformer-small-pdb --fasta query.fasta --msa hits.a3m --out outputs/predict/query
+    dspzoo predict evoformer-small-pdb --fasta query.fasta --msa hits.a3m --out outputs/predict/query
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
+        -m dspzoo predict evoformer-small-pdb --fasta query.fasta --out outputs/predict/query
 
---model-dir is a folder written by save_pretrained (train_protein.py's <output-dir>/final) or a
-shipped model's name (dspzoo list --pretrained). --fasta holds the query (its first record;
+The model (``--model-dir`` when the script runs as ``python scripts/predict_protein.py``) is
+a folder written by save_pretrained (train_protein.py's <output-dir>/final) or a shipped model's
+name (dspzoo list --pretrained). --fasta holds the query (its first record;
 --record picks another); each --msa (.a3m or .sto, repeatable) must have the query as its first
 row. The first process writes <out>.npz (sequence, residue_index, distogram probabilities
 [R, R, bins] as float16, bin boundaries, contact probabilities [R, R]) and <out>.png (the

@@ -1,7 +1,8 @@
-"""Sample videos from a trained video DiT with DSP across the launched processes.
+r"""Sample videos from a trained video DiT with DSP across the launched processes.
 
-    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no scripts/sample_video.py \
-        --model-dir outputs/stdit-tiny/final --out outputs/stdit-tiny/samples.gif
+    dspzoo sample stdit-mini-shapes --out shapes.gif                 # a shipped name, 1 process
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
+        -m dspzoo sample outputs/stdit-tiny/final --out outputs/stdit-tiny/samples.gif
 
 The latents stay sharded over the SP group for every denoising step and are gathered once at
 the end; rank 0 writes a GIF (or MP4) grid with one row per class label (in label order) of
