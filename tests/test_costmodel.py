@@ -329,6 +329,27 @@ REACHED = {
 }
 
 
+def test_published_workloads_have_the_papers_token_counts() -> None:
+    """The published experiments' tokens: OpenSora 512² px = 80 × 1024 (a 64² latent), the DSP
+    paper's 1024² px = T × 4096 (a 128² latent; the grid once had a quarter of that)."""
+    from dspzoo.core.costmodel import validation
+
+    opensora = validation._workload(
+        "stdit-720M",
+        frames=80,
+        spatial=validation.OPENSORA_LATENT,
+        batch=2,
+        context=120,
+        itemsize=2,
+    )
+    assert opensora.lengths == (80, 1024)
+    for model, n in validation.DSP_GRID:
+        wl = validation._workload(
+            model, frames=n, spatial=validation.DSP_LATENT, batch=1, context=120, itemsize=2
+        )
+        assert wl.lengths == (n, 4096), (model, n, wl.lengths)
+
+
 def test_published_figures_are_the_docs_table() -> None:
     """docs/cost_model.md's table is this code's output, and its claims hold both ways."""
     from pathlib import Path

@@ -81,13 +81,16 @@ OPENSORA_SOURCE = (
     "512×512, latency 1×H800 106 s, 8×H800 DS-Ulysses 45 s, 8×H800 DSP 22 s"
 )
 OPENSORA_STEPS = 100  # sampling steps; classifier-free guidance doubles the batch
+OPENSORA_LATENT = (64, 64)  # 512² px through the SD VAE (8×); the workload patches it (2 × 2)
 
 
 def _opensora(strategy: str, n: int) -> Callable[[Cluster], float]:
     def run(cluster: Cluster) -> float:
         # OpenSora 1.0: SD VAE (8× spatial, no temporal compression), STDiT-XL/2 (patch 1×2×2):
         # 80 × (64/2)² = 80 × 1024 tokens; CFG batch 2; T5 context 120 tokens; bf16
-        wl = _workload("stdit-720M", frames=80, spatial=(64, 64), batch=2, context=120, itemsize=2)
+        wl = _workload(
+            "stdit-720M", frames=80, spatial=OPENSORA_LATENT, batch=2, context=120, itemsize=2
+        )
         p = predict(wl, strategy, n, cluster, training=False, exact_ranks=False)
         return OPENSORA_STEPS * p.step_s
 
@@ -101,8 +104,10 @@ DSP_SOURCE = (
     "128 H100 (NVLink in a node, InfiniBand across), 720M and 3B, spatial 1024² px"
 )
 # weak scaling as the paper runs it: the temporal length grows with the GPUs (T = N), the
-# spatial one is fixed (1024² px → 64 × 64 latent patches = 4096 tokens); SP = every GPU,
-# up to the largest size Ulysses runs (heads ≥ N); training with recompute
+# spatial one is fixed (1024² px → SD VAE 8× → a 128 × 128 latent → patch 2 → 64 × 64 =
+# 4096 tokens); SP = every GPU, up to the largest size Ulysses runs (heads ≥ N); training
+# with recompute
+DSP_LATENT = (128, 128)  # the latent H × W: the workload patches it (stdit patch 2)
 DSP_GRID = tuple((m, n) for m in ("stdit-720M", "stdit-3B") for n in (8, 16))
 
 
@@ -110,7 +115,7 @@ def _dsp_gain(ulysses: str, pick: Callable[[list[float]], float]) -> Callable[[C
     def run(cluster: Cluster) -> float:
         ratios = []
         for model, n in DSP_GRID:
-            wl = _workload(model, frames=n, spatial=(64, 64), batch=1, context=120, itemsize=2)
+            wl = _workload(model, frames=n, spatial=DSP_LATENT, batch=1, context=120, itemsize=2)
             kw = {"recompute": True, "exact_ranks": False}
             dsp = predict(wl, "dsp", n, cluster, **kw).step_s
             ratios.append(predict(wl, ulysses, n, cluster, **kw).step_s / dsp)
