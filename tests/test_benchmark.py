@@ -328,3 +328,27 @@ def test_two_runs_side_by_side() -> None:
     assert "| ring | 1.30 |" in steady and steady.endswith("| no |")
     moved = side_by_side(run(1.2, 1.3, 1.4, 1.3), run(2.0, 2.1, 2.0, 2.1))
     assert moved.endswith("| yes |")
+
+
+def test_bench_transport_times_both_transports_on_the_same_steps(tmp_path: Path) -> None:
+    """scripts/bench_transport.py: every strategy's steps on shared memory and on gloo in one
+    run (the script asserts each step took the transport it names and that both give the same
+    loss), with the paired ratios and the command to reproduce."""
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+        "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", str(REPO / "scripts" / "bench_transport.py"),
+        "--model", "bytelm-tiny", "--seq-len", "48", "--strategies", "megatron_sp,ring_zigzag,lss",
+        "--reps", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps, _, ratios = proc.stdout.partition("÷ megatron_sp")
+    names = ("megatron_sp", "ring_zigzag", "lss")
+    timed = {r[0]: r for r in map(str.split, steps.splitlines()) if r and r[0] in names}
+    assert set(timed) == set(names)
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in timed.values())  # shm s, gloo s
+    paired = {r[0]: r for r in map(str.split, ratios.splitlines()) if r and r[0] in names}
+    assert paired["megatron_sp"][1:4:2] == ["1.000x", "1.000x"]  # itself, on either transport
+    assert "reproduce: OMP_NUM_THREADS=1 accelerate launch" in proc.stdout

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dspzoo.core.parallel import comm
+from dspzoo.core.parallel.comm import shm
 from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.methods import lss, lss_attention, ulysses_attention
 from dspzoo.core.parallel.methods.ring import ring_positions, zigzag_lengths
@@ -191,12 +193,28 @@ def _check_group(group, n, r, seed):
                         continue  # the zigzag layout has its own lengths
                     run_lengths = zigzag_lengths(sum(lengths), n)
                 seed += 1
+                before = shm.exchanges_started()
                 tracer = _run_case(
                     method, group, n, r, run_lengths, shape, causal, dtype, scale, seed
                 )
+                # between processes of one host every collective goes through shared memory
+                assert shm.exchanges_started() > before, f"{name}: no shared-memory exchange"
                 kind = "ulysses" if name == "ulysses" else "lss"
                 _check_bytes(tracer, kind, n, r, run_lengths, shape, dtype.itemsize)
                 checks += 1
+    # ... and over gloo when shared memory is off: the same results and bytes
+    lengths, shape = list(shard_sizes(CASES[0][0], n)), CASES[0]
+    with comm.SETTINGS.changed(shm_slot_bytes=None):
+        for name in ("lss", "lss_zigzag"):
+            run_lengths = zigzag_lengths(sum(lengths), n) if name in ZIGZAG else lengths
+            seed += 1
+            before = shm.exchanges_started()
+            tracer = _run_case(
+                METHODS[name], group, n, r, run_lengths, shape, True, torch.float64, None, seed
+            )
+            assert shm.exchanges_started() == before, f"{name}: shared memory although off"
+            _check_bytes(tracer, "lss", n, r, run_lengths, shape, 8)
+            checks += 1
     return checks
 
 

@@ -62,6 +62,7 @@ from ..comm import group_rank, group_size
 from ..comm.agreement import guard
 from ..comm.group import all_gather_single, record, reduce_scatter_single
 from ..comm.replicate import gather_for_local_use_agreed
+from ..comm.shm import ShmChannel, ShmWork, start_exchange, transfer_channel
 from ..layout import shard_sizes
 from ..trace import comm_region, current_region
 from .blockwise import stats_dtype
@@ -277,9 +278,45 @@ class _Pending:
         return self.result
 
 
+def _shm_all_gather(channel: ShmChannel, send: torch.Tensor, recv: torch.Tensor) -> ShmWork:
+    """Start ``send`` → ``recv[p]`` on every rank ``p`` through the group's shared memory
+    (:mod:`..comm.shm`); this rank's own slot is copied at once."""
+    r = channel.r
+    work = start_exchange(
+        channel,
+        [(q, send) for q in channel.peers],
+        [(p, recv[p]) for p in channel.peers],
+        "all_gather",
+    )
+    recv[r].copy_(send)
+    return work
+
+
+class _ShmReduceScatter:
+    """The shared-memory reduce-scatter in flight: each peer's block for this rank lands in a
+    part of its own; :meth:`wait` sums the parts in rank order into ``result``."""
+
+    def __init__(self, channel: ShmChannel, send: torch.Tensor, result: torch.Tensor) -> None:
+        self.parts = {p: torch.empty_like(result) for p in channel.peers}
+        self.result = result
+        self.work = start_exchange(
+            channel,
+            [(q, send[q]) for q in channel.peers],
+            list(self.parts.items()),
+            "reduce_scatter",
+        )
+        result.copy_(send[channel.r])
+
+    def wait(self) -> None:
+        self.work.wait()
+        for p in sorted(self.parts):
+            self.result.add_(self.parts[p])
+
+
 def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _Pending:
     """All-gather every rank's ``[B, seq_j, Hkv, 2D]`` padded to ``rows`` → ``[N, B, rows, …]``
-    (started, not waited; traced as one forward ``all_gather`` of the padded block)."""
+    (started, not waited; traced as one forward ``all_gather`` of the padded block). Between
+    the processes of one host through shared memory, like every collective of the library."""
     n = group_size(group)
     send = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, rows - kv.shape[1])).contiguous()
     recv = torch.empty((n, *send.shape), dtype=send.dtype, device=send.device)
@@ -288,8 +325,11 @@ def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _P
     record(
         "all_gather", (n - 1) * send.numel() * send.element_size(), group, send, "forward", region
     )
+    channel = transfer_channel(group, send.device) if n > 1 else None
     return _Pending(
-        lambda: all_gather_single(recv.flatten(0, 1), send, group=group, async_op=True),
+        (lambda: _shm_all_gather(channel, send, recv))
+        if channel is not None
+        else lambda: all_gather_single(recv.flatten(0, 1), send, group=group, async_op=True),
         send,
         recv,
         "all_gather (forward)",
@@ -310,8 +350,11 @@ def _start_kv_reduce_scatter(
         recv.copy_(send[0])
     record("reduce_scatter", (n - 1) * recv.numel() * recv.element_size(), group, recv,
            "backward", region)  # fmt: skip
+    channel = transfer_channel(group, send.device) if n > 1 else None
     return _Pending(
-        lambda: reduce_scatter_single(recv, send.flatten(0, 1), group=group, async_op=True),
+        (lambda: _ShmReduceScatter(channel, send, recv))
+        if channel is not None
+        else lambda: reduce_scatter_single(recv, send.flatten(0, 1), group=group, async_op=True),
         send,
         recv,
         "reduce_scatter (backward)",
