@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     if world_mesh.world_size < 2:
         raise SystemExit("run with at least 2 processes (accelerate launch --num_processes N)")
+    if dist.get_backend() != "gloo" or accelerator.device.type != "cpu":
+        raise SystemExit(
+            "bench_transport compares shared memory with gloo between CPU processes; this run "
+            f"is on {dist.get_backend()} / {accelerator.device.type}, where neither applies"
+        )
     case = build_case(bench_args, 1)
     meshes = MeshCache(accelerator, built=(world_mesh,))
     runners = [Runner(n, case, world_mesh.world_size, meshes) for n in names]

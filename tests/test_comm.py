@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -487,7 +488,43 @@ def _check_shm_doorbells(rank: int, world: int) -> int:
         assert rank == 0 or channel.bells[0] is None  # nobody rings a missing doorbell
     finally:
         shm._make_bell = real
-    return 3
+    # a doorbell that fails (here: rank 1's wait raises) is closed and the rank sleeps instead;
+    # closing a channel's doorbells closes their descriptors once
+    group = dist.new_group(list(range(world)), backend="gloo")
+    channel = shm.channel_for(group)
+    fds = list(channel._bell_fds)
+    assert len(fds) == world  # its own and one per peer
+    real = shm._readable
+    if rank == 1:
+        shm._readable = lambda fd, seconds: (_ for _ in ()).throw(ValueError("fd out of range"))
+    try:
+        late_switches(group, late=0, doorbell=True)
+    finally:
+        shm._readable = real
+    if rank == 1:
+        assert channel.bell is None and channel._bell_fds == []
+        for fd in fds:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    assert late_switches(group, late=0, doorbell=True) == 0 or rank != 1
+    return 4
+
+
+def test_readable_waits_on_any_descriptor() -> None:
+    """The doorbell's wait: select below FD_SETSIZE, poll above it (select raises there)."""
+    from dspzoo.core.parallel.comm.shm import _readable
+
+    read, write = os.pipe()
+    high = os.dup2(read, 1500)
+    try:
+        for fd in (read, high):
+            assert not _readable(fd, 0.001)
+            os.write(write, b"x")
+            assert _readable(fd, 1.0)
+            os.read(fd, 1)
+    finally:
+        for fd in (read, write, high):
+            os.close(fd)
 
 
 def _check_direct_switch(rank: int, world: int) -> int:

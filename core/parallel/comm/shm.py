@@ -147,6 +147,8 @@ class ShmChannel:
         self.bell: int | None = None
         self.bells: list[int | None] = [None] * n
         self.woken = 0  # dozes this rank's doorbell ended before their timeout (tests)
+        self._bell_fds: list[int] = []  # the descriptors above, closed once (here or at exit)
+        weakref.finalize(self, _close_all, self._bell_fds)
         self.peers = [p for p in range(n) if p != r]
         self.words = [memoryview(box).cast("B").cast("q") for box in boxes]
         data_start = _counter_bytes(n)
@@ -297,15 +299,24 @@ class ShmChannel:
         try:
             if self.pump():
                 return True
-            if select.select([self.bell], [], [], seconds)[0]:
-                self.woken += 1
+            try:
+                if _readable(self.bell, seconds):
+                    self.woken += 1
+                os.read(self.bell, 4096)  # drain the rings
+            except BlockingIOError:  # nothing rang
+                pass
+            except (OSError, ValueError):  # the doorbell failed: sleep from now on
+                self.close_bells()
+                time.sleep(seconds)
         finally:
             mine[_DOZING] = 0
-        try:
-            os.read(self.bell, 4096)  # drain the rings
-        except BlockingIOError:
-            pass
         return False
+
+    def close_bells(self) -> None:
+        """Close this rank's doorbell and its ends of the peers' ones (it sleeps its dozes
+        out from now on, and rings nobody)."""
+        self.bell, self.bells = None, [None] * self.n
+        _close_all(self._bell_fds)
 
     def progress(self, work: ShmWork) -> None:
         """Pump until ``work`` is complete (and every chunk queued before it).
@@ -468,7 +479,11 @@ def chunk_bytes(channel: ShmChannel) -> int:
 
 
 def release_channels() -> None:
-    """Forget every group's channel (the mailboxes are unmapped once no tensor views them)."""
+    """Forget every group's channel: its doorbells are closed now, its mailboxes unmapped
+    once nothing views them (a rehearsed call's plan keeps its group's channel)."""
+    for _, channel in _CHANNELS.values():
+        if channel is not None:
+            channel.close_bells()
     _CHANNELS.clear()
 
 
@@ -556,7 +571,7 @@ def _set_up(group: Any, slot_bytes: int) -> ShmChannel | None:
             return None
         channel = ShmChannel(n, r, slot_bytes, group_timeout_s(group) or 1800.0, boxes, pids)
         channel.bell, channel.bells = bell, bells
-        weakref.finalize(channel, _close_all, [fd for fd in (bell, *bells) if fd is not None])
+        channel._bell_fds.extend(fd for fd in (bell, *bells) if fd is not None)
         bell, bells = None, [None] * n  # the channel owns them now
         return channel
     finally:
@@ -587,19 +602,33 @@ def _make_bell(path: str) -> int | None:
 
 
 def _ring_end(path: str) -> int | None:
-    """The write end of a peer's doorbell at ``path`` (non-blocking), or ``None``."""
+    """This rank's end of a peer's doorbell at ``path``, or ``None``: opened for reading and
+    writing (non-blocking), so the FIFO always has a reader and a ring into the doorbell of a
+    peer that died fills its buffer (then ``BlockingIOError``) instead of raising SIGPIPE."""
     try:
-        return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK)
     except OSError:
         return None
 
 
+def _readable(fd: int, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``fd`` to be readable: ``select`` (microseconds) where the
+    descriptor fits its set, else ``poll`` (no limit on descriptors; milliseconds)."""
+    if fd < 1024:  # FD_SETSIZE
+        return bool(select.select([fd], [], [], seconds)[0])
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(seconds * 1e3, 1.0)))
+
+
 def _close_all(fds: list[int]) -> None:
+    """Close ``fds`` and empty the list (so that nothing closes them twice)."""
     for fd in fds:
         try:
             os.close(fd)
         except OSError:
             pass
+    fds.clear()
 
 
 def _create(path: str, size: int) -> mmap.mmap:

@@ -294,22 +294,24 @@ def _shm_all_gather(channel: ShmChannel, send: torch.Tensor, recv: torch.Tensor)
 
 class _ShmReduceScatter:
     """The shared-memory reduce-scatter in flight: each peer's block for this rank lands in a
-    part of its own; :meth:`wait` sums the parts in rank order into ``result``."""
+    part of its own; :meth:`wait` sums every rank's block in rank order into ``result`` (the
+    same order on every rank: deterministic)."""
 
     def __init__(self, channel: ShmChannel, send: torch.Tensor, result: torch.Tensor) -> None:
         self.parts = {p: torch.empty_like(result) for p in channel.peers}
+        self.parts[channel.r] = send[channel.r]
         self.result = result
         self.work = start_exchange(
             channel,
             [(q, send[q]) for q in channel.peers],
-            list(self.parts.items()),
+            [(p, self.parts[p]) for p in channel.peers],
             "reduce_scatter",
         )
-        result.copy_(send[channel.r])
 
     def wait(self) -> None:
         self.work.wait()
-        for p in sorted(self.parts):
+        self.result.copy_(self.parts[0])
+        for p in range(1, len(self.parts)):
             self.result.add_(self.parts[p])
 
 
