@@ -65,12 +65,18 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other flag of the benchmark's case (--frames, --latent, ...) is passed on.",
     )
-    parser.add_argument("--model", default="bytelm-small")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--strategies", default="dsp,megatron_sp,ring_zigzag,lss_zigzag")
+    parser.add_argument(
+        "--model", default="bytelm-small", help="the benchmark's model (dspzoo bench --help)"
+    )
+    parser.add_argument("--seq-len", type=int, default=2048, help="text: bytes per sample")
+    parser.add_argument(
+        "--strategies",
+        default="dsp,megatron_sp,ring_zigzag,lss_zigzag",
+        help="comma-separated strategies to time on both transports",
+    )
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
     parser.add_argument("--against", default="megatron_sp", help="the per-transport ratios' base")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="weights and inputs")
     args, case_flags = parser.parse_known_args(argv)
     names = [s.strip() for s in args.strategies.split(",")]
     if args.against not in names:

@@ -2,12 +2,13 @@ r"""Roll out an autoregressive forecast from a trained weather model, with DSP a
 
     dspzoo forecast weathertx-small-a1b-e1 --init-year 2059 --steps 20 --out forecast/
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
-        -m dspzoo forecast outputs/weathertx-small/final --sp 2 --out forecast/
+        -m dspzoo forecast weathertx-small-a1b-e1 --sp 2 --steps 20 --out forecast/
 
 The model (``--model-dir`` when the script runs as ``python scripts/forecast_weather.py``) is
-a folder written by training (its final/) or a shipped model's name. The initial state is the data the model was trained on (its config.json records it; --data replaces the
-source, e.g. --data e1 for the other scenario) at the time step in --init-year (default: the
-last training year, so the forecast runs into the held-out years). Every rank of the SP group
+a folder written by training (its final/) or a shipped model's name. The initial state is the
+data the model was trained on (its config.json records it; --data replaces the source, e.g.
+--data e1 for the other scenario) at the time step in --init-year (default: the last training
+year, so the forecast runs into the held-out years). Every rank of the SP group
 runs the same rollout, the model sharding each step over the group. The main process writes
 <out>/forecast.nc (CF-1.8: the forecast and the truth per variable), <out>/maps_<var>.png
 (forecast, truth, error at the first, middle and last step), <out>/rmse_vs_lead.png and

@@ -1,8 +1,8 @@
 r"""Predict a protein's distogram and contact map with DSP across the launched processes.
 
-    dspzoo predict evoformer-small-pdb --fasta query.fasta --msa hits.a3m --out outputs/predict/query
+    dspzoo predict evoformer-small-pdb --fasta tests/data/protein/2q2k_A.fasta --out q   # shipped data
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
-        -m dspzoo predict evoformer-small-pdb --fasta query.fasta --out outputs/predict/query
+        -m dspzoo predict evoformer-small-pdb --fasta query.fasta --msa hits.a3m --out outputs/predict/query
 
 The model (``--model-dir`` when the script runs as ``python scripts/predict_protein.py``) is
 a folder written by save_pretrained (train_protein.py's <output-dir>/final) or a shipped model's

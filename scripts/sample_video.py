@@ -2,7 +2,7 @@ r"""Sample videos from a trained video DiT with DSP across the launched processe
 
     dspzoo sample stdit-mini-shapes --out shapes.gif                 # a shipped name, 1 process
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
-        -m dspzoo sample outputs/stdit-tiny/final --out outputs/stdit-tiny/samples.gif
+        -m dspzoo sample stdit-mini-shapes --out shapes.gif   # or a save_pretrained folder
 
 The latents stay sharded over the SP group for every denoising step and are gathered once at
 the end; rank 0 writes a GIF (or MP4) grid with one row per class label (in label order) of
@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
         "(dspzoo list --pretrained)",
     )
     parser.add_argument(
-        "--out", default=None, help="output .gif or .mp4 (default: <model-dir>/../samples.gif)"
+        "--out",
+        default=None,
+        help="output .gif or .mp4 (default: samples.gif beside a folder's model, "
+        "outputs/<name>/samples.gif for a shipped name; an existing file is replaced)",
     )
     parser.add_argument("--sp", type=int, default=None, help="SP size (default: all processes)")
     parser.add_argument(

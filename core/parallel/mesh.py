@@ -225,7 +225,8 @@ def build_mesh(
             raise ValueError(
                 f"sp_size={sp_size} needs torch.distributed: launch with "
                 f"`accelerate launch --multi_gpu --num_processes {sp_size} ...` or `torchrun "
-                f"--nproc_per_node {sp_size} ...` (got a single process)"
+                f"--nproc_per_node {sp_size} ...` (got a single process), or pass --sp 1 to "
+                "run on this one process"
             )
         return single_process_mesh()
     from torch.distributed.device_mesh import init_device_mesh
