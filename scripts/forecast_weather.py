@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 
 from dspzoo.core.argparser import CommandParser
+from dspzoo.core.parallel.strategies import STRATEGIES
 
 logger = logging.getLogger("dspzoo.weather.forecast")
 
@@ -40,9 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a folder written by save_pretrained, or a shipped model's name "
         "(dspzoo list --pretrained)",
     )
-    parser.add_argument("--sp", type=int, default=1, help="ranks per SP group (default: 1)")
     parser.add_argument(
-        "--sp-strategy", default="dsp", help="sequence-parallel strategy (default: dsp)"
+        "--sp", type=int, default=None, help="ranks per SP group (default: all processes)"
+    )
+    parser.add_argument(
+        "--sp-strategy",
+        default="dsp",
+        choices=sorted(STRATEGIES),
+        help="sequence-parallel strategy (default: dsp)",
     )
     parser.add_argument(
         "--data", default=None, help="data to start from (default: what the model trained on)"
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.sp is None:
+        args.sp = int(os.environ.get("WORLD_SIZE", 1))
     if args.steps < 1 or args.sp < 1:
         parser.error("--steps and --sp must be >= 1")
     try:

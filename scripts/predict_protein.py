@@ -52,10 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sp", type=int, default=None, help="SP size (default: all processes)")
     parser.add_argument(
-        "--sp-strategy", default="dsp", choices=sorted(STRATEGIES), help="(default: dsp)"
+        "--sp-strategy",
+        default="dsp",
+        choices=sorted(STRATEGIES),
+        help="sequence-parallel strategy (default: dsp)",
     )
     parser.add_argument(
-        "--num-recycles", type=int, default=None, help="(default: the model's training setting)"
+        "--num-recycles",
+        type=int,
+        default=None,
+        help="times the trunk's output is fed back through it (default: the model's training "
+        "setting)",
     )
     parser.add_argument(
         "--max-msa-rows", type=int, default=None, help="MSA rows used (default: all after dedup)"
