@@ -10,7 +10,7 @@ turn, behind a barrier; the median per variant, the slowest rank's), on the same
 * ``bare``    — ``all_to_all_single`` of a ready, contiguous buffer with the same bytes
   (gloo's floor: no layout work, no checks);
 * ``bare (shm)`` — the same ready, contiguous blocks through the group's shared-memory channel
-  (:func:`dspzoo.core.parallel.comm.shm.start_exchange`, own block copied while the peers take
+  (:func:`dspzoo.core.parallel.comm.shm.start_blocks`, own block copied while the peers take
   theirs): the shared-memory transport's floor, what its switch is measured against (gloo
   only, on a group of its own; elsewhere the gloo figure again);
 * ``agree+bare`` — the full agreement (one tiny all-gather of the call's signature and the
@@ -199,6 +199,7 @@ def main() -> None:
         dist.new_group(list(range(n))) for _ in range(5)
     )
     bare_channel = shm.transfer_channel(bare_shm_group, device)
+    on_gloo_cpu = dist.get_backend() == "gloo" and device.type == "cpu"  # where paths differ
     rows, cpu_rows = [], []
     t_local = args.frames // n
     length = t_local * n
@@ -223,16 +224,8 @@ def main() -> None:
         def bare_shm(flat: torch.Tensor = flat, out: torch.Tensor = out) -> None:
             if bare_channel is None:  # not on gloo between processes of one host
                 return bare(flat, out)
-            blocks, landing = flat.view(n, -1), out.view(n, -1)
-            peers = [q for q in range(n) if q != mesh.rank]
-            work = shm.start_exchange(
-                bare_channel,
-                [(q, blocks[q]) for q in peers],
-                [(p, landing[p]) for p in peers],
-                "bare exchange",
-            )
-            landing[mesh.rank].copy_(blocks[mesh.rank])
-            work.wait()
+            blocks, landing = list(flat.view(n, -1)), list(out.view(n, -1))
+            shm.start_blocks(bare_channel, blocks, landing, "bare exchange").wait()
 
         def agree_then_bare(x: torch.Tensor = x) -> None:
             agree_switch(x, 1, 2, group, length, None, None, "switch", in_full=True)
@@ -280,8 +273,7 @@ def main() -> None:
         for name, wanted in forced.items():
             started = _started()
             assert torch.equal(variants[name](), ref), name
-            on_gloo = dist.get_backend() == "gloo" and device.type == "cpu"
-            assert not on_gloo or _path_since(started) == wanted, (name, _path_since(started))
+            assert not on_gloo_cpu or _path_since(started) == wanted, (name, _path_since(started))
         groups = (group, packed_group, direct_group, shm_group, no_bell_group)
         counts = [SETTINGS.rehearsal(g) for g in groups]
         before = [(c.hits, c.misses) for c in counts]
@@ -296,7 +288,7 @@ def main() -> None:
         want = {"shm": calls * (2 if bare_channel is None else 3), "direct": calls}
         if path in want:
             want[path] += 3 * calls
-        if not (dist.get_backend() == "gloo" and device.type == "cpu"):
+        if not on_gloo_cpu:
             want = {"shm": 0, "direct": 0}
         got = {k: v - started[k] for k, v in _started().items()}
         assert got == want, f"exchanges per path {got}, expected {want}"

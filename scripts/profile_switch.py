@@ -70,16 +70,13 @@ def _pieces(rank: int, mib: float) -> tuple[dict[str, Callable[[], object]], tup
     own_dst = result.view(-1)[:half] if rank == 0 else result.view(-1)[half:]
 
     channel = shm.transfer_channel(group, "cpu")
-    blocks, landing = flat.view(n, -1), out.view(n, -1)
+    blocks, landing = list(flat.view(n, -1)), list(out.view(n, -1))
 
     def bare_shm() -> None:
         if channel is None:
             dist.all_to_all_single(out, flat, group=group)
             return
-        peer = 1 - rank
-        work = shm.start_exchange(channel, [(peer, blocks[peer])], [(peer, landing[peer])], "bare")
-        landing[rank].copy_(blocks[rank])
-        work.wait()
+        shm.start_blocks(channel, blocks, landing, "bare").wait()
 
     def a2a_as_switched() -> None:
         dist.all_to_all_single(remote, flat[:half], splits, splits, async_op=True).wait()

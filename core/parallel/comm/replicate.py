@@ -32,7 +32,7 @@ from .group import (
     reduce_scatter_single,
 )
 from .settings import SETTINGS
-from .shm import start_exchange, transfer_channel
+from .shm import start_blocks, sum_in_rank_order, transfer_channel
 
 
 def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -159,12 +159,10 @@ def all_gather_along(
     channel = transfer_channel(group, x.device)
     if channel is not None:  # one host: through shared memory, no padding, no pack
         out = torch.empty(_rows(x.shape, dim, sum(sizes)), dtype=x.dtype, device=x.device)
-        starts, peers = offsets(sizes), [p for p in range(n) if p != r]
-        receives = [(p, out.narrow(dim, starts[p], sizes[p])) for p in peers]
+        starts = offsets(sizes)
+        receives = [out.narrow(dim, starts[p], sizes[p]) for p in range(n)]
         with guard(f"all_gather ({phase})", group, region, x.device):
-            work = start_exchange(channel, [(q, x) for q in peers], receives, "all_gather")
-            out.narrow(dim, starts[r], sizes[r]).copy_(x)
-            work.wait()
+            start_blocks(channel, [x] * n, list(receives), "all_gather").wait()
         chunk = math.prod(_rows(x.shape, dim, longest)) * x.element_size()
         record("all_gather", (n - 1) * chunk, group, x, phase, region)
         return out
@@ -198,16 +196,17 @@ def reduce_scatter_along(
     longest = max(sizes)
     channel = transfer_channel(group, grad.device)
     if channel is not None:  # one host: through shared memory, summed in rank order
-        starts, peers = offsets(sizes), [p for p in range(n) if p != r]
+        starts = offsets(sizes)
         mine = _rows(grad.shape, dim, sizes[r])
-        parts = {p: torch.empty(mine, dtype=grad.dtype, device=grad.device) for p in peers}
-        parts[r] = grad.narrow(dim, starts[r], sizes[r])
-        sends = [(q, grad.narrow(dim, starts[q], sizes[q])) for q in peers]
+        sends = [grad.narrow(dim, starts[q], sizes[q]) for q in range(n)]
+        parts = [
+            sends[p] if p == r else torch.empty(mine, dtype=grad.dtype, device=grad.device)
+            for p in range(n)
+        ]
+        receives: list[torch.Tensor | None] = [None if p == r else parts[p] for p in range(n)]
         with guard(f"reduce_scatter ({phase})", group, region, grad.device):
-            start_exchange(channel, sends, [(p, parts[p]) for p in peers], "reduce_scatter").wait()
-        out = parts[0].clone()
-        for p in range(1, n):
-            out.add_(parts[p])
+            start_blocks(channel, sends, receives, "reduce_scatter").wait()
+        out = sum_in_rank_order(parts, torch.empty_like(parts[r]))
         chunk = math.prod(_rows(grad.shape, dim, longest)) * grad.element_size()
         record("reduce_scatter", (n - 1) * chunk, group, out, phase, region)
         return out

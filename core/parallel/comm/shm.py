@@ -702,6 +702,34 @@ def start_exchange(
     return work
 
 
+def start_blocks(
+    channel: ShmChannel,
+    sends: list[torch.Tensor],
+    receives: list[torch.Tensor | None],
+    what: str,
+) -> ShmWork:
+    """Start an exchange of one block per rank: ``sends[q]`` to each peer ``q``, each peer
+    ``p``'s block into ``receives[p]`` (lists indexed by group rank, any strides); this rank's
+    own block is copied into ``receives[r]`` while the peers take theirs (unless ``None``:
+    the caller keeps it where it is). Complete after ``work.wait()``."""
+    r, peers = channel.r, channel.peers
+    work = start_exchange(
+        channel, [(q, sends[q]) for q in peers], [(p, receives[p]) for p in peers], what
+    )
+    if receives[r] is not None:
+        receives[r].copy_(sends[r])
+    return work
+
+
+def sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``out`` = ``parts[0] + parts[1] + …`` added in rank order (the same order on every
+    rank: a reduce-scatter through shared memory is deterministic)."""
+    out.copy_(parts[0])
+    for part in parts[1:]:
+        out.add_(part)
+    return out
+
+
 @dataclass(frozen=True)
 class ShmPlan:
     """One rank's switch on the shared-memory path: its layout, its group's channel and its

@@ -62,7 +62,7 @@ from ..comm import group_rank, group_size
 from ..comm.agreement import guard
 from ..comm.group import all_gather_single, record, reduce_scatter_single
 from ..comm.replicate import gather_for_local_use_agreed
-from ..comm.shm import ShmChannel, ShmWork, start_exchange, transfer_channel
+from ..comm.shm import ShmChannel, start_blocks, sum_in_rank_order, transfer_channel
 from ..layout import shard_sizes
 from ..trace import comm_region, current_region
 from .blockwise import stats_dtype
@@ -278,41 +278,21 @@ class _Pending:
         return self.result
 
 
-def _shm_all_gather(channel: ShmChannel, send: torch.Tensor, recv: torch.Tensor) -> ShmWork:
-    """Start ``send`` → ``recv[p]`` on every rank ``p`` through the group's shared memory
-    (:mod:`..comm.shm`); this rank's own slot is copied at once."""
-    r = channel.r
-    work = start_exchange(
-        channel,
-        [(q, send) for q in channel.peers],
-        [(p, recv[p]) for p in channel.peers],
-        "all_gather",
-    )
-    recv[r].copy_(send)
-    return work
-
-
 class _ShmReduceScatter:
     """The shared-memory reduce-scatter in flight: each peer's block for this rank lands in a
     part of its own; :meth:`wait` sums every rank's block in rank order into ``result`` (the
     same order on every rank: deterministic)."""
 
     def __init__(self, channel: ShmChannel, send: torch.Tensor, result: torch.Tensor) -> None:
-        self.parts = {p: torch.empty_like(result) for p in channel.peers}
-        self.parts[channel.r] = send[channel.r]
+        r = channel.r
+        self.parts = [send[r] if p == r else torch.empty_like(result) for p in range(channel.n)]
         self.result = result
-        self.work = start_exchange(
-            channel,
-            [(q, send[q]) for q in channel.peers],
-            [(p, self.parts[p]) for p in channel.peers],
-            "reduce_scatter",
-        )
+        receives = [None if p == r else self.parts[p] for p in range(channel.n)]
+        self.work = start_blocks(channel, list(send), receives, "reduce_scatter")
 
     def wait(self) -> None:
         self.work.wait()
-        self.result.copy_(self.parts[0])
-        for p in range(1, len(self.parts)):
-            self.result.add_(self.parts[p])
+        sum_in_rank_order(self.parts, self.result)
 
 
 def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _Pending:
@@ -329,7 +309,7 @@ def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _P
     )
     channel = transfer_channel(group, send.device) if n > 1 else None
     return _Pending(
-        (lambda: _shm_all_gather(channel, send, recv))
+        (lambda: start_blocks(channel, [send] * n, list(recv), "all_gather"))
         if channel is not None
         else lambda: all_gather_single(recv.flatten(0, 1), send, group=group, async_op=True),
         send,
