@@ -162,7 +162,7 @@ def all_gather_along(
         starts = offsets(sizes)
         receives = [out.narrow(dim, starts[p], sizes[p]) for p in range(n)]
         with guard(f"all_gather ({phase})", group, region, x.device):
-            start_blocks(channel, [x] * n, list(receives), "all_gather").wait()
+            start_blocks(channel, [x] * n, receives, "all_gather").wait()
         chunk = math.prod(_rows(x.shape, dim, longest)) * x.element_size()
         record("all_gather", (n - 1) * chunk, group, x, phase, region)
         return out
