@@ -5,6 +5,10 @@ block's forward and backward against plain softmax attention for contiguous, off
 uneven position sets, GQA, a value head size different from the query's, fp64/fp32/bf16; the
 FlashAttention-2 split (blocks merged by LSE, backward per block from the final out/lse) equals
 the whole; and the kernel choice (argument, environment variable, clear errors).
+
+The kernel tests run on the CPU and, where CUDA is available, again on the GPU (the fused
+kernel there is PyTorch's memory-efficient CUDA attention; float64 is CPU-only for it, so the
+CUDA cases run in float32 against the same float64 reference).
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from dspzoo.core.parallel.methods.kernels import (
     select_kernel,
 )
 from dspzoo.core.parallel.methods.ring import zigzag_positions
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def _exact_dtype(device: str) -> torch.dtype:
+    """The most exact dtype both kernels take on ``device``."""
+    return torch.float64 if device == "cpu" else torch.float32
 
 
 def naive(q, k, v, q_pos, k_pos, causal, scale):
@@ -110,6 +122,7 @@ TOL = {
     torch.float64: dict(rtol=1e-10, atol=1e-12),
     torch.float32: dict(rtol=2e-5, atol=2e-5),
     torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+    torch.float16: dict(rtol=5e-3, atol=5e-3),
 }
 
 
@@ -118,16 +131,18 @@ def _block(kernel, q, k, v, w, q_pos, k_pos, causal, scale):
     acc = LseAccumulator(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], q.dtype, q.device)
     kernel.forward(acc, q, k, v, q_pos, k_pos, causal, scale)
     out = acc.out.to(q.dtype)
-    grads = tuple(torch.zeros(t.shape, dtype=acc.dtype) for t in (q, k, v))
+    grads = tuple(torch.zeros(t.shape, dtype=acc.dtype, device=t.device) for t in (q, k, v))
     kernel.backward(grads, q, k, v, out, acc.lse, w, q_pos, k_pos, causal, scale)
     return (out, acc.lse, *grads)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(POSITIONS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4, 8, 8), (4, 2, 8, 6), (3, 1, 4, 5)])
-def test_one_block_matches_naive_both_kernels(name, causal, heads):
+def test_one_block_matches_naive_both_kernels(name, causal, heads, device):
     h, hkv, d, dv = heads
+    dtype = _exact_dtype(device)
     q_pos, k_pos = POSITIONS[name]
     q, k, v, w = _tensors(len(q_pos), len(k_pos), h, hkv, d, dv, torch.float64)
     scale = 0.37
@@ -135,31 +150,36 @@ def test_one_block_matches_naive_both_kernels(name, causal, heads):
     ref = naive(*leaves, q_pos, k_pos, causal, scale)
     (ref * w).sum().backward()
     sees = _visible(q_pos, k_pos, causal).any(dim=1)
+    on = [t.to(device, dtype) for t in (q, k, v, w)]
+    assert FusedKernel.supports(on[0])  # the fused path really runs on this device
     for kernel in (FusedKernel(), BlockwiseKernel()):
-        out, lse, dq, dk, dv_ = _block(kernel, q, k, v, w, q_pos, k_pos, causal, scale)
-        what = f"{kernel.name} {name} causal={causal} heads={heads}"
+        out, lse, dq, dk, dv_ = (t.cpu() for t in _block(kernel, *on, q_pos, k_pos, causal, scale))
+        what = f"{kernel.name} {name} causal={causal} heads={heads} on {device}"
         assert not any(t.isnan().any() for t in (out, dq, dk, dv_)), what
-        torch.testing.assert_close(out, ref.detach(), **TOL[torch.float64], msg=what)
+        torch.testing.assert_close(out.double(), ref.detach(), **TOL[dtype], msg=what)
         assert torch.isneginf(lse[:, :, ~sees]).all(), what  # rows that see no key
         for got, leaf in zip((dq, dk, dv_), leaves):
-            torch.testing.assert_close(got, leaf.grad, **TOL[torch.float64], msg=what)
+            torch.testing.assert_close(got.double(), leaf.grad, **TOL[dtype], msg=what)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_block_low_precision(dtype):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_block_low_precision(dtype, device):
     q_pos, k_pos = POSITIONS["zigzag"]
     q, k, v, w = _tensors(len(q_pos), len(k_pos), 4, 2, 8, 8, dtype)
     ref = _block(
         BlockwiseKernel(), q.double(), k.double(), v.double(), w.double(), q_pos, k_pos, True, 0.5
     )
-    got = _block(FusedKernel(), q, k, v, w, q_pos, k_pos, True, 0.5)
+    got = _block(FusedKernel(), *(t.to(device) for t in (q, k, v, w)), q_pos, k_pos, True, 0.5)
     assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    assert all(t.device.type == device for t in got)
     for g, r in zip(got, ref):
         finite = ~torch.isinf(r)
-        torch.testing.assert_close(g.double()[finite], r[finite], **TOL[dtype])
+        torch.testing.assert_close(g.cpu().double()[finite], r[finite], **TOL[dtype])
 
 
-def test_blocks_merged_by_lse_equal_one_call_and_backward_splits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_merged_by_lse_equal_one_call_and_backward_splits(device):
     """Keys cut into uneven blocks (the ring's view): merged forward and per-block backward
     from the final out/lse equal one whole call, for both kernels."""
     lq, lk = 9, 14
@@ -168,13 +188,15 @@ def test_blocks_merged_by_lse_equal_one_call_and_backward_splits():
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = naive(*leaves, q_pos, k_pos, True, 0.4)
     (ref * w).sum().backward()
+    dtype = _exact_dtype(device)
+    q, k, v, w = (t.to(device, dtype) for t in (q, k, v, w))
     cuts = [(0, 3), (3, 4), (4, 10), (10, 14)]
     for kernel in (FusedKernel(), BlockwiseKernel()):
         acc = LseAccumulator(2, lq, 4, 8, q.dtype, q.device)
         for a, b in cuts:
             kernel.forward(acc, q, k[:, a:b], v[:, a:b], q_pos, k_pos[a:b], True, 0.4)
-        torch.testing.assert_close(acc.out, ref.detach(), **TOL[torch.float64])
-        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+        torch.testing.assert_close(acc.out.cpu().double(), ref.detach(), **TOL[dtype])
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc.dtype, device=device) for t in (q, k, v))
         for a, b in cuts:
             kernel.backward(
                 (dq, dk[:, a:b], dv[:, a:b]),
@@ -190,31 +212,35 @@ def test_blocks_merged_by_lse_equal_one_call_and_backward_splits():
                 0.4,
             )
         for got, leaf in zip((dq, dk, dv), leaves):
-            torch.testing.assert_close(got, leaf.grad, **TOL[torch.float64])
+            torch.testing.assert_close(got.cpu().double(), leaf.grad, **TOL[dtype])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kernel", ["fused", "blockwise"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_kernel_attention_autograd(kernel, causal):
+def test_kernel_attention_autograd(kernel, causal, device):
     q_pos, k_pos = zigzag_positions(17, 2, 1), torch.arange(17)
     q, k, v, w = _tensors(len(q_pos), 17, 6, 3, 4, 4, torch.float64, seed=5)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = naive(*leaves, q_pos, k_pos, causal, 0.5)
     (ref * w).sum().backward()
-    mine = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    dtype = _exact_dtype(device)
+    mine = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
     out = kernel_attention(*mine, q_pos, k_pos, causal, 0.5, kernel=kernel, chunk=4)
-    (out * w).sum().backward()
-    torch.testing.assert_close(out, ref, **TOL[torch.float64])
+    (out * w.to(device, dtype)).sum().backward()
+    assert out.device.type == device
+    torch.testing.assert_close(out.cpu().double(), ref, **TOL[dtype])
     for got, leaf in zip(mine, leaves):
-        torch.testing.assert_close(got.grad, leaf.grad, **TOL[torch.float64])
+        torch.testing.assert_close(got.grad.cpu().double(), leaf.grad, **TOL[dtype])
 
 
-def test_fused_kernel_keeps_no_score_matrix():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_kernel_keeps_no_score_matrix(device):
     """What autograd saves is q, k, v, out and lse: O(L·D), not the L × L scores."""
     from dspzoo.core.parallel.trace import SavedTensorMeter
 
     length = 512
-    q, k, v = (torch.randn(1, length, 2, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, length, 2, 8, device=device, requires_grad=True) for _ in range(3))
     with SavedTensorMeter() as meter:
         out = kernel_attention(
             q, k, v, torch.arange(length), torch.arange(length), True, 0.3, kernel="fused"
@@ -236,3 +262,11 @@ def test_kernel_choice(monkeypatch):
         select_kernel(q)
     with pytest.raises(ValueError, match="kernel must be one of"):
         select_kernel(q, "triton")
+
+
+@CUDA
+def test_kernel_choice_on_cuda():
+    q = torch.zeros(1, 2, 1, 8, device="cuda")
+    assert select_kernel(q).name == "fused"
+    assert select_kernel(q.half()).name == "fused"
+    assert select_kernel(q.double()).name == "blockwise"  # the CUDA fused kernel has no float64

@@ -7,18 +7,21 @@ backward, adds each block's share of ``dq, dk, dv`` given the *final* ``out``/``
 query rows (FlashAttention-2's recomputation; see :mod:`.blockwise`). Two kernels implement
 that interface:
 
-* ``"fused"`` (default): PyTorch's fused CPU attention,
-  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, which return and
-  take the log-sum-exp and never materialise a score matrix (internal tiles only). A block is
-  cut into *pieces* by position runs (:func:`position_runs`), and each piece is exact under
-  the causal mask: keys wholly before the queries are one fully visible call; the keys from
-  the first common position on form a diagonal piece whose queries and keys start at the same
-  position, which is exactly SDPA's top-left ``is_causal``; keys wholly after every query are
-  skipped. Grouped-query K/V are expanded to the query heads per piece (and their gradients
-  summed back); a value head size different from the query's is zero-padded.
+* ``"fused"`` (default): PyTorch's fused attention that returns and takes the log-sum-exp and
+  never materialises a score matrix (internal tiles only): on the CPU
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, on CUDA the
+  memory-efficient kernel ``aten._scaled_dot_product_efficient_attention`` and its
+  ``_backward`` (float32, float16, bfloat16). A block is cut into *pieces* by position runs
+  (:func:`position_runs`), and each piece is exact under the causal mask: keys wholly before
+  the queries are one fully visible call; the keys from the first common position on form a
+  diagonal piece whose queries and keys start at the same position, which is exactly SDPA's
+  top-left ``is_causal``; keys wholly after every query are skipped. Grouped-query K/V are
+  expanded to the query heads per piece (and their gradients summed back); a value head size
+  different from the query's is zero-padded (on CUDA also up to a multiple of 8, the kernel's
+  alignment).
 * ``"blockwise"``: the einsum kernel of :mod:`.blockwise` (one ``Lq × Lk`` score block per
   call, float32/float64 statistics); kept for comparison and for tensors the fused kernel does
-  not take (devices other than the CPU, integer-free dtypes it lacks).
+  not take (float64 on CUDA, other devices, dtypes it lacks).
 
 The kernel is chosen by the ``kernel`` argument of the methods or, when that is ``None``, by
 the environment variable ``DSPZOO_ATTENTION_KERNEL`` (``fused`` or ``blockwise``). Both are
@@ -65,7 +68,11 @@ __all__ = [
 
 KERNELS = ("fused", "blockwise")
 KERNEL_ENV = "DSPZOO_ATTENTION_KERNEL"
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_FUSED_DTYPES = {
+    "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+    "cuda": (torch.float32, torch.bfloat16, torch.float16),
+}
+_CUDA_ALIGN = 8  # the memory-efficient CUDA kernel's head-size alignment (elements)
 
 
 # -- positions: runs and pieces -----------------------------------------------------------------
@@ -294,15 +301,75 @@ def _bhld(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
+def _fused_piece(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused call on ``[Bf, H, L, D]`` views → ``out [Bf, H, Lq, D]``, ``lse [Bf, H, Lq]``
+    (float32; float64 for float64 on the CPU)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale
+    )[:2]
+    return out, lse[..., : q.shape[2]]  # some versions pad the statistics' length
+
+
+def _fused_piece_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv`` (``[Bf, H, L, D]``) of one fused call, given the *final* ``out`` and
+    ``lse`` of its query rows (so the piece's exact share of the whole attention's gradient)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    no_dropout = torch.empty(0, dtype=torch.int64, device=q.device)  # seed/offset: unread at p=0
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        None,
+        out.contiguous(),
+        lse.contiguous(),
+        no_dropout,
+        no_dropout,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
 class FusedKernel:
-    """PyTorch's fused CPU attention with log-sum-exp, one call per exact piece (module doc)."""
+    """PyTorch's fused attention with log-sum-exp (CPU or CUDA), one call per exact piece
+    (module doc)."""
 
     name = "fused"
 
     @staticmethod
     def supports(q: torch.Tensor) -> bool:
-        """Whether the fused kernel takes tensors like ``q`` (CPU, a float dtype it has)."""
-        return q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
+        """Whether the fused kernel takes tensors like ``q`` (CPU or CUDA, a dtype it has)."""
+        return q.dtype in _FUSED_DTYPES.get(q.device.type, ())
+
+    @staticmethod
+    def _width(q: torch.Tensor, v: torch.Tensor) -> int:
+        """The common head size the calls run at: ``max(D, Dv)``, aligned on CUDA."""
+        width = max(q.shape[-1], v.shape[-1])
+        if q.device.type == "cuda":
+            width = -(-width // _CUDA_ALIGN) * _CUDA_ALIGN
+        return width
 
     def forward(
         self,
@@ -317,14 +384,12 @@ class FusedKernel:
     ) -> None:
         """As :meth:`BlockwiseKernel.forward`, piece by piece."""
         heads, dv = q.shape[2], v.shape[-1]
-        width = max(q.shape[-1], dv)
+        width = self._width(q, v)
         for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
             qp = _pad_last(q[:, p.q0 : p.q1], width)
             kp = _pad_last(_expand_heads(k[:, p.k0 : p.k1], heads), width)
             vp = _pad_last(_expand_heads(v[:, p.k0 : p.k1], heads), width)
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                _bhld(qp), _bhld(kp), _bhld(vp), 0.0, p.causal, scale=scale
-            )
+            o, lse = _fused_piece(_bhld(qp), _bhld(kp), _bhld(vp), p.causal, scale)
             acc.add(p.q0, p.q1, _bhld(o)[..., :dv], lse)
 
     def backward(
@@ -344,20 +409,19 @@ class FusedKernel:
         """As :meth:`BlockwiseKernel.backward`, piece by piece (the kernel's own backward,
         given the final ``out`` and ``lse``, yields exactly the piece's share)."""
         heads, kv_heads, d, dv = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
-        width = max(d, dv)
+        width = self._width(q, v)
         lse = lse.to(stats_dtype(q.dtype))
         for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
-            dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dq, dk, dvv = _fused_piece_backward(
                 _bhld(_pad_last(dout[:, rows].to(q.dtype), width)),
                 _bhld(_pad_last(q[:, rows], width)),
                 _bhld(_pad_last(_expand_heads(k[:, keys], heads), width)),
                 _bhld(_pad_last(_expand_heads(v[:, keys], heads), width)),
                 _bhld(_pad_last(out[:, rows].to(q.dtype), width)),
                 lse[:, :, rows],
-                0.0,
                 p.causal,
-                scale=scale,
+                scale,
             )
             grads[0][:, rows] += _bhld(dq)[..., :d]
             grads[1][:, keys] += _sum_heads(_bhld(dk)[..., :d].to(grads[1].dtype), kv_heads)
