@@ -186,3 +186,56 @@ def test_sdpa_path_attends_over_l_not_h() -> None:
     expected = torch.zeros(2, 5, 3, dtype=torch.bool)
     expected[1, :, 2] = True
     assert torch.equal(changed, expected)
+
+
+# -- on a GPU: the real dispatch (flash-attn when importable, else SDPA's CUDA kernels) -----------
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA_TOL = {
+    torch.float32: dict(rtol=2e-5, atol=2e-5),
+    torch.float16: dict(rtol=5e-3, atol=5e-3),
+    torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+}
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("lq", "lk", "causal", "mask_shape", "kv_heads"),
+    [
+        (6, 6, False, None, 3),
+        (4, 9, False, None, 3),
+        (37, 37, True, None, 3),
+        (37, 37, True, None, 1),  # GQA/MQA
+        (6, 6, False, (2, 3, 6, 6), 3),
+        (4, 9, False, (2, 1, 1, 9), 3),
+        (6, 6, True, (2, 1, 6, 6), 3),
+        (4, 9, True, None, 3),  # causal cross-attention: the explicit top-left mask
+    ],
+)
+def test_cuda_dispatch_equals_softmax_reference(lq, lk, causal, mask_shape, kv_heads, dtype):
+    """On CUDA tensors ``attend`` takes flash-attn exactly when ``can_use_flash`` says so, and
+    every path equals the float64 CPU reference (forward and the inputs' gradients)."""
+    q, k, v = _qkv(lq, lk)
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+    mask = None if mask_shape is None else _mask(mask_shape, lk)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    g = 3 // kv_heads
+    ref = _reference(
+        leaves[0],
+        leaves[1].repeat_interleave(g, dim=2),
+        leaves[2].repeat_interleave(g, dim=2),
+        mask,
+        causal,
+    )
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    (ref * w).sum().backward()
+    on = [t.to("cuda", dtype).requires_grad_(True) for t in (q, k, v)]
+    cuda_mask = None if mask is None else mask.cuda()
+    flash = attention_module.flash_attn_func() is not None
+    assert can_use_flash(on[0], cuda_mask) is (flash and dtype != torch.float32 and mask is None)
+    out = attend(*on, mask=cuda_mask, causal=causal)
+    (out * w.to("cuda", dtype)).sum().backward()
+    assert out.device.type == "cuda" and out.dtype == dtype and out.shape == (2, lq, 3, 8)
+    torch.testing.assert_close(out.double().cpu(), ref.detach(), **CUDA_TOL[dtype])
+    for got, leaf in zip(on, leaves):
+        torch.testing.assert_close(got.grad.double().cpu(), leaf.grad, **CUDA_TOL[dtype])
