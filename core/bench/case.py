@@ -136,6 +136,13 @@ class Case:
             overrides=self.overrides,
         )
 
+    def to(self, device: torch.device | str) -> Case:
+        """This case with its model and inputs on ``device`` (the accelerator's: a CUDA device
+        when the run has one), in place."""
+        self.model.to(device)
+        self.inputs = {k: v.to(device) for k, v in self.inputs.items()}
+        return self
+
     def shard_batch(self, dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
         """The samples of data-parallel group ``dp_rank``."""
         per = self.batch // dp_size

@@ -47,10 +47,13 @@ def time_table(result: dict[str, Any]) -> list[str]:
 def bytes_table(result: dict[str, Any]) -> list[str]:
     """Per strategy: its methods, bytes traced beside the formula, memory, the check."""
     checked = result.get("checked", False)
+    on_device = any(r.get("peak_device_bytes") for r in result["rows"])
     head = (
         "| strategy | methods | fwd KiB/rank (formula) | bwd KiB/rank (formula) | = | ×dsp | "
         "act. MiB | formula | ×dsp | traced step s | peak RSS MiB |"
     )
+    if on_device:  # the CUDA allocator's peak in the traced step
+        head += " peak GPU MiB |"
     if checked:
         head += " output err | grad err | vs 1 process |"
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
@@ -64,6 +67,8 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
             f"{r['activation_bytes'] / MiB:.2f} | {r['formula_activation_bytes'] / MiB:.2f} | "
             f"{v['activation']:.2f} | {r['traced_step_s']:.3f} | {r['peak_rss_bytes'] / MiB:,.0f} |"
         )
+        if on_device:
+            line += f" {(r.get('peak_device_bytes') or 0) / MiB:,.0f} |"
         if checked:
             line += (
                 f" {r['output_error']:.1e} | {r['grad_error']:.1e} | "
@@ -104,7 +109,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"## {result['case']}",
         "",
-        f"mode `{result['mode']}`: {result['layout']}; {result['world']} processes, "
+        f"mode `{result['mode']}`: {result['layout']}; {result['world']} processes "
+        f"on {result.get('device', 'cpu')}, "
         f"{result['threads_per_process']} thread(s) each, {result.get('meshes', '?')} "
         f"mesh(es) in all, one per SP layout, shared by the strategies; {timing}.{_transport(result)} Bytes: sent per rank per step, worst "
         "rank, traced by the runtime's tracer beside the cost model's `comm_bytes` walking the "

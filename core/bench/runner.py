@@ -123,6 +123,7 @@ class Runner:
         self.model.zero_grad(set_to_none=True)
         peer = None
         _barrier()
+        _device_peak(reset=True)
         start = time.perf_counter()
         with trace_comm() as tracer:
             if self.name == PEER:
@@ -140,7 +141,7 @@ class Runner:
             finally:
                 if peer is not None:
                     peer_ctx.__exit__(None, None, None)
-        elapsed = time.perf_counter() - start
+        elapsed = _elapsed(start)
         by_op: dict[str, int] = {}
         for r in tracer.records:
             if r.op in MODEL_OPS:
@@ -161,6 +162,7 @@ class Runner:
             "loss": float(loss.detach()),
             "traced_step_s": elapsed,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_device_bytes": _device_peak(),
         }
         if reference is not None:
             with torch.no_grad():
@@ -183,7 +185,7 @@ class Runner:
             loss, _ = self.case.step(self.model, self.sp, self.inputs)
             loss.backward()
             self._sync_dp()
-        self.times.append(time.perf_counter() - start)
+        self.times.append(_elapsed(start))
         if self.optimisation_step is not None:  # this rank's loss (its world mean: the batch's)
             self.train_losses.append(float(loss.detach()))
 
@@ -224,8 +226,33 @@ def _phase_bytes(by_op: dict[str, int], phase: str) -> int:
 
 
 def _barrier() -> None:
+    """Every rank here, and this rank's queued device work done (so a timer starts clean)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
+
+
+def _elapsed(start: float) -> float:
+    """Seconds since ``start`` (``time.perf_counter``), once this rank's device work is done:
+    CUDA kernels run asynchronously, so a step's time includes waiting for them."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _device_peak(reset: bool = False) -> int | None:
+    """The CUDA allocator's peak bytes since the last reset (``None`` without CUDA)."""
+    if not torch.cuda.is_initialized():
+        return None
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.max_memory_allocated()
+
+
+def device_name(device: torch.device) -> str:
+    """What the run computes on, in words: the GPU's name, or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 # -- modes ---------------------------------------------------------------------------------------
@@ -306,7 +333,7 @@ def baseline_time(case: Case, warmup: int, reps: int) -> list[float]:
         loss, _ = case.step(model, sp, case.inputs)
         loss.backward()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(_elapsed(start))
     return times
 
 
@@ -319,7 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
     sp_size, batch, layout = choose_layout(args, world)
-    case = build_case(args, batch)
+    case = build_case(args, batch).to(accelerator.device)
     names, skipped = select_strategies(args.strategies, case, sp_size)
     if args.reps and needs_own_row(case, names, sp_size, world // sp_size):  # none runs auto's
         names.append(AUTO)
@@ -383,6 +410,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if main:
         result = summarise(args, case, gathered, names, skipped, sp_size, world, layout, probed)
         result["threads_per_process"] = threads
+        result["device"] = device_name(accelerator.device)
         result["meshes"] = len(meshes)
         if sp_size > 1:  # what carried the strategies' collectives (the peer calls gloo itself)
             result["transport"] = transport(runners[0].mesh.sp_group)
@@ -428,6 +456,7 @@ def summarise(
             "activation_bytes": max(p["activation_bytes"] for p in per),
             "formula_activation_bytes": max(p["formula"]["activation"] for p in per),
             "peak_rss_bytes": max(p["peak_rss_bytes"] for p in per),
+            "peak_device_bytes": max((p.get("peak_device_bytes") or 0) for p in per) or None,
             "loss": statistics.mean(p["loss"] for p in per),
         }
         if per[0]["train_losses"]:  # end-to-end: the global batch's loss of every timed step
