@@ -14,6 +14,13 @@ Prints a table (largest R reached, what stopped the search, peak RSS per rank an
 forward time) with the per-rank plan bytes of one block, then the command that reproduces it::
 
     python scripts/protein_memory.py --sp-sizes 1,2,4 --max-mem-gb 16
+
+``--one-block R`` instead runs that block forward once at ``R`` residues in this process (SP 1,
+no spawn, no cap) on ``--device`` (``cuda`` or ``cpu``, activations created there) and prints its
+measured peak (``torch.cuda.max_memory_allocated`` on a GPU, ``ru_maxrss`` on CPU) beside
+:func:`predicted_peak`::
+
+    python scripts/protein_memory.py --one-block 4096 --device cuda --chunk-size 8 --channel-chunk 8
 """
 
 from __future__ import annotations
@@ -21,15 +28,83 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import sys
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from dspzoo.core.argparser import CommandParser
+from dspzoo.core.entry import UsageError
 from dspzoo.core.testing import run_distributed
+
+if TYPE_CHECKING:
+    from dspzoo.core.parallel.multiplan import MultiParallel
+    from dspzoo.core.parallel.runtime import SeqParallel
+    from dspzoo.domains.protein.model import EvoformerBlock
+
+
+class Af2Block(NamedTuple):
+    """One af2-width block, its :class:`MultiParallel`, this rank's shards and all-ones masks."""
+
+    block: EvoformerBlock
+    mp: MultiParallel
+    local: dict[str, torch.Tensor]
+    msa_mask: torch.Tensor
+    pair_mask: torch.Tensor
+
+
+def af2_block(
+    sp: SeqParallel,
+    residues: int,
+    depth: int,
+    chunk: int | None = None,
+    channel_chunk: int | None = None,
+    requires_grad: bool = False,
+    device: torch.device | str = "cpu",
+) -> Af2Block:
+    """Build one ``evoformer-af2`` block (seed 0) and this rank's random shards of ``m``
+    ``[1, S, R, 256]`` and ``z`` ``[1, R, R, 128]`` (seeded by the rank), directly on
+    ``device``. ``chunk`` / ``channel_chunk``: the config's row chunk and triangle channel
+    chunk, and the switch pieces (``None``: the af2 config's own, switches whole)."""
+    from dspzoo.core.parallel.multiplan import MultiParallel
+    from dspzoo.domains.protein import CONFIGS
+    from dspzoo.domains.protein.model import EvoformerBlock, evoformer_plan
+
+    changes = {} if channel_chunk is None else {"mul_channel_chunk": channel_chunk}
+    cfg = replace(CONFIGS["af2"], num_blocks=1, chunk_size=chunk, **changes)
+    torch.manual_seed(0)
+    block = EvoformerBlock(cfg).eval().to(device)  # eval: no dropout
+    plan = evoformer_plan(cfg, residues, depth, sp.size)
+    mp = MultiParallel(sp, plan, switch_chunk=channel_chunk)
+    generator = torch.Generator(device).manual_seed(sp.rank)
+    local = {}
+    for name, channels in (("m", cfg.c_m), ("z", cfg.c_z)):
+        spec = mp.spec(name, plan.entry(name))
+        shape = (1, *spec.local_shape(sp.rank, sp.size), channels)
+        local[name] = torch.randn(
+            shape, generator=generator, device=device, requires_grad=requires_grad
+        )
+    # all-ones masks as broadcast views: the whole masks cost no memory
+    one = torch.ones(1, 1, 1, device=device)
+    return Af2Block(
+        block, mp, local, one.expand(1, depth, residues), one.expand(1, residues, residues)
+    )
+
+
+def chunked_forward(parts: Af2Block, chunk: int) -> torch.Tensor:
+    """The block's forward without autograd, updates added in place ``chunk`` rows at a time;
+    returns ``z`` (this rank's shard, on its entry dim)."""
+    from dspzoo.domains.protein.model import Residual
+
+    with torch.no_grad(), parts.mp.region(**parts.local) as region:
+        m, z = parts.block(
+            parts.local["m"], parts.local["z"], parts.msa_mask, parts.pair_mask, Residual(chunk)
+        )
+        return region.seq("z", z).tensor
 
 
 def _trial(
@@ -38,30 +113,13 @@ def _trial(
     """One rank of one trial: build the block and the local shards, run forward, measure."""
     resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))
     from dspzoo.core.parallel.mesh import build_mesh
-    from dspzoo.core.parallel.multiplan import MultiParallel
     from dspzoo.core.parallel.runtime import SeqParallel
-    from dspzoo.domains.protein import CONFIGS
-    from dspzoo.domains.protein.model import EvoformerBlock, Residual, evoformer_plan
 
     sp = SeqParallel(build_mesh(sp_size=world) if world > 1 else None)
-    cfg = replace(CONFIGS["af2"], num_blocks=1, chunk_size=chunk, mul_channel_chunk=channel_chunk)
-    torch.manual_seed(0)
-    block = EvoformerBlock(cfg).eval()
-    plan = evoformer_plan(cfg, residues, depth, world)
-    mp = MultiParallel(sp, plan, switch_chunk=channel_chunk)
-    local = {}
-    for name, channels in (("m", cfg.c_m), ("z", cfg.c_z)):
-        spec = mp.spec(name, plan.entry(name))
-        shape = (1, *spec.local_shape(sp.rank, sp.size), channels)
-        local[name] = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
-    # all-ones masks as broadcast views: the whole masks cost no memory
-    msa_mask = torch.ones(1, 1, 1).expand(1, depth, residues)
-    pair_mask = torch.ones(1, 1, 1).expand(1, residues, residues)
+    parts = af2_block(sp, residues, depth, chunk, channel_chunk)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    with torch.no_grad(), mp.region(**local) as region:
-        m, z = block(local["m"], local["z"], msa_mask, pair_mask, Residual(chunk))
-        z = region.seq("z", z).tensor
+    z = chunked_forward(parts, chunk)
     seconds = time.perf_counter() - start
     finite = bool(torch.isfinite(z).all())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -71,27 +129,15 @@ def _trial(
 def _activations(rank: int, world: int, residues: int, depth: int) -> float:
     """Bytes autograd saves on this rank for one af2-width block forward (training)."""
     from dspzoo.core.parallel.mesh import build_mesh
-    from dspzoo.core.parallel.multiplan import MultiParallel
     from dspzoo.core.parallel.runtime import SeqParallel
     from dspzoo.core.parallel.trace import SavedTensorMeter
-    from dspzoo.domains.protein import CONFIGS
-    from dspzoo.domains.protein.model import EvoformerBlock, Residual, evoformer_plan
+    from dspzoo.domains.protein.model import Residual
 
     sp = SeqParallel(build_mesh(sp_size=world) if world > 1 else None)
-    cfg = replace(CONFIGS["af2"], num_blocks=1)
-    torch.manual_seed(0)
-    block = EvoformerBlock(cfg).eval()  # no dropout masks: the layers' own saved tensors
-    plan = evoformer_plan(cfg, residues, depth, world)
-    mp = MultiParallel(sp, plan)
-    local = {}
-    for name, channels in (("m", cfg.c_m), ("z", cfg.c_z)):
-        spec = mp.spec(name, plan.entry(name))
-        shape = (1, *spec.local_shape(sp.rank, sp.size), channels)
-        local[name] = torch.randn(shape, requires_grad=True)
-    msa_mask = torch.ones(1, 1, 1).expand(1, depth, residues)
-    pair_mask = torch.ones(1, 1, 1).expand(1, residues, residues)
-    with SavedTensorMeter(block.parameters()) as meter, mp.region(**local):
-        block(local["m"], local["z"], msa_mask, pair_mask, Residual())
+    # eval: no dropout masks, the layers' own saved tensors
+    parts = af2_block(sp, residues, depth, requires_grad=True)
+    with SavedTensorMeter(parts.block.parameters()) as meter, parts.mp.region(**parts.local):
+        parts.block(parts.local["m"], parts.local["z"], parts.msa_mask, parts.pair_mask, Residual())
     return float(meter.bytes)
 
 
@@ -186,6 +232,121 @@ def predicted_peak(
     return base + 4 * (max(mul, att, row, switch) + msa) / 2**30
 
 
+def one_block(
+    residues: int, depth: int, chunk: int, channel_chunk: int, device: str, threads: int = 1
+) -> dict[str, object]:
+    """One af2-width block forward at ``residues`` in this process (SP 1, chunked, no grad),
+    activations created on ``device``; its measured memory beside :func:`predicted_peak`.
+
+    On CUDA ``peak_bytes`` is ``torch.cuda.max_memory_allocated`` (tensors only, reset before
+    the forward) and ``before_bytes`` the bytes allocated before it (weights, ``m``, ``z``);
+    on CPU both are ``ru_maxrss`` (the whole process, torch included). ``predicted_gib`` is
+    the model with its ``base`` (0.31 GiB: a CPU process with torch and the weights),
+    ``predicted_device_gib`` the model without it plus the block's weights — the number that
+    ``max_memory_allocated`` measures (the model counts ``m`` and ``z`` itself).
+    """
+    from dspzoo.core.parallel.runtime import SeqParallel
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        why = "torch built without CUDA" if torch.version.cuda is None else "no GPU visible"
+        raise UsageError(f"--device {device}: CUDA is not available ({why}); use --device cpu")
+    previous_threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(threads)
+    try:
+        parts = af2_block(SeqParallel(None), residues, depth, chunk, channel_chunk, device=dev)
+        weights = sum(t.numel() * t.element_size() for t in parts.block.parameters())
+        inputs = sum(t.numel() * t.element_size() for t in parts.local.values())
+        if cuda:
+            torch.cuda.synchronize(dev)
+            before = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        else:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        start = time.perf_counter()
+        z = chunked_forward(parts, chunk)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        seconds = time.perf_counter() - start
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(dev)
+            reserved: int | None = torch.cuda.max_memory_reserved(dev)
+        else:
+            peak, reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
+        finite = bool(torch.isfinite(z).all())  # after the peak: its mask is not the block's
+    finally:
+        torch.set_num_threads(previous_threads)
+    name = (
+        torch.cuda.get_device_name(dev)
+        if cuda
+        else f"CPU {platform.machine()}, {threads} thread(s)"
+    )
+    predicted = predicted_peak(residues, 1, depth, chunk, channel_chunk)
+    bare = predicted_peak(residues, 1, depth, chunk, channel_chunk, base=0.0)
+    on_device = bare + weights / 2**30
+    return {
+        "residues": residues,
+        "msa_depth": depth,
+        "chunk_size": chunk,
+        "channel_chunk": channel_chunk,
+        "sp": 1,
+        "device": str(dev),
+        "device_name": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "seconds": seconds,
+        "finite": finite,
+        "peak_bytes": int(peak),
+        "before_bytes": int(before),
+        "reserved_peak_bytes": reserved,
+        "weight_bytes": int(weights),
+        "input_bytes": int(inputs),
+        "predicted_gib": predicted,
+        "predicted_base0_gib": bare,
+        "predicted_device_gib": on_device,
+        "ratio_device": peak / 2**30 / on_device,
+        "ratio_with_base": peak / 2**30 / predicted,
+    }
+
+
+def one_block_table(res: dict) -> None:
+    """Print :func:`one_block`'s result as a small markdown table."""
+    gib, mib = 2**30, 2**20
+    cuda = res["device"].startswith("cuda")
+    what = "max_memory_allocated" if cuda else "ru_maxrss"
+    print(
+        f"One af2-width Evoformer block forward, R={res['residues']}, S={res['msa_depth']}, "
+        f"SP 1, chunk {res['chunk_size']}, channel chunk {res['channel_chunk']}, fp32, no grad; "
+        f"{res['device_name']} ({res['device']}), torch {res['torch']}: "
+        f"{res['seconds']:.2f} s, finite {res['finite']}"
+    )
+    rows = [
+        (f"measured peak ({what})", res["peak_bytes"] / gib),
+        (
+            f"before the forward ({'allocated: weights + m + z' if cuda else what})",
+            res["before_bytes"] / gib,
+        ),
+        ("weights", res["weight_bytes"] / gib),
+        ("inputs m + z", res["input_bytes"] / gib),
+    ]
+    if res["reserved_peak_bytes"] is not None:
+        rows.append(("peak reserved by the allocator", res["reserved_peak_bytes"] / gib))
+    rows += [
+        ("predicted_peak (base 0.31 GiB: CPU process)", res["predicted_gib"]),
+        ("predicted_peak (base 0)", res["predicted_base0_gib"]),
+        ("predicted_peak (base 0) + weights", res["predicted_device_gib"]),
+    ]
+    print("| quantity | GiB | MiB |\n|---|---|---|")
+    for label, value in rows:
+        print(f"| {label} | {value:.3f} | {value * gib / mib:.1f} |")
+    print(
+        f"| measured / predicted (base 0 + weights) | {res['ratio_device']:.3f} | |\n"
+        f"| measured / predicted (base 0.31 GiB) | {res['ratio_with_base']:.3f} | |"
+    )
+
+
 def plan_bytes(residues: int, depth: int, world: int) -> tuple[int, int]:
     """Forward and backward bytes per block on rank 0 (fp32, batch 1)."""
     from dspzoo.domains.protein import CONFIGS
@@ -219,11 +380,48 @@ def main(argv: list[str] | None = None) -> int:
         metavar="R",
         help="instead: saved-for-backward bytes per rank of one block at R residues",
     )
+    p.add_argument(
+        "--one-block",
+        type=int,
+        default=0,
+        metavar="R",
+        help="instead: one block forward at R residues in this process (SP 1, --device), "
+        "its measured peak beside predicted_peak",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where --one-block runs (default cpu; the search and --activations run on CPU)",
+    )
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.sp_sizes.split(",") if x]
+    cmd = " ".join(
+        ["python", "scripts/protein_memory.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    if args.device is not None and not args.one_block:
+        raise UsageError("--device applies to --one-block only")
+    if args.one_block and args.activations:
+        raise UsageError("choose one of --one-block and --activations")
+    if args.one_block:
+        device = args.device or "cpu"
+        res = one_block(
+            args.one_block,
+            args.msa_depth,
+            args.chunk_size,
+            args.channel_chunk,
+            device,
+            args.threads,
+        )
+        one_block_table(res)
+        prefix = "" if device == "cuda" else f"OMP_NUM_THREADS={args.threads} "
+        print(f"\nreproduce: {prefix}{cmd}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"args": vars(args), "one_block": res}, fh, indent=1)
+        return 0
     if args.activations:
         activation_table(args.activations, args.msa_depth, sizes)
-        cmd = " ".join(["python", "scripts/protein_memory.py", *(argv or sys.argv[1:])])
         print(f"\nreproduce: OMP_NUM_THREADS={args.threads} {cmd}")
         return 0
 
@@ -290,9 +488,6 @@ def main(argv: list[str] | None = None) -> int:
                                   args.channel_chunk)  # fmt: skip
             check = f"; at R={measured['residues']}: predicted {pred:.2f}, measured {measured['peak_gib']:.2f} GiB/rank"
         print(f"  SP {world}: R <= {r}{check}")
-    cmd = " ".join(
-        ["python", "scripts/protein_memory.py", *(argv if argv is not None else sys.argv[1:])]
-    )
     print(f"\nreproduce: OMP_NUM_THREADS={args.threads} {cmd}")
     if args.json:
         with open(args.json, "w") as fh:
