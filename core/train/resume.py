@@ -60,15 +60,18 @@ def find_checkpoint(
     return ckpt
 
 
-def refuse_stale_checkpoints(mesh: SPMesh, ckpt_dir: Path) -> None:
+def refuse_stale_checkpoints(mesh: SPMesh, ckpt_dir: Path, device: Any = "cpu") -> None:
     """A fresh run (no ``--resume``) into an output folder that already holds an earlier run's
     checkpoints raises ``FileExistsError`` on every rank: its checkpoints would sit beside the
-    old ones and ``--resume latest`` could pick an old run's step (collective)."""
+    old ones and ``--resume latest`` could pick an old run's step (collective).
+
+    ``device``: where the count is all-reduced — the run's device (a GPU under NCCL, which has
+    no CPU collectives)."""
     import torch
     import torch.distributed as dist
 
     found = complete_checkpoints(ckpt_dir)
-    stale = torch.tensor([len(found)], dtype=torch.int64)
+    stale = torch.tensor([len(found)], dtype=torch.int64, device=device)
     if mesh.world_size > 1:
         dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=mesh.grad_group)
     if int(stale):

@@ -185,7 +185,7 @@ class Trainer:
         """
         self.setup()
         if not self.cfg.resume:
-            refuse_stale_checkpoints(self.mesh, self.checkpoint_dir)
+            refuse_stale_checkpoints(self.mesh, self.checkpoint_dir, self.accelerator.device)
         start_step, history = self.restore() if self.cfg.resume else (0, [])
         settings = LoopSettings.of_run(
             self.cfg, start_step, self.tokens_per_step, self.task.loss_name
