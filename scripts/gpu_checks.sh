@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The checks only a CUDA GPU can run, in one go (issue 20, item 6; docs/gpu.md has the figures):
+#   1. the equivalence tests of the attention dispatch and the fused kernel on CUDA
+#      (tests/test_attention.py, tests/test_kernels.py: every CUDA case against float64), and
+#      EMA + checkpoint resume on CUDA (tests/test_cuda_resume.py);
+#   2. `dspzoo bench` at SP 1 on the GPU (scripts/benchmark.py in one process): absolute step
+#      times of the video and the text benchmark models;
+#   3. one af2-width Evoformer block forward at R = 4096 (chunked, SP 1): its peak memory beside
+#      scripts/protein_memory.py's model.
+#
+#   bash scripts/gpu_checks.sh [OUTDIR]      # default: $OUT, else outputs/gpu
+#
+# Uses the machine's own python3 and torch (no virtual environment: the GPU build is there);
+# the repository is put on PYTHONPATH as the package `dspzoo`. Each step has its own time limit
+# and a failing step does not stop the others; every step's output goes to OUTDIR/gpu_checks.log.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-${OUT:-$root/outputs/gpu}}
+mkdir -p "$out"
+log="$out/gpu_checks.log"
+: >"$log"
+link=$(mktemp -d)
+ln -s "$root" "$link/dspzoo"
+export PYTHONPATH="$link${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+cd "$root" || exit 1
+py=${PYTHON:-python3}
+failed=0
+
+# step NAME LIMIT_S COMMAND...: run it, log everything, print its tail and time
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    echo "== $name: $*" | tee -a "$log"
+    timeout "$limit" "$@" >>"$log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc, $((SECONDS - start)) s" | tee -a "$log"
+    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+
+step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
+    $py -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); \
+import importlib.util as u; print(\"flash_attn importable:\", u.find_spec(\"flash_attn\") is not None)'"
+
+step tests 240 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/junit.xml" \
+    tests/test_attention.py tests/test_kernels.py tests/test_cuda_resume.py
+
+for spec in "video --model stdit-mini" "text --model bytelm-small --seq-len 2048"; do
+    name=${spec%% *}
+    step "bench_$name" 150 "$py" scripts/benchmark.py ${spec#* } --peer off --no-progress \
+        --reps 10 --warmup 3 --cluster h100-nvlink-ib --out "$link/bench_$name"
+    cp "$link/bench_$name/results.json" "$out/bench_$name.json" 2>/dev/null
+    tail -n 25 "$link/bench_$name/results.md" 2>/dev/null
+done
+
+step protein 180 "$py" scripts/protein_memory.py --one-block 4096 --device cuda --msa-depth 8 \
+    --chunk-size 8 --channel-chunk 8 --json "$out/protein_r4096.json"
+tail -n 20 "$log" | grep -E "^\|"
+
+grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$log" | tail -n 20
+echo "== $failed step(s) failed; log: $log" | tee -a "$log"
+exit "$failed"
