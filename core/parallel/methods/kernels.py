@@ -73,6 +73,7 @@ _FUSED_DTYPES = {
     "cuda": (torch.float32, torch.bfloat16, torch.float16),
 }
 _CUDA_ALIGN = 8  # the memory-efficient CUDA kernel's head-size alignment (elements)
+_LSE_ALIGN = 32  # the length its forward pads the log-sum-exp rows to
 
 
 # -- positions: runs and pieces -----------------------------------------------------------------
@@ -334,6 +335,11 @@ def _fused_piece_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
     no_dropout = torch.empty(0, dtype=torch.int64, device=q.device)  # seed/offset: unread at p=0
+    # the kernel reads the statistics with head and batch strides that are multiples of 8; its
+    # own forward pads their length to a multiple of 32, which is what this hands it
+    rows = lse.shape[-1]
+    padded = lse.new_zeros(*lse.shape[:-1], -(-rows // _LSE_ALIGN) * _LSE_ALIGN)
+    padded[..., :rows] = lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout.contiguous(),
         q,
@@ -341,7 +347,7 @@ def _fused_piece_backward(
         v,
         None,
         out.contiguous(),
-        lse.contiguous(),
+        padded,
         no_dropout,
         no_dropout,
         0.0,

@@ -1,0 +1,136 @@
+"""The shared attention kernel on one device: fused vs blockwise vs plain SDPA, forward + backward.
+
+One causal attention ``[1, L, H, D]`` over positions ``0 … L−1`` through
+:func:`~dspzoo.core.parallel.methods.kernels.kernel_attention` with ``kernel="fused"`` (on
+CUDA: PyTorch's memory-efficient attention with its log-sum-exp; on the CPU: its fused CPU
+attention) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score block),
+beside ``F.scaled_dot_product_attention`` (no log-sum-exp: what a single device would run
+without sequence parallelism). The three run interleaved, in a rotated order each repetition;
+the table gives the median time (synchronised on CUDA), the peak memory the call added
+(CUDA allocator; on the CPU not measured), each one's error against SDPA in float64 on a
+small prefix check, and the ratios to SDPA::
+
+    python scripts/bench_kernel_device.py --device cuda --seq-len 16384 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dspzoo.core.parallel.methods.kernels import kernel_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal SDPA on ``[B, L, H, D]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def _call(name: str, q, k, v, chunk: int) -> torch.Tensor:
+    scale = q.shape[-1] ** -0.5
+    if name == "sdpa":
+        return _sdpa(q, k, v, scale)
+    pos = torch.arange(q.shape[1])
+    return kernel_attention(q, k, v, pos, pos, True, scale, kernel=name, chunk=chunk)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(name: str, inputs, grad: torch.Tensor, chunk: int) -> tuple[float, int | None]:
+    """Seconds and added peak bytes (CUDA) of one forward + backward."""
+    device = grad.device
+    for t in inputs:
+        t.grad = None
+    _sync(device)
+    base = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    out = _call(name, *inputs, chunk)
+    out.backward(grad)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    peak = None if base is None else torch.cuda.max_memory_allocated(device) - base
+    return seconds, peak
+
+
+def error_vs_float64(name: str, args: argparse.Namespace, device: torch.device) -> float:
+    """Relative error of ``name``'s output on a 512-token problem against SDPA in float64."""
+    g = torch.Generator().manual_seed(1)
+    shape = (1, min(args.seq_len, 512), args.heads, args.head_dim)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = _sdpa(q, k, v, args.head_dim**-0.5)
+    dtype = DTYPES[args.dtype]
+    with torch.no_grad():
+        got = _call(name, *(t.to(device, dtype) for t in (q, k, v)), args.chunk)
+    return float((got.double().cpu() - ref).norm() / ref.norm())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens L")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--chunk", type=int, default=1024, help="blockwise: tokens per score block")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--kernels", default="sdpa,fused,blockwise", help="comma-separated: sdpa,fused,blockwise"
+    )
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_kernel_device.py: error: --device cuda: CUDA is not available", file=sys.stderr)
+        return 2
+    names = args.kernels.split(",")
+    g = torch.Generator().manual_seed(0)
+    shape = (1, args.seq_len, args.heads, args.head_dim)
+    dtype = DTYPES[args.dtype]
+    inputs = [
+        torch.randn(shape, generator=g).to(device, dtype).requires_grad_(True) for _ in range(3)
+    ]
+    grad = torch.randn(shape, generator=g).to(device, dtype)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    peaks: dict[str, int | None] = {}
+    for i in range(args.warmup + args.reps):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            seconds, peak = measure(name, inputs, grad, args.chunk)
+            if i >= args.warmup:
+                times[name].append(seconds)
+                peaks[name] = peak if peak is None else max(peak, peaks.get(name) or 0)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"causal attention forward + backward, L {args.seq_len}, {args.heads} heads × "
+        f"{args.head_dim}, {args.dtype}, on {where} (torch {torch.__version__}), "
+        f"{args.reps} interleaved repetitions:\n"
+    )
+    first = statistics.median(times[names[0]])
+    print(f"| kernel | median ms | × {names[0]} | peak added MiB | rel. error (L ≤ 512, vs fp64) |")
+    print("|---|---|---|---|---|")
+    for name in names:
+        med = statistics.median(times[name])
+        peak = "–" if peaks.get(name) is None else f"{peaks[name] / 2**20:,.0f}"
+        err = error_vs_float64(name, args, device)
+        print(f"| {name} | {med * 1e3:.2f} | {med / first:.2f} | {peak} | {err:.1e} |")
+    print("\nreproduce: python scripts/bench_kernel_device.py " + " ".join(sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
