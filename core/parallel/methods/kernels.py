@@ -11,7 +11,7 @@ that interface:
   never materialises a score matrix (internal tiles only): on the CPU
   ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, on CUDA the
   memory-efficient kernel ``aten._scaled_dot_product_efficient_attention`` and its
-  ``_backward`` (float32, float16, bfloat16). A block is cut into *pieces* by position runs
+  ``_backward`` (float32 only: see ``_FUSED_DTYPES``). A block is cut into *pieces* by position runs
   (:func:`position_runs`), and each piece is exact under the causal mask: keys wholly before
   the queries are one fully visible call; the keys from the first common position on form a
   diagonal piece whose queries and keys start at the same position, which is exactly SDPA's
@@ -70,7 +70,10 @@ KERNELS = ("fused", "blockwise")
 KERNEL_ENV = "DSPZOO_ATTENTION_KERNEL"
 _FUSED_DTYPES = {
     "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-    "cuda": (torch.float32, torch.bfloat16, torch.float16),
+    # half precision is left to the blockwise kernel on CUDA: the memory-efficient backward,
+    # called piece by piece with the final statistics, gave wrong gradients for fp16/bf16 on an
+    # H200 (torch 2.11) while float32 was exact (docs/gpu.md)
+    "cuda": (torch.float32,),
 }
 _CUDA_ALIGN = 8  # the memory-efficient CUDA kernel's head-size alignment (elements)
 _LSE_ALIGN = 32  # the length its forward pads the log-sum-exp rows to
