@@ -165,7 +165,7 @@ def test_one_block_matches_naive_both_kernels(name, causal, heads, device):
 @pytest.mark.parametrize(
     ("dtype", "device"),
     [(t, "cpu") for t in (torch.float32, torch.bfloat16, torch.float16)]
-    + [pytest.param(torch.float32, "cuda", marks=CUDA)],
+    + [pytest.param(t, "cuda", marks=CUDA) for t in (torch.float32, torch.bfloat16, torch.float16)],
 )
 def test_fused_block_low_precision(dtype, device):
     q_pos, k_pos = POSITIONS["zigzag"]
@@ -272,24 +272,22 @@ def test_kernel_choice(monkeypatch):
 def test_kernel_choice_on_cuda():
     q = torch.zeros(1, 2, 1, 8, device="cuda")
     assert select_kernel(q).name == "fused"
-    for other in (torch.float64, torch.float16, torch.bfloat16):  # float32 only there
-        assert select_kernel(q.to(other)).name == "blockwise"
+    assert select_kernel(q.half()).name == "fused"
+    assert select_kernel(q.bfloat16()).name == "fused"
+    assert select_kernel(q.double()).name == "blockwise"  # the CUDA fused kernel has no float64
 
 
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_on_cuda_takes_the_blockwise_kernel(dtype):
-    """What half-precision ring/LSS blocks run on CUDA (the default kernel choice) is exact to
-    the dtype's rounding, forward and backward."""
+def test_half_precision_blockwise_on_cuda(dtype):
+    """The blockwise kernel (``kernel="blockwise"``) in half precision on CUDA is exact to the
+    dtype's rounding, forward and backward."""
     q_pos, k_pos = POSITIONS["zigzag"]
     q, k, v, w = _tensors(len(q_pos), len(k_pos), 4, 2, 8, 8, dtype)
     ref = _block(
         BlockwiseKernel(), q.double(), k.double(), v.double(), w.double(), q_pos, k_pos, True, 0.5
     )
-    on = [t.to("cuda") for t in (q, k, v, w)]
-    kernel = select_kernel(on[0])
-    assert kernel.name == "blockwise"
-    got = _block(kernel, *on, q_pos, k_pos, True, 0.5)
+    got = _block(BlockwiseKernel(), *(t.to("cuda") for t in (q, k, v, w)), q_pos, k_pos, True, 0.5)
     for g, r in zip(got, ref):
         finite = ~torch.isinf(r)
         torch.testing.assert_close(g.cpu().double()[finite], r[finite], **TOL[dtype])

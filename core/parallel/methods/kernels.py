@@ -11,7 +11,7 @@ that interface:
   never materialises a score matrix (internal tiles only): on the CPU
   ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, on CUDA the
   memory-efficient kernel ``aten._scaled_dot_product_efficient_attention`` and its
-  ``_backward`` (float32 only: see ``_FUSED_DTYPES``). A block is cut into *pieces* by position runs
+  ``_backward`` (float32, float16, bfloat16). A block is cut into *pieces* by position runs
   (:func:`position_runs`), and each piece is exact under the causal mask: keys wholly before
   the queries are one fully visible call; the keys from the first common position on form a
   diagonal piece whose queries and keys start at the same position, which is exactly SDPA's
@@ -70,10 +70,7 @@ KERNELS = ("fused", "blockwise")
 KERNEL_ENV = "DSPZOO_ATTENTION_KERNEL"
 _FUSED_DTYPES = {
     "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-    # half precision is left to the blockwise kernel on CUDA: the memory-efficient backward,
-    # called piece by piece with the final statistics, gave wrong gradients for fp16/bf16 on an
-    # H200 (torch 2.11) while float32 was exact (docs/gpu.md)
-    "cuda": (torch.float32,),
+    "cuda": (torch.float32, torch.bfloat16, torch.float16),
 }
 _CUDA_ALIGN = 8  # the memory-efficient CUDA kernel's head-size alignment (elements)
 _LSE_ALIGN = 32  # the length its forward pads the log-sum-exp rows to
@@ -321,6 +318,13 @@ def _fused_piece(
     return out, lse[..., : q.shape[2]]  # some versions pad the statistics' length
 
 
+def _tokens_before_heads(t: torch.Tensor) -> torch.Tensor:
+    """A ``[Bf, H, L, D]`` view whose storage is ``[Bf, L, H, D]``-contiguous, as the queries'
+    are: in half precision the CUDA backward reads ``out`` and ``dout`` that way (given
+    ``[Bf, H, L, D]``-contiguous ones it returned wrong ``dq``/``dk`` on an H200, torch 2.11)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _fused_piece_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -344,12 +348,12 @@ def _fused_piece_backward(
     padded = lse.new_zeros(*lse.shape[:-1], -(-rows // _LSE_ALIGN) * _LSE_ALIGN)
     padded[..., :rows] = lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(),
+        _tokens_before_heads(dout),
         q,
         k,
         v,
         None,
-        out.contiguous(),
+        _tokens_before_heads(out),
         padded,
         no_dropout,
         no_dropout,
