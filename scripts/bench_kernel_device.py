@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         peak = "–" if peaks.get(name) is None else f"{peaks[name] / 2**20:,.0f}"
         err = error_vs_float64(name, args, device)
         print(f"| {name} | {med * 1e3:.2f} | {med / first:.2f} | {peak} | {err:.1e} |")
-    print("\nreproduce: python scripts/bench_kernel_device.py " + " ".join(sys.argv[1:]))
+    given = sys.argv[1:] if argv is None else argv
+    print("\nreproduce: python scripts/bench_kernel_device.py " + " ".join(given))
     return 0
 
 
