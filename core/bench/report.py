@@ -136,6 +136,8 @@ def markdown(result: dict[str, Any]) -> str:
         from .auto_choice import auto_line
 
         lines += ["", auto_line(result["auto"])]
+    if "prediction_skipped" in result:
+        lines += ["", result["prediction_skipped"]]
     if "prediction_error" in result:
         e, cl = result["prediction_error"], result["cluster"]
         lines += [

@@ -408,9 +408,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         dist.all_gather_object(gathered, mine)
     result = None
     if main:
-        result = summarise(args, case, gathered, names, skipped, sp_size, world, layout, probed)
+        result = summarise(
+            args, case, gathered, names, skipped, sp_size, world, layout, probed,
+            device=device_name(accelerator.device),
+        )  # fmt: skip
         result["threads_per_process"] = threads
-        result["device"] = device_name(accelerator.device)
         result["meshes"] = len(meshes)
         if sp_size > 1:  # what carried the strategies' collectives (the peer calls gloo itself)
             result["transport"] = transport(runners[0].mesh.sp_group)
@@ -421,12 +423,22 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def summarise(
-    args, case, gathered, names, skipped, sp, world, layout, probed: Rates | None = None
+    args,
+    case,
+    gathered,
+    names,
+    skipped,
+    sp,
+    world,
+    layout,
+    probed: Rates | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Worst-rank figures per strategy; step time of a repetition = its slowest rank's.
 
     ``probed``: this run's rates (:func:`~dspzoo.core.costmodel.probe.probe_group`), the
-    ``this-cpu`` cluster of the prediction."""
+    ``this-cpu`` cluster of the prediction. ``device``: what the run computed on
+    (:func:`device_name`); on a GPU the ``this-cpu`` prediction is skipped, with the reason."""
     dp = world // sp
     rows = []
     for name in names:
@@ -503,10 +515,17 @@ def summarise(
         "skipped": skipped,
         "args": vars(args),
         "command": reproduce_command(args, world),
+        "device": device,
     }
     if probed is not None:
         result["probe"] = asdict(probed)
-    if args.cluster != "none" and args.reps:
+    on_gpu = result.get("device", "cpu") != "cpu"
+    if args.cluster == "this-cpu" and on_gpu:  # its rates are this host's CPU's, not the GPU's
+        result["prediction_skipped"] = (
+            "no prediction: the run is on a GPU and the `this-cpu` cluster prices this host's "
+            "CPU; name a preset with --cluster (e.g. h100-nvlink-ib)"
+        )
+    elif args.cluster != "none" and args.reps:
         add_prediction(result, case, args.cluster)
     choice = auto_choice(result, case)
     if choice is not None:
