@@ -8,7 +8,7 @@ beside ``F.scaled_dot_product_attention`` (no log-sum-exp: what a single device 
 without sequence parallelism). The three run interleaved, in a rotated order each repetition;
 the table gives the median time (synchronised on CUDA), the peak memory the call added
 (CUDA allocator; on the CPU not measured), each one's error against SDPA in float64 on a
-small prefix check, and the ratios to SDPA::
+small problem (output and input gradients), and the ratios to SDPA::
 
     python scripts/bench_kernel_device.py --device cuda --seq-len 16384 --dtype bfloat16
 """
@@ -36,7 +36,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
     return out.transpose(1, 2)
 
 
-def _call(name: str, q, k, v, chunk: int) -> torch.Tensor:
+def _call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
+    """One causal attention ``[1, L, H, D]`` through kernel ``name`` (``sdpa``, ``fused``,
+    ``blockwise``)."""
     scale = q.shape[-1] ** -0.5
     if name == "sdpa":
         return _sdpa(q, k, v, scale)
@@ -45,11 +47,14 @@ def _call(name: str, q, k, v, chunk: int) -> torch.Tensor:
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def measure(name: str, inputs, grad: torch.Tensor, chunk: int) -> tuple[float, int | None]:
+def measure(
+    name: str, inputs: list[torch.Tensor], grad: torch.Tensor, chunk: int
+) -> tuple[float, int | None]:
     """Seconds and added peak bytes (CUDA) of one forward + backward."""
     device = grad.device
     for t in inputs:
@@ -68,16 +73,27 @@ def measure(name: str, inputs, grad: torch.Tensor, chunk: int) -> tuple[float, i
     return seconds, peak
 
 
-def error_vs_float64(name: str, args: argparse.Namespace, device: torch.device) -> float:
-    """Relative error of ``name``'s output on a 512-token problem against SDPA in float64."""
+def error_vs_float64(
+    name: str, args: argparse.Namespace, device: torch.device
+) -> tuple[float, float]:
+    """Relative errors of ``name``'s output and input gradients (the worst of dq, dk, dv) on a
+    512-token problem against SDPA in float64."""
     g = torch.Generator().manual_seed(1)
     shape = (1, min(args.seq_len, 512), args.heads, args.head_dim)
-    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
-    ref = _sdpa(q, k, v, args.head_dim**-0.5)
+    q, k, v, w = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = _sdpa(*leaves, args.head_dim**-0.5)
+    ref.backward(w)
     dtype = DTYPES[args.dtype]
-    with torch.no_grad():
-        got = _call(name, *(t.to(device, dtype) for t in (q, k, v)), args.chunk)
-    return float((got.double().cpu() - ref).norm() / ref.norm())
+    mine = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    got = _call(name, *mine, args.chunk)
+    got.backward(w.to(device, dtype))
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.detach().double().cpu(), b.detach()
+        return float((a - b).norm() / b.norm())
+
+    return rel(got, ref), max(rel(m.grad, r.grad) for m, r in zip(mine, leaves))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_kernel_device.py: error: --device cuda: CUDA is not available", file=sys.stderr)
+        print(
+            "bench_kernel_device.py: error: --device cuda: CUDA is not available", file=sys.stderr
+        )
         return 2
     names = args.kernels.split(",")
     g = torch.Generator().manual_seed(0)
@@ -121,13 +139,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.reps} interleaved repetitions:\n"
     )
     first = statistics.median(times[names[0]])
-    print(f"| kernel | median ms | × {names[0]} | peak added MiB | rel. error (L ≤ 512, vs fp64) |")
+    print(
+        f"| kernel | median ms | × {names[0]} | peak added MiB | "
+        "rel. error out / grads (L ≤ 512, vs fp64) |"
+    )
     print("|---|---|---|---|---|")
     for name in names:
         med = statistics.median(times[name])
         peak = "–" if peaks.get(name) is None else f"{peaks[name] / 2**20:,.0f}"
-        err = error_vs_float64(name, args, device)
-        print(f"| {name} | {med * 1e3:.2f} | {med / first:.2f} | {peak} | {err:.1e} |")
+        err_out, err_grad = error_vs_float64(name, args, device)
+        print(
+            f"| {name} | {med * 1e3:.2f} | {med / first:.2f} | {peak} | "
+            f"{err_out:.1e} / {err_grad:.1e} |"
+        )
     given = sys.argv[1:] if argv is None else argv
     print("\nreproduce: python scripts/bench_kernel_device.py " + " ".join(given))
     return 0

@@ -3,9 +3,11 @@
 #   1. the equivalence tests of the attention dispatch and the fused kernel on CUDA
 #      (tests/test_attention.py, tests/test_kernels.py: every CUDA case against float64), and
 #      EMA + checkpoint resume on CUDA (tests/test_cuda_resume.py);
-#   2. `dspzoo bench` at SP 1 on the GPU (scripts/benchmark.py in one process): absolute step
+#   2. the blockwise methods' fused kernel against SDPA and the blockwise kernel at L 16384
+#      (scripts/bench_kernel_device.py);
+#   3. `dspzoo bench` at SP 1 on the GPU (scripts/benchmark.py in one process): absolute step
 #      times of the video and the text benchmark models;
-#   3. one af2-width Evoformer block forward at R = 4096 (chunked, SP 1): its peak memory beside
+#   4. one af2-width Evoformer block forward at R = 4096 (chunked, SP 1): its peak memory beside
 #      scripts/protein_memory.py's model.
 #
 #   bash scripts/gpu_checks.sh [OUTDIR]      # default: $OUT, else outputs/gpu
@@ -20,6 +22,7 @@ mkdir -p "$out"
 log="$out/gpu_checks.log"
 : >"$log"
 link=$(mktemp -d)
+trap 'rm -rf "$link"' EXIT
 ln -s "$root" "$link/dspzoo"
 export PYTHONPATH="$link${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root" || exit 1
@@ -42,6 +45,9 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --f
     $py -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); \
 import importlib.util as u; print(\"flash_attn importable:\", u.find_spec(\"flash_attn\") is not None)'"
 
+# without a GPU every CUDA case below would be skipped and the run would look green
+step cuda 60 "$py" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"'
+
 step tests 240 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/junit.xml" \
     tests/test_attention.py tests/test_kernels.py tests/test_cuda_resume.py
 
@@ -51,6 +57,11 @@ for spec in "video --model stdit-mini" "text --model bytelm-small --seq-len 2048
         --reps 10 --warmup 3 --cluster h100-nvlink-ib --out "$link/bench_$name"
     cp "$link/bench_$name/results.json" "$out/bench_$name.json" 2>/dev/null
     tail -n 25 "$link/bench_$name/results.md" 2>/dev/null
+done
+
+for dtype in float32 bfloat16; do
+    step "kernels_$dtype" 120 "$py" scripts/bench_kernel_device.py --device cuda --seq-len 16384 \
+        --dtype "$dtype" --reps 5
 done
 
 step protein 180 "$py" scripts/protein_memory.py --one-block 4096 --device cuda --msa-depth 8 \

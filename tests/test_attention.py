@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
+from cuda_marks import CUDA
 
 from dspzoo.core.layers import attention as attention_module
 from dspzoo.core.layers.attention import attend, can_use_flash
@@ -189,7 +190,6 @@ def test_sdpa_path_attends_over_l_not_h() -> None:
 
 
 # -- on a GPU: the real dispatch (flash-attn when importable, else SDPA's CUDA kernels) -----------
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA_TOL = {
     torch.float32: dict(rtol=2e-5, atol=2e-5),
     torch.float16: dict(rtol=5e-3, atol=5e-3),

@@ -35,12 +35,14 @@ from typing import Any
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from cuda_marks import DEVICES
 
 from dspzoo.core.train import Trainer
 from dspzoo.domains.video.training import VideoTask, VideoTrainConfig
 
 # deterministic cuBLAS (what torch.use_deterministic_algorithms asks for on CUDA); PyTorch reads
-# it once, at the process's first cuBLAS call, so it is set before any test runs
+# it once, at the process's first cuBLAS call, so it is set at collection, before any test runs
+# (it stays set for the whole pytest session: it only changes cuBLAS's workspace, not results)
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 STEPS, CUT = 4, 2
@@ -59,14 +61,6 @@ COMMON = dict(
     ema=0.9,
     class_dropout=0.5,  # label dropout actually drops: its keyed draws are part of the run
 )
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ),
-]
 
 
 def _state(trainer: Trainer) -> dict[str, Any]:

@@ -20,12 +20,13 @@ def test_bench_kernel_device_on_the_cpu(capsys):
     argv = "--device cpu --seq-len 96 --heads 2 --head-dim 8 --dtype float32 --reps 2 --chunk 32"
     assert bench_kernel_device(argv.split()) == 0
     out = capsys.readouterr().out
-    rows = {m[0]: m[1:] for m in re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| (.+?) \| (\S+) \|$", out, re.M)}
+    row = r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| (.+?) \| (\S+) / (\S+) \|$"
+    rows = {m[0]: m[1:] for m in re.findall(row, out, re.M)}
     assert set(rows) == {"sdpa", "fused", "blockwise"}
     assert rows["sdpa"][1] == "1.00"  # the ratios are to the first kernel
-    for name, (_, _, peak, err) in rows.items():
+    for name, (_, _, peak, err_out, err_grad) in rows.items():
         assert peak == "–"  # no CUDA allocator on the CPU
-        assert float(err) < 1e-5, name  # float32 against float64
+        assert float(err_out) < 1e-5 and float(err_grad) < 1e-5, name  # fp32 against fp64
     assert "reproduce: python scripts/bench_kernel_device.py --device cpu" in out
 
 

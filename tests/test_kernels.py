@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from cuda_marks import CUDA, DEVICES
 
 from dspzoo.core.parallel.methods.kernels import (
     KERNEL_ENV,
@@ -30,9 +31,6 @@ from dspzoo.core.parallel.methods.kernels import (
     select_kernel,
 )
 from dspzoo.core.parallel.methods.ring import zigzag_positions
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
 def _exact_dtype(device: str) -> torch.dtype:
@@ -240,17 +238,24 @@ def test_kernel_attention_autograd(kernel, causal, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_kernel_keeps_no_score_matrix(device):
-    """What autograd saves is q, k, v, out and lse: O(L·D), not the L × L scores."""
+    """What autograd saves is q, k, v, out and lse: O(L·D), not the L × L scores; on CUDA the
+    allocator's peak over forward and backward stays far below one score matrix too."""
     from dspzoo.core.parallel.trace import SavedTensorMeter
 
-    length = 512
+    length = 512 if device == "cpu" else 8192
     q, k, v = (torch.randn(1, length, 2, 8, device=device, requires_grad=True) for _ in range(3))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     with SavedTensorMeter() as meter:
         out = kernel_attention(
             q, k, v, torch.arange(length), torch.arange(length), True, 0.3, kernel="fused"
         )
     assert meter.bytes == 4 * (4 * q.numel() + 2 * length)
     out.sum().backward()
+    if device == "cuda":
+        scores = 2 * length * length * 4  # one fp32 score matrix per head
+        assert torch.cuda.max_memory_allocated() - base < scores / 8
 
 
 def test_kernel_choice(monkeypatch):
@@ -291,3 +296,24 @@ def test_half_precision_blockwise_on_cuda(dtype):
     for g, r in zip(got, ref):
         finite = ~torch.isinf(r)
         torch.testing.assert_close(g.cpu().double()[finite], r[finite], **TOL[dtype])
+
+
+@CUDA
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_on_cuda_at_ring_sizes(head_dim, dtype):
+    """Blocks the size a ring step or an LSS block has (zigzag shards of 1,000 tokens over 4
+    ranks, several tiles of the kernel, GQA 8/2 heads, head sizes the kernel specialises and
+    one it pads): forward and every gradient against the blockwise kernel in float64."""
+    for rank in (0, 3):
+        q_pos, k_pos = zigzag_positions(1000, 4, rank), zigzag_positions(1000, 4, 1)
+        q, k, v, w = _tensors(len(q_pos), len(k_pos), 8, 2, head_dim, head_dim, torch.float64)
+        ref = _block(BlockwiseKernel(), q, k, v, w, q_pos, k_pos, True, head_dim**-0.5)
+        on = [t.to("cuda", dtype) for t in (q, k, v, w)]
+        assert FusedKernel.supports(on[0])
+        got = _block(FusedKernel(), *on, q_pos, k_pos, True, head_dim**-0.5)
+        for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+            finite = ~torch.isinf(r)
+            err = (g.cpu().double()[finite] - r[finite]).norm() / r[finite].norm()
+            limit = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}[dtype]
+            assert err < limit, f"{name} rank {rank} D {head_dim} {dtype}: {err:.1e}"

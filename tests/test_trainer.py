@@ -55,7 +55,7 @@ def _stale_checkpoints_on_one_rank(rank: int, world: int, folder: str) -> str:
         (ckpts / "step_7").mkdir(parents=True)
         (ckpts / "step_7" / "progress.json").write_text("{}")
     try:
-        refuse_stale_checkpoints(build_mesh(world, timeout_s=30), ckpts)
+        refuse_stale_checkpoints(build_mesh(world, timeout_s=30), ckpts, "cpu")
     except FileExistsError as exc:
         return str(exc)
     return "no error"

@@ -52,8 +52,8 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
         "| strategy | methods | fwd KiB/rank (formula) | bwd KiB/rank (formula) | = | ×dsp | "
         "act. MiB | formula | ×dsp | traced step s | peak RSS MiB |"
     )
-    if on_device:  # the CUDA allocator's peak in the traced step
-        head += " peak GPU MiB |"
+    if on_device:  # the CUDA allocator's peak in the traced step, above what was allocated before
+        head += " peak GPU MiB (step) |"
     if checked:
         head += " output err | grad err | vs 1 process |"
     lines = [head, "|---" * (head.count("|") - 1) + "|"]

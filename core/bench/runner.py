@@ -123,7 +123,7 @@ class Runner:
         self.model.zero_grad(set_to_none=True)
         peer = None
         _barrier()
-        _device_peak(reset=True)
+        base = _device_peak_reset()
         start = time.perf_counter()
         with trace_comm() as tracer:
             if self.name == PEER:
@@ -162,7 +162,7 @@ class Runner:
             "loss": float(loss.detach()),
             "traced_step_s": elapsed,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_device_bytes": _device_peak(),
+            "peak_device_bytes": _device_peak_added(base),
         }
         if reference is not None:
             with torch.no_grad():
@@ -241,18 +241,22 @@ def _elapsed(start: float) -> float:
     return time.perf_counter() - start
 
 
-def _device_peak(reset: bool = False) -> int | None:
-    """The CUDA allocator's peak bytes since the last reset (``None`` without CUDA)."""
+def _device_peak_reset() -> int | None:
+    """Start a CUDA peak measurement: the bytes allocated now (``None`` without CUDA)."""
     if not torch.cuda.is_initialized():
         return None
-    if reset:
-        torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _device_peak_added(base: int | None) -> int | None:
+    """The CUDA allocator's peak since :func:`_device_peak_reset`, above its ``base``."""
+    return None if base is None else torch.cuda.max_memory_allocated() - base
 
 
 def device_name(device: torch.device) -> str:
-    """What the run computes on, in words: the GPU's name, or ``cpu``."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    """What the run computes on, in words: a CUDA GPU's name, else the device type (``cpu``)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 # -- modes ---------------------------------------------------------------------------------------
@@ -390,7 +394,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if bar:
         bar.close()
     probed = None  # the rates of this run, at its load, on its SP group (SP 1 sends nothing)
-    if args.cluster == "this-cpu" and args.reps and sp_size > 1:
+    on_cpu = accelerator.device.type == "cpu"
+    if args.cluster == "this-cpu" and args.reps and sp_size > 1 and on_cpu:
         shape = attention_shape(case.workload(case.batch // (world // sp_size)), sp_size)
         probed = probe_group(runners[0].mesh.sp_group, threads=threads, attention=shape)
     for r in runners:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..parallel.mesh import SPMesh, seed_everything
+
+if TYPE_CHECKING:
+    import torch
 from ..parallel.rng import mix_key
 from .checkpoint import (
     complete_checkpoints,
@@ -60,7 +63,7 @@ def find_checkpoint(
     return ckpt
 
 
-def refuse_stale_checkpoints(mesh: SPMesh, ckpt_dir: Path, device: Any = "cpu") -> None:
+def refuse_stale_checkpoints(mesh: SPMesh, ckpt_dir: Path, device: torch.device | str) -> None:
     """A fresh run (no ``--resume``) into an output folder that already holds an earlier run's
     checkpoints raises ``FileExistsError`` on every rank: its checkpoints would sit beside the
     old ones and ``--resume latest`` could pick an old run's step (collective).

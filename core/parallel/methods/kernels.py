@@ -320,8 +320,10 @@ def _fused_piece(
 
 def _tokens_before_heads(t: torch.Tensor) -> torch.Tensor:
     """A ``[Bf, H, L, D]`` view whose storage is ``[Bf, L, H, D]``-contiguous, as the queries'
-    are: in half precision the CUDA backward reads ``out`` and ``dout`` that way (given
-    ``[Bf, H, L, D]``-contiguous ones it returned wrong ``dq``/``dk`` on an H200, torch 2.11)."""
+    are. In half precision the CUDA backward computes ``rowsum(dout · out)`` itself and reads
+    ``out`` with a row stride of ``heads × head size`` whatever its strides say (given
+    ``[Bf, H, L, D]``-contiguous ones it returned wrong ``dq``/``dk`` on an H200, torch 2.11;
+    docs/gpu.md); ``dout`` is laid out the same way for symmetry."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -373,8 +375,13 @@ class FusedKernel:
 
     @staticmethod
     def supports(q: torch.Tensor) -> bool:
-        """Whether the fused kernel takes tensors like ``q`` (CPU or CUDA, a dtype it has)."""
-        return q.dtype in _FUSED_DTYPES.get(q.device.type, ())
+        """Whether the fused kernel takes tensors like ``q`` (CPU or CUDA, a dtype it has; on
+        CUDA bfloat16 needs compute capability 8.0, Ampere, or newer)."""
+        if q.dtype not in _FUSED_DTYPES.get(q.device.type, ()):
+            return False
+        if q.device.type == "cuda" and q.dtype == torch.bfloat16:
+            return torch.cuda.get_device_capability(q.device) >= (8, 0)
+        return True
 
     @staticmethod
     def _width(q: torch.Tensor, v: torch.Tensor) -> int:
