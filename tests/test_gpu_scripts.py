@@ -44,3 +44,52 @@ def test_gpu_checks_script_parses_and_names_what_exists():
     assert {"tests/test_cuda_resume.py", "scripts/protein_memory.py"} <= named
     for path in named:
         assert (ROOT / path).is_file(), path
+
+
+def test_bench_report_names_the_gpu_and_its_peak(tmp_path):
+    """A one-process CPU bench run's result, as a GPU run fills it in: the header names the
+    device, the bytes table grows its 'peak GPU MiB (step)' column, and a skipped prediction
+    says why; the CPU run itself names the CPU and has no such column."""
+    import json
+    import os
+    import sys
+
+    from dspzoo.core.bench.report import markdown
+
+    argv = "--peer off --reps 1 --warmup 1 --no-progress --frames 4 --latent 16"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark.py"),
+            *argv.split(),
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+    )
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["device"] == "cpu" and result["rows"][0]["peak_device_bytes"] is None
+    cpu = markdown(result)
+    assert "processes on cpu" in cpu and "peak GPU" not in cpu
+    result["device"] = "NVIDIA H200"
+    result["rows"][0]["peak_device_bytes"] = 331 * 2**20
+    result.pop("prediction_error", None)
+    result["prediction_skipped"] = "no prediction: the run is on a GPU"
+    gpu = markdown(result)
+    assert "processes on NVIDIA H200" in gpu
+    assert "peak GPU MiB (step) |" in gpu and "| 331 |" in gpu
+    assert "no prediction: the run is on a GPU" in gpu
+
+
+def test_case_moves_to_a_device():
+    """``Case.to`` puts the model and every input on the device (meta here: no CUDA needed)."""
+    from dspzoo.core.bench.case import build_case
+    from dspzoo.core.bench.runner import build_parser
+
+    args = build_parser().parse_args("--model stdit-mini --frames 4 --latent 8".split())
+    case = build_case(args, 1).to("meta")
+    assert all(p.device.type == "meta" for p in case.model.parameters())
+    assert all(t.device.type == "meta" for t in case.inputs.values())
