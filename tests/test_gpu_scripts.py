@@ -11,9 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.bench_kernel_device import main as bench_kernel_device
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts folder is not an installed package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_kernel_device = _load_script("bench_kernel_device").main
 
 
 def test_bench_kernel_device_on_the_cpu(capsys):
