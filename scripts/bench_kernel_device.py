@@ -97,15 +97,24 @@ def error_vs_float64(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cuda = torch.cuda.is_available()
+    p.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--seq-len", type=int, default=16384, help="tokens L")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--heads", type=int, default=8, help="attention heads H")
+    p.add_argument("--head-dim", type=int, default=64, help="head size D")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16" if cuda else "float32",
+        help="the inputs' dtype: bfloat16 where CUDA is available, else float32",
+    )
     p.add_argument("--chunk", type=int, default=1024, help="blockwise: tokens per score block")
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions of each kernel")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     p.add_argument(
         "--kernels", default="sdpa,fused,blockwise", help="comma-separated: sdpa,fused,blockwise"
     )

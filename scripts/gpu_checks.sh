@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks only a CUDA GPU can run, in one go (issue 20, item 6; docs/gpu.md has the figures):
+# The checks only a CUDA GPU can run, in one go (docs/gpu.md has the figures):
 #   1. the equivalence tests of the attention dispatch and the fused kernel on CUDA
 #      (tests/test_attention.py, tests/test_kernels.py: every CUDA case against float64), and
 #      EMA + checkpoint resume on CUDA (tests/test_cuda_resume.py);
@@ -12,9 +12,12 @@
 #
 #   bash scripts/gpu_checks.sh [OUTDIR]      # default: $OUT, else outputs/gpu
 #
-# Uses the machine's own python3 and torch (no virtual environment: the GPU build is there);
-# the repository is put on PYTHONPATH as the package `dspzoo`. Each step has its own time limit
-# and a failing step does not stop the others; every step's output goes to OUTDIR/gpu_checks.log.
+# Runs ${PYTHON:-python3}: the first python3 on PATH (an activated .venv's, else the machine's),
+# which needs a CUDA build of torch, pytest, accelerate and einops; without a CUDA device it
+# stops at once with one line (status 2). The repository is put on PYTHONPATH as the package
+# `dspzoo`. Each step has its own time limit and a failing step does not stop the others; the
+# exit status is the number of failed steps. OUTDIR receives gpu_checks.log (every step's
+# output), junit.xml, bench_video.json, bench_text.json and protein_r4096.json.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-$root/outputs/gpu}}
@@ -41,12 +44,23 @@ step() {
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
 }
 
+# without a GPU every CUDA case below would be skipped and the run would look green: stop here
+if ! "$py" -c 'import torch, pytest, accelerate, einops' >>"$log" 2>&1; then
+    echo "gpu_checks.sh: $py lacks torch, pytest, accelerate or einops (see $log);" \
+        "point PYTHON= at a python that has them (the GPU machine's own, or an activated .venv)" >&2
+    exit 2
+fi
+if ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    version=$("$py" -c 'import torch; print(torch.__version__)')
+    echo "gpu_checks.sh: $py (torch $version) sees no CUDA device; nothing run. These checks" \
+        "need a GPU and a CUDA build of torch: run them there, or point PYTHON= at such a" \
+        "python" | tee -a "$log" >&2
+    exit 2
+fi
+
 step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
     $py -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); \
 import importlib.util as u; print(\"flash_attn importable:\", u.find_spec(\"flash_attn\") is not None)'"
-
-# without a GPU every CUDA case below would be skipped and the run would look green
-step cuda 60 "$py" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"'
 
 step tests 240 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/junit.xml" \
     tests/test_attention.py tests/test_kernels.py tests/test_cuda_resume.py

@@ -315,6 +315,18 @@ def test_dspzoo_bench_prints_the_launch_command(capsys) -> None:
     line = capsys.readouterr().out.strip()
     assert line.startswith("accelerate launch --multi_gpu --num_processes 4 --num_machines 1")
     assert line.endswith("scripts/benchmark.py --model bytelm-tiny --seq-len 64")
+    assert main(["bench", "-n", "1"]) == 0  # Accelerate refuses --multi_gpu for one process
+    assert capsys.readouterr().out.startswith("accelerate launch --num_processes 1 --num_machines")
+
+
+def test_a_one_process_run_reproduces_without_a_launcher() -> None:
+    import argparse
+
+    from dspzoo.core.bench.runner import reproduce_command
+
+    args = argparse.Namespace()
+    assert reproduce_command(args, 1).startswith("python ")
+    assert reproduce_command(args, 2).startswith("accelerate launch --multi_gpu --num_processes 2")
 
 
 def test_two_runs_side_by_side() -> None:

@@ -104,3 +104,22 @@ def test_case_moves_to_a_device():
     case = build_case(args, 1).to("meta")
     assert all(p.device.type == "meta" for p in case.model.parameters())
     assert all(t.device.type == "meta" for t in case.inputs.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_checks_stops_at_once_without_cuda(tmp_path):
+    """Without a CUDA device the script runs nothing (every CUDA case would be skipped and the
+    run look green) and says so in one line, status 2."""
+    import os
+    import sys
+
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(tmp_path)],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "sees no CUDA device; nothing run" in done.stderr
+    assert "== tests" not in done.stdout  # no step ran

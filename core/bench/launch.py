@@ -16,7 +16,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--num-processes", type=int, default=2, help="SP size N")
+    parser.add_argument(
+        "-n",
+        "--num-processes",
+        type=int,
+        default=2,
+        help="processes = SP size N (default 2); 1 runs SP 1 in one process",
+    )
     parser.add_argument("--run", action="store_true", help="launch it (default: print it)")
     parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="after --: scripts/benchmark.py flags"
@@ -51,9 +57,12 @@ def misplaced_flags_message(argv: list[str]) -> str:
 
 
 def command(num_processes: int, script_args: list[str]) -> list[str]:
+    """The ``accelerate launch`` line (``--multi_gpu`` only for several processes: Accelerate
+    refuses it for one)."""
     extra = script_args[1:] if script_args[:1] == ["--"] else script_args
+    multi = ["--multi_gpu"] if num_processes > 1 else []
     return [
-        "accelerate", "launch", "--multi_gpu", "--num_processes", str(num_processes),
+        "accelerate", "launch", *multi, "--num_processes", str(num_processes),
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         str(SCRIPT), *extra,
     ]  # fmt: skip

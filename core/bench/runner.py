@@ -630,6 +630,8 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
 def reproduce_command(args: argparse.Namespace, world: int) -> str:
     argv = " ".join(shlex.quote(a) for a in sys.argv[1:])
     script = os.path.relpath(sys.argv[0]) if sys.argv[0].endswith(".py") else "scripts/benchmark.py"
+    if world == 1:  # one process needs no launcher (and Accelerate refuses --multi_gpu for it)
+        return f"python {script} {argv}".strip()
     return (
         f"accelerate launch --multi_gpu --num_processes {world} --num_machines 1 "
         f"--mixed_precision no --dynamo_backend no {script} {argv}"
