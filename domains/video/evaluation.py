@@ -53,13 +53,14 @@ def heldout_flow_loss(
         )
     )
     batch = [data[i] for i in range(clips)]
-    x0 = codec.encode(torch.stack([b["video"] for b in batch]))
-    labels = torch.stack([b["label"] for b in batch])
-    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device  # the clips go where the model is (a GPU too)
+    x0 = codec.encode(torch.stack([b["video"] for b in batch])).to(device)
+    labels = torch.stack([b["label"] for b in batch]).to(device)
+    generator = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same on any device
     model.eval()
     total = 0.0
     for t_value in torch.linspace(0.05, 0.95, timesteps).tolist():
-        t = torch.full((clips,), t_value)
+        t = torch.full((clips,), t_value, device=device)
         noise = torch.randn(x0.shape, generator=generator)
         xt, velocity = noisy_pair(x0, t, noise=noise)
         out = model(xt, t * TIMESTEP_SCALE, y=labels, sp=SeqParallel())
