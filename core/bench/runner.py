@@ -428,14 +428,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def summarise(
-    args,
-    case,
-    gathered,
-    names,
-    skipped,
-    sp,
-    world,
-    layout,
+    args: argparse.Namespace,
+    case: Case,
+    gathered: list[dict[str, dict[str, Any]]],
+    names: list[str],
+    skipped: dict[str, str],
+    sp: int,
+    world: int,
+    layout: str,
     probed: Rates | None = None,
     device: str = "cpu",
 ) -> dict[str, Any]:
