@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         sp=sp,
         progress=mesh.is_main,
     )
-    latency = torch.tensor([result.seconds])
+    latency = torch.tensor([result.seconds], device=accelerator.device)  # NCCL: CUDA tensors
     if dist.is_initialized():
         dist.all_reduce(latency, op=dist.ReduceOp.MAX)
     if mesh.is_main:

@@ -40,16 +40,17 @@ def heldout_bits_per_byte(
     """Mean next-byte cross-entropy in bits over the first ``windows`` held-out windows.
 
     The same windows and split as ``--eval-every`` in training (``--val-fraction`` at the end
-    of the data, ``seq_len``-byte windows).
+    of the data, ``seq_len``-byte windows). The windows go to the model's device.
     """
     val = ByteWindows(resolve_data(data), seq_len, "val", val_fraction)
     count = min(windows, len(val))
     nats, total = 0.0, 0
+    device = next(model.parameters()).device
     model.eval()
     for first in range(0, count, batch):
         items = [val[i] for i in range(first, min(first + batch, count))]
-        tokens = torch.stack([it["tokens"] for it in items])
-        targets = torch.stack([it["targets"] for it in items])
+        tokens = torch.stack([it["tokens"] for it in items]).to(device)
+        targets = torch.stack([it["targets"] for it in items]).to(device)
         logits = model(tokens, sp=SeqParallel())
         nats += F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
         total += targets.numel()
