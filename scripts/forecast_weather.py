@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps < 1 or args.sp < 1:
         parser.error("--steps and --sp must be >= 1")
     try:
-        model = inference.load(args.model_dir, inference.WEATHER_FAMILIES)
-        _, mesh, sp = setup_accelerate(args.sp, strategy=args.sp_strategy)
+        accelerator, mesh, sp = setup_accelerate(args.sp, strategy=args.sp_strategy)
+        # on the accelerator's device (a GPU where there is one), as sample and predict do
+        model = inference.load(args.model_dir, inference.WEATHER_FAMILIES, accelerator.device)
         fc = inference.forecast_weather(
             model,
             steps=args.steps,
