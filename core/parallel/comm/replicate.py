@@ -32,7 +32,7 @@ from .group import (
     reduce_scatter_single,
 )
 from .settings import SETTINGS
-from .shm import start_blocks, sum_in_rank_order, transfer_channel
+from .shm import ShmReduceScatter, start_blocks, transfer_channel
 
 
 def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -199,14 +199,9 @@ def reduce_scatter_along(
         starts = offsets(sizes)
         mine = _rows(grad.shape, dim, sizes[r])
         sends = [grad.narrow(dim, starts[q], sizes[q]) for q in range(n)]
-        parts = [
-            sends[p] if p == r else torch.empty(mine, dtype=grad.dtype, device=grad.device)
-            for p in range(n)
-        ]
-        receives: list[torch.Tensor | None] = [None if p == r else parts[p] for p in range(n)]
+        out = torch.empty(mine, dtype=grad.dtype, device=grad.device)
         with guard(f"reduce_scatter ({phase})", group, region, grad.device):
-            start_blocks(channel, sends, receives, "reduce_scatter").wait()
-        out = sum_in_rank_order(parts, torch.empty_like(parts[r]))
+            ShmReduceScatter(channel, sends, out).wait()
         chunk = math.prod(_rows(grad.shape, dim, longest)) * grad.element_size()
         record("reduce_scatter", (n - 1) * chunk, group, out, phase, region)
         return out

@@ -730,6 +730,25 @@ def sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Ten
     return out
 
 
+class ShmReduceScatter:
+    """A reduce-scatter through the channel, in flight: ``sends[q]`` (indexed by group rank,
+    any strides, each shaped like ``out``) goes to each peer ``q``, each peer's block for this
+    rank lands in a part of its own, and :meth:`wait` sums every rank's block into ``out`` in
+    rank order (:func:`sum_in_rank_order`: deterministic)."""
+
+    def __init__(self, channel: ShmChannel, sends: list[torch.Tensor], out: torch.Tensor) -> None:
+        r = channel.r
+        self.parts = [sends[r] if p == r else torch.empty_like(out) for p in range(channel.n)]
+        self.out = out
+        receives = [None if p == r else self.parts[p] for p in range(channel.n)]
+        self.work = start_blocks(channel, sends, receives, "reduce_scatter")
+
+    def wait(self) -> torch.Tensor:
+        """Complete the exchange and return ``out``, the sum."""
+        self.work.wait()
+        return sum_in_rank_order(self.parts, self.out)
+
+
 @dataclass(frozen=True)
 class ShmPlan:
     """One rank's switch on the shared-memory path: its layout, its group's channel and its

@@ -62,7 +62,7 @@ from ..comm import group_rank, group_size
 from ..comm.agreement import guard
 from ..comm.group import all_gather_single, record, reduce_scatter_single
 from ..comm.replicate import gather_for_local_use_agreed
-from ..comm.shm import ShmChannel, start_blocks, sum_in_rank_order, transfer_channel
+from ..comm.shm import ShmReduceScatter, start_blocks, transfer_channel
 from ..layout import shard_sizes
 from ..trace import comm_region, current_region
 from .blockwise import stats_dtype
@@ -278,23 +278,6 @@ class _Pending:
         return self.result
 
 
-class _ShmReduceScatter:
-    """The shared-memory reduce-scatter in flight: each peer's block for this rank lands in a
-    part of its own; :meth:`wait` sums every rank's block in rank order into ``result`` (the
-    same order on every rank: deterministic)."""
-
-    def __init__(self, channel: ShmChannel, send: torch.Tensor, result: torch.Tensor) -> None:
-        r = channel.r
-        self.parts = [send[r] if p == r else torch.empty_like(result) for p in range(channel.n)]
-        self.result = result
-        receives = [None if p == r else self.parts[p] for p in range(channel.n)]
-        self.work = start_blocks(channel, list(send), receives, "reduce_scatter")
-
-    def wait(self) -> None:
-        self.work.wait()
-        sum_in_rank_order(self.parts, self.result)
-
-
 def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _Pending:
     """All-gather every rank's ``[B, seq_j, Hkv, 2D]`` padded to ``rows`` → ``[N, B, rows, …]``
     (started, not waited; traced as one forward ``all_gather`` of the padded block). Between
@@ -334,7 +317,7 @@ def _start_kv_reduce_scatter(
            "backward", region)  # fmt: skip
     channel = transfer_channel(group, send.device) if n > 1 else None
     return _Pending(
-        (lambda: _ShmReduceScatter(channel, send, recv))
+        (lambda: ShmReduceScatter(channel, list(send), recv))
         if channel is not None
         else lambda: reduce_scatter_single(recv, send.flatten(0, 1), group=group, async_op=True),
         send,
