@@ -74,8 +74,8 @@ def af2_block(
     from dspzoo.domains.protein import CONFIGS
     from dspzoo.domains.protein.model import EvoformerBlock, evoformer_plan
 
-    changes = {} if channel_chunk is None else {"mul_channel_chunk": channel_chunk}
-    cfg = replace(CONFIGS["af2"], num_blocks=1, chunk_size=chunk, **changes)
+    given = {"chunk_size": chunk, "mul_channel_chunk": channel_chunk}
+    cfg = replace(CONFIGS["af2"], num_blocks=1, **{k: v for k, v in given.items() if v is not None})
     torch.manual_seed(0)
     block = EvoformerBlock(cfg).eval().to(device)  # eval: no dropout
     plan = evoformer_plan(cfg, residues, depth, sp.size)

@@ -36,6 +36,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 from cuda_marks import DEVICES
+from test_video_training import COMMON as VIDEO_RUN
 
 from dspzoo.core.train import Trainer
 from dspzoo.domains.video.training import VideoTask, VideoTrainConfig
@@ -47,15 +48,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 STEPS, CUT = 4, 2
 COMMON = dict(
-    model="stdit-tiny",
+    VIDEO_RUN,  # the video training tests' small stdit-tiny run
     sp=1,
     steps=STEPS,
-    global_batch=2,
-    frames=5,
-    size=24,
-    num_samples=32,
-    log_every=1,
-    warmup=2,
     save_every=0,
     lr=1e-3,
     ema=0.9,

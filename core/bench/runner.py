@@ -524,8 +524,7 @@ def summarise(
     }
     if probed is not None:
         result["probe"] = asdict(probed)
-    on_gpu = result.get("device", "cpu") != "cpu"
-    if args.cluster == "this-cpu" and on_gpu:  # its rates are this host's CPU's, not the GPU's
+    if args.cluster == "this-cpu" and device != "cpu":  # its rates are the host CPU's
         result["prediction_skipped"] = (
             "no prediction: the run is on a GPU and the `this-cpu` cluster prices this host's "
             "CPU; name a preset with --cluster (e.g. h100-nvlink-ib)"

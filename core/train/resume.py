@@ -15,9 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..parallel.mesh import SPMesh, seed_everything
-
-if TYPE_CHECKING:
-    import torch
 from ..parallel.rng import mix_key
 from .checkpoint import (
     complete_checkpoints,
@@ -25,6 +22,9 @@ from .checkpoint import (
     read_progress,
     recover_interrupted_save,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("dspzoo.resume")
 

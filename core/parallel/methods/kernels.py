@@ -308,10 +308,9 @@ def _fused_piece(
     """One fused call on ``[Bf, H, L, D]`` views → ``out [Bf, H, Lq, D]``, ``lse [Bf, H, Lq]``
     (float32; float64 for float64 on the CPU)."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
-        return out, lse
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale
     )[:2]
