@@ -703,6 +703,32 @@ def _check_ring_transfers(rank: int, world: int) -> int:
     return checks
 
 
+def _check_shm_reduce_scatter(rank: int, world: int) -> int:
+    """:class:`ShmReduceScatter` with uneven blocks whose float32 sum depends on the order:
+    every rank gets exactly ``((b0 + b1) + b2) + …`` of its blocks, and no send is changed."""
+    from dspzoo.core.parallel.comm import shm
+
+    channel = shm.transfer_channel(dist.group.WORLD, torch.device("cpu"))
+    assert channel is not None
+    rows = [r + 1 for r in range(world)]  # uneven: rank q's result has q + 1 rows
+
+    def block(src: int, dst: int) -> torch.Tensor:  # what rank src sends rank dst
+        # 1, 1e8, -1e8, …: in float32 (1 + 1e8) - 1e8 = 0 but (-1e8 + 1e8) + 1 = 1, so from
+        # three ranks on any other order of the additions gives another sum
+        fill = {0: 1.0, 1: 1e8, 2: -1e8}.get(src, 0.25 * src)
+        return torch.full((rows[dst], 3), fill, dtype=torch.float32) + 0.001 * dst
+
+    sends = [block(rank, q) for q in range(world)]
+    kept = [t.clone() for t in sends]
+    out = shm.ShmReduceScatter(channel, sends, torch.empty(rows[rank], 3)).wait()
+    expected = block(0, rank).clone()
+    for src in range(1, world):
+        expected += block(src, rank)
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(sends, kept))
+    return 1
+
+
 def _check_workspace(rank: int, world: int) -> int:
     """The CPU send workspace is bounded by its limit and released on request."""
     with _direct_path(None):  # the packed path is the one with a send buffer
@@ -889,6 +915,7 @@ CHECKS = (
     _check_shm_switch,
     _check_shm_failures,
     _check_ring_transfers,
+    _check_shm_reduce_scatter,
 )
 
 

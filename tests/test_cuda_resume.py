@@ -48,7 +48,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 STEPS, CUT = 4, 2
 COMMON = dict(
-    VIDEO_RUN,  # the video training tests' small stdit-tiny run
+    VIDEO_RUN,  # the video training tests' small stdit-tiny run (their edits reach here too)
     sp=1,
     steps=STEPS,
     save_every=0,

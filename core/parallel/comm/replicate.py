@@ -201,7 +201,9 @@ def reduce_scatter_along(
         sends = [grad.narrow(dim, starts[q], sizes[q]) for q in range(n)]
         out = torch.empty(mine, dtype=grad.dtype, device=grad.device)
         with guard(f"reduce_scatter ({phase})", group, region, grad.device):
-            ShmReduceScatter(channel, sends, out).wait()
+            exchange = ShmReduceScatter(channel, sends, out)
+            exchange.work.wait()
+        exchange.total()  # local work: outside the collective's guard
         chunk = math.prod(_rows(grad.shape, dim, longest)) * grad.element_size()
         record("reduce_scatter", (n - 1) * chunk, group, out, phase, region)
         return out

@@ -732,9 +732,10 @@ def sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Ten
 
 class ShmReduceScatter:
     """A reduce-scatter through the channel, in flight: ``sends[q]`` (indexed by group rank,
-    any strides, each shaped like ``out``) goes to each peer ``q``, each peer's block for this
-    rank lands in a part of its own, and :meth:`wait` sums every rank's block into ``out`` in
-    rank order (:func:`sum_in_rank_order`: deterministic)."""
+    any strides; shaped like peer ``q``'s result) goes to each peer ``q``, each peer's block
+    for this rank (shaped like ``out``) lands in a part of its own, and :meth:`total` sums
+    every rank's block into ``out`` in rank order (:func:`sum_in_rank_order`: deterministic).
+    This rank's own block is read from ``sends[r]`` in place, so ``out`` must not overlap it."""
 
     def __init__(self, channel: ShmChannel, sends: list[torch.Tensor], out: torch.Tensor) -> None:
         r = channel.r
@@ -743,10 +744,14 @@ class ShmReduceScatter:
         receives = [None if p == r else self.parts[p] for p in range(channel.n)]
         self.work = start_blocks(channel, sends, receives, "reduce_scatter")
 
-    def wait(self) -> torch.Tensor:
-        """Complete the exchange and return ``out``, the sum."""
-        self.work.wait()
+    def total(self) -> torch.Tensor:
+        """``out``, the rank-order sum of the parts (after the exchange is complete)."""
         return sum_in_rank_order(self.parts, self.out)
+
+    def wait(self) -> torch.Tensor:
+        """Complete the exchange and return :meth:`total`."""
+        self.work.wait()
+        return self.total()
 
 
 @dataclass(frozen=True)
