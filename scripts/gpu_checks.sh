@@ -2,7 +2,8 @@
 # The checks only a CUDA GPU can run, in one go (docs/gpu.md has the figures):
 #   1. the equivalence tests of the attention dispatch and the fused kernel on CUDA
 #      (tests/test_attention.py, tests/test_kernels.py: every CUDA case against float64), and
-#      EMA + checkpoint resume on CUDA (tests/test_cuda_resume.py);
+#      EMA + checkpoint resume on CUDA (tests/test_cuda_resume.py), and evaluation and the
+#      inference commands with the model on CUDA against the CPU (tests/test_cuda_inference.py);
 #   2. the blockwise methods' fused kernel against SDPA and the blockwise kernel at L 16384
 #      (scripts/bench_kernel_device.py);
 #   3. `dspzoo bench` at SP 1 on the GPU (scripts/benchmark.py in one process): absolute step
@@ -62,8 +63,9 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --f
     $py -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); \
 import importlib.util as u; print(\"flash_attn importable:\", u.find_spec(\"flash_attn\") is not None)'"
 
-step tests 240 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/junit.xml" \
-    tests/test_attention.py tests/test_kernels.py tests/test_cuda_resume.py
+step tests 300 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/junit.xml" \
+    tests/test_attention.py tests/test_kernels.py tests/test_cuda_resume.py \
+    tests/test_cuda_inference.py
 
 for spec in "video --model stdit-mini" "text --model bytelm-small --seq-len 2048"; do
     name=${spec%% *}
