@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .precision import Precision
+
 PEER = "deepspeed_ulysses"
 # Mamba models: the families whose sequence mixers are selective scans, and the three ways a
 # scan stage runs under SP that a Mamba case compares (``all`` means these for such a model)
@@ -57,6 +59,8 @@ class Case:
         batch: samples of the global batch.
         inputs: the global batch (sliced per DP group by :meth:`shard_batch`).
         overrides: config fields replaced at creation (also given to the cost model).
+        precision: what :meth:`step` runs in (``--mixed-precision``): fp32, or its forward
+            and loss under autocast with fp32 parameters.
     """
 
     name: str
@@ -68,6 +72,7 @@ class Case:
     overrides: dict[str, Any] = field(default_factory=dict)
     frames: int = 0
     latent: int = 0
+    precision: Precision = field(default_factory=Precision)
 
     @property
     def tokens(self) -> int:
@@ -120,19 +125,26 @@ class Case:
             f"global batch {self.batch}, {dims} = {self.tokens} tokens per step"
         )
 
-    def workload(self, batch: int) -> Any:
-        """The cost model's description of ``batch`` samples of this case."""
+    def workload(self, batch: int, itemsize: int | None = None) -> Any:
+        """The cost model's description of ``batch`` samples of this case, its activations
+        at ``itemsize`` bytes per element (default: the run's, :attr:`Precision.itemsize`)."""
         from dspzoo.zoo.workloads import workload_for
 
+        size = self.precision.itemsize if itemsize is None else itemsize
         if self.text:
             return workload_for(
-                self.name, batch=batch, seq_len=self.lengths["l"], overrides=self.overrides
+                self.name,
+                batch=batch,
+                seq_len=self.lengths["l"],
+                itemsize=size,
+                overrides=self.overrides,
             )
         return workload_for(
             self.name,
             batch=batch,
             frames=self.frames,
             spatial=self.latent,
+            itemsize=size,
             overrides=self.overrides,
         )
 
@@ -149,7 +161,14 @@ class Case:
         return {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in self.inputs.items()}
 
     def step(self, model: torch.nn.Module, sp: Any, inputs: dict[str, torch.Tensor]):
-        """This rank's loss and its output shard (a ``SeqTensor``; no output gather)."""
+        """This rank's loss and its output shard (a ``SeqTensor``; no output gather); the
+        forward and the loss under the case's autocast (:attr:`precision`), on the device of
+        ``inputs``. The caller's ``backward`` runs outside it, as PyTorch recommends."""
+        device_type = next(iter(inputs.values())).device.type
+        with self.precision.autocast(device_type):
+            return self._forward_and_loss(model, sp, inputs)
+
+    def _forward_and_loss(self, model: torch.nn.Module, sp: Any, inputs: dict[str, torch.Tensor]):
         from ..loss import sp_mse
 
         if self.text:
@@ -168,7 +187,8 @@ def build_case(args: argparse.Namespace, batch: int) -> Case:
     """The model (seeded, perturbed off its identity start) and ``batch`` samples of inputs.
 
     Reads ``--model``, ``--seq-len`` / ``--frames`` / ``--latent``, ``--kv-heads``,
-    ``--checkpoint``, ``--full-attention-every``, ``--perturb`` and ``--seed`` from ``args``.
+    ``--checkpoint``, ``--full-attention-every``, ``--perturb``, ``--seed`` and
+    ``--mixed-precision`` from ``args``.
     """
     from dspzoo.zoo import create_model
 
@@ -204,10 +224,11 @@ def build_case(args: argparse.Namespace, batch: int) -> Case:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * perturb)
     cfg = model.config
+    precision = Precision(getattr(args, "mixed_precision", "no"))
     if text:
         tokens = torch.randint(0, 256, (batch, args.seq_len + 1), generator=g)
         return Case(args.model, True, model.train(), {"l": args.seq_len}, batch,
-                    {"tokens": tokens}, overrides)  # fmt: skip
+                    {"tokens": tokens}, overrides, precision=precision)  # fmt: skip
     pt, ph, pw = cfg.patch
     lengths = {"t": args.frames // pt, "s": (args.latent // ph) * (args.latent // pw)}
     if family in MAMBA_VIDEO_FAMILIES:  # a grid model: t, h, w
@@ -220,7 +241,7 @@ def build_case(args: argparse.Namespace, batch: int) -> Case:
         "y": torch.randint(0, max(cfg.num_classes, 1), (batch,), generator=g),
     }
     return Case(args.model, False, model.eval(), lengths, batch, inputs, overrides,
-                args.frames, args.latent)  # fmt: skip
+                args.frames, args.latent, precision)  # fmt: skip
 
 
 def not_runnable(name: str, case: Case, sp: int) -> str | None:

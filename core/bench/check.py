@@ -4,7 +4,10 @@ Each rank runs the step once alone (``SeqParallel()``, no group) on its DP group
 the reference output ``[B, …]`` and every parameter gradient. A strategy's gathered output and
 its full gradients (the SP-group mean, the gradient contract; Megatron's reassembled tensors)
 are compared with them by relative error (``max|got − want| / max|want|``, the public
-harness's :func:`~dspzoo.core.harness.relative_error`).
+harness's :func:`~dspzoo.core.harness.relative_error`), flagged above the run's tolerance:
+``1e-4`` in fp32, a multiple of the dtype's epsilon under autocast
+(:func:`~dspzoo.core.bench.precision.tolerance`, where the value is argued). The reference runs
+the case's step, so under ``--mixed-precision`` it is one process under the same autocast.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from typing import Any
 import torch
 
 from ..harness import relative_error
+from .precision import FP32_RTOL
 
-# relative error above which a strategy is flagged as disagreeing with one process (fp32)
-RTOL = 1e-4
+# relative error above which a strategy is flagged as disagreeing with one process (fp32);
+# under autocast the tolerance follows the dtype (precision.tolerance)
+RTOL = FP32_RTOL
 ATOL = 1e-12
 
 
@@ -56,16 +61,21 @@ class Agreement:
     grad_error: float
     worst_param: str
     missing: list[str]
+    rtol: float = RTOL
 
     @property
     def ok(self) -> bool:
-        return self.output_error <= RTOL and self.grad_error <= RTOL and not self.missing
+        return self.output_error <= self.rtol and self.grad_error <= self.rtol and not self.missing
 
 
 def compare(
-    reference: Reference, output: torch.Tensor, grads: dict[str, torch.Tensor]
+    reference: Reference,
+    output: torch.Tensor,
+    grads: dict[str, torch.Tensor],
+    rtol: float = RTOL,
 ) -> Agreement:
-    """Output and every reference parameter's gradient against one process."""
+    """Output and every reference parameter's gradient against one process, flagged above
+    ``rtol`` (the run's: :attr:`~dspzoo.core.bench.precision.Precision.rtol`)."""
     out_err = relative_error(output, reference.output, ATOL)
     grad_err, worst, missing = 0.0, "", []
     for name, want in reference.grads.items():
@@ -76,4 +86,4 @@ def compare(
         err = relative_error(got, want, ATOL)
         if not err <= grad_err:
             grad_err, worst = err, name
-    return Agreement(out_err, grad_err, worst, missing)
+    return Agreement(out_err, grad_err, worst, missing, rtol)

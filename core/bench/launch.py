@@ -2,6 +2,10 @@
 
 dspzoo bench -n 2                                   # print the command (video default)
 dspzoo bench -n 2 --run -- --model bytelm-small     # run it; args after -- go to the script
+dspzoo bench -n 2 --mixed-precision bf16 --run      # the steps under bf16 autocast
+
+``--mixed-precision`` is the benchmark's own flag (it may also go after ``--``); Accelerate's
+``--mixed_precision`` stays ``no``: the benchmark autocasts its steps itself.
 """
 
 from __future__ import annotations
@@ -11,6 +15,11 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+
+from ..entry import UsageError
+from .precision import PRECISIONS, Precision, refuse_unsupported
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 
@@ -25,11 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--run", action="store_true", help="launch it (default: print it)")
     parser.add_argument(
+        "--mixed-precision",
+        choices=PRECISIONS,
+        default=None,
+        help="the steps under torch.autocast in this dtype, fp32 parameters (passed on to "
+        "scripts/benchmark.py; default: fp32 steps; fp16 needs a CUDA GPU)",
+    )
+    parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="after --: scripts/benchmark.py flags"
     )
 
 
-LAUNCH_FLAGS = ("-n", "--num-processes")
+LAUNCH_FLAGS = ("-n", "--num-processes", "--mixed-precision")
 
 
 def misplaced_flags_message(argv: list[str]) -> str:
@@ -68,8 +84,38 @@ def command(num_processes: int, script_args: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
+def script_arguments(args: argparse.Namespace) -> list[str]:
+    """The benchmark's flags: those after ``--``, with ``--mixed-precision`` when given to
+    ``dspzoo bench`` itself (a different value after ``--`` is refused)."""
+    extra = args.script_args[1:] if args.script_args[:1] == ["--"] else list(args.script_args)
+    precision = getattr(args, "mixed_precision", None)
+    if precision is None:
+        return extra
+    parsed, _ = _precision_parser().parse_known_args(extra)
+    if parsed.mixed_precision not in (None, precision):
+        raise UsageError(
+            f"--mixed-precision {precision} before `--` and --mixed-precision "
+            f"{parsed.mixed_precision} after it: give it once"
+        )
+    return extra if parsed.mixed_precision else [*extra, "--mixed-precision", precision]
+
+
+def _precision_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--mixed-precision", default=None)
+    return parser
+
+
 def run(args: argparse.Namespace) -> int:
-    cmd = command(args.num_processes, args.script_args)
+    try:
+        script_args = script_arguments(args)
+        if args.run:  # refused here rather than by every launched process
+            precision = _precision_parser().parse_known_args(script_args)[0].mixed_precision
+            refuse_unsupported(Precision(precision or "no"), torch.cuda.is_available())
+    except UsageError as exc:
+        print(f"dspzoo bench: error: {exc}", file=sys.stderr)
+        return 2
+    cmd = command(args.num_processes, script_args)
     print(shlex.join(cmd), flush=True)
     if not args.run:
         print("(printed, not run: add --run to launch it)", file=sys.stderr)

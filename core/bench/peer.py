@@ -97,7 +97,14 @@ class DeepSpeedUlysses(SeqParallel):
 class _Counter:
     def __init__(self) -> None:
         self.bytes = {"forward": 0, "backward": 0}
+        self.by_dtype: dict[tuple[str, str], int] = {}  # (phase, dtype name) -> bytes
         self.phase = "forward"
+
+    def add(self, tensor: torch.Tensor, n: int) -> None:
+        """Count ``n`` bytes of ``tensor``'s all-to-all in the current phase."""
+        self.bytes[self.phase] += n
+        key = (self.phase, str(tensor.dtype).replace("torch.", ""))
+        self.by_dtype[key] = self.by_dtype.get(key, 0) + n
 
 
 @contextlib.contextmanager
@@ -112,7 +119,7 @@ def count_deepspeed_bytes() -> Iterator[_Counter]:
     def counting(output, tensor, *args, **kwargs):
         group = kwargs.get("group")
         n = torch.distributed.get_world_size(group)
-        counter.bytes[counter.phase] += tensor.numel() * tensor.element_size() * (n - 1) // n
+        counter.add(tensor, tensor.numel() * tensor.element_size() * (n - 1) // n)
         return original(output, tensor, *args, **kwargs)
 
     ds_comm.all_to_all_single = counting

@@ -44,13 +44,46 @@ def time_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: the tracer's dtype names, short
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+def autocast(result: dict[str, Any]) -> bool:
+    """Whether the run's steps ran under autocast (``--mixed-precision`` bf16 or fp16)."""
+    return result.get("precision", "no") != "no"
+
+
+def sent_as(by_dtype: dict[str, int]) -> str:
+    """The floating-point dtypes a rank's collectives carried, as shares of its bytes
+    (``bf16 33%, fp32 67%``); integer control payloads (the input check's flag) left out."""
+    floats = {_DTYPE_NAMES[k]: v for k, v in by_dtype.items() if k in _DTYPE_NAMES}
+    total = sum(floats.values())
+    if not total:
+        return "–"
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(floats.items()))
+
+
+def _worst_rank_dtypes(row: dict[str, Any]) -> dict[str, int]:
+    """The dtype split of the rank that sent the most bytes."""
+    per = row.get("bytes_by_dtype") or [{}]
+    return max(per, key=lambda d: sum(d.values()))
+
+
 def bytes_table(result: dict[str, Any]) -> list[str]:
-    """Per strategy: its methods, bytes traced beside the formula, memory, the check."""
+    """Per strategy: its methods, bytes traced beside the formula, memory, the check.
+
+    Under autocast the formula in brackets is at the run's element size (``itemsize``), '='
+    compares the elements sent (16-bit payloads at fp32 size) with the formula at 4 bytes,
+    and a column says which dtypes the bytes went as."""
     checked = result.get("checked", False)
+    mixed = autocast(result)
     on_device = any(r.get("peak_device_bytes") for r in result["rows"])
+    formula = f"formula at {result['itemsize']} B/elem" if mixed else "formula"
     head = (
-        "| strategy | methods | fwd KiB/rank (formula) | bwd KiB/rank (formula) | = | ×dsp | "
-        "act. MiB | formula | ×dsp | traced step s | peak RSS MiB |"
+        f"| strategy | methods | fwd KiB/rank ({formula}) | bwd KiB/rank ({formula}) | "
+        f"{'= elements' if mixed else '='} | ×dsp |"
+        f"{' sent as |' if mixed else ''} act. MiB | formula | ×dsp | traced step s | "
+        "peak RSS MiB |"
     )
     if on_device:  # the CUDA allocator's peak in the traced step, above what was allocated before
         head += " peak GPU MiB (step) |"
@@ -64,6 +97,7 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
             f"{_kib(r['bytes_fwd'])} ({_kib(r['formula_bytes_fwd'])}) | "
             f"{_kib(r['bytes_bwd'])} ({_kib(r['formula_bytes_bwd'])}) | "
             f"{'yes' if r['formula_exact'] else 'NO'} | {_num(v['bytes'], '.2f')} | "
+            f"{sent_as(_worst_rank_dtypes(r)) + ' | ' if mixed else ''}"
             f"{r['activation_bytes'] / MiB:.2f} | {r['formula_activation_bytes'] / MiB:.2f} | "
             f"{v['activation']:.2f} | {r['traced_step_s']:.3f} | {r['peak_rss_bytes'] / MiB:,.0f} |"
         )
@@ -90,6 +124,22 @@ def _transport(result: dict[str, Any]) -> str:
     )
 
 
+def precision_note(result: dict[str, Any]) -> str:
+    """What a mixed-precision run means for its figures (the paragraph under the title)."""
+    size = result["itemsize"]
+    return (
+        f"Precision: {result['precision_label']}: every step's forward and loss (and the "
+        f"one-process reference's) under `torch.autocast`, the backward in the dtypes it chose. "
+        f"Bytes: what was sent, some collectives in {result['precision']}, others in fp32 "
+        f"(sent as: the worst rank's split); the formula prices activations at {size} bytes "
+        f"per element as the cost model does for this precision (ring's softmax statistics "
+        f"and dK/dV at 4), so a row that sent fp32 where the formula says {size} bytes shows "
+        f"more bytes than its formula; '= elements': the elements sent equal the formula's on "
+        f"every rank for every op and phase (16-bit payloads counted at fp32 size against the "
+        f"formula at 4 bytes per element). The check's tolerance follows the dtype."
+    )
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The tables (time; bytes, memory and the check), the skipped cases, the prediction error
     and the command."""
@@ -102,12 +152,13 @@ def markdown(result: dict[str, Any]) -> str:
     )
     check = (
         f"the gathered output and every parameter gradient against one process on the same "
-        f"samples (relative error, flagged above {result['rtol']:.0e})"
+        f"samples (relative error, flagged above "
+        f"{result['rtol']:{'.1e' if autocast(result) else '.0e'}})"
         if result.get("checked")
         else "no check against one process (--no-check)"
     )
     lines = [
-        f"## {result['case']}",
+        f"## {result['case']}" + (f" — {result['precision']} autocast" if autocast(result) else ""),
         "",
         f"mode `{result['mode']}`: {result['layout']}; {result['world']} processes "
         f"on {result.get('device', 'cpu')}, "
@@ -118,6 +169,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"for backward per rank (worst rank) beside `activation_bytes`; check: {check}.",
         "",
     ]
+    if autocast(result):
+        lines[-2] += " " + precision_note(result)
     if reps:
         lines += [*time_table(result), ""]
     lines += bytes_table(result)

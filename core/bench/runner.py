@@ -35,8 +35,9 @@ from ..parallel.methods.registry import METHODS
 from ..parallel.strategies import STRATEGIES
 from .auto_choice import AUTO, auto_choice, needs_own_row
 from .case import PEER, Case, build_case, select_strategies
-from .check import RTOL, Reference, compare, one_process_reference
+from .check import Reference, compare, one_process_reference
 from .meshes import MeshCache, ulysses_size_for
+from .precision import PRECISIONS, Precision, fp32_equivalent, refuse_unsupported
 from .stats import paired_ratios, spread
 
 MODES = ("sp", "weak", "strong", "end-to-end")
@@ -142,14 +143,8 @@ class Runner:
                 if peer is not None:
                     peer_ctx.__exit__(None, None, None)
         elapsed = _elapsed(start)
-        by_op: dict[str, int] = {}
-        for r in tracer.records:
-            if r.op in MODEL_OPS:
-                key = f"{r.op}/{r.phase}"
-                by_op[key] = by_op.get(key, 0) + r.bytes_sent
-        if peer is not None:  # DeepSpeed's own all-to-alls, counted at its comm layer
-            for ph, n in peer.bytes.items():
-                by_op[f"all_to_all/{ph}"] = by_op.get(f"all_to_all/{ph}", 0) + n
+        sent = _sent(tracer.records, peer)
+        by_op = _by_op(sent)
         total = sum(r.bytes_sent for r in tracer.records) + (
             sum(peer.bytes.values()) if peer else 0
         )
@@ -157,6 +152,10 @@ class Runner:
             "fwd_bytes": _phase_bytes(by_op, "forward"),
             "bwd_bytes": _phase_bytes(by_op, "backward"),
             "bytes_by_op": {k: v for k, v in by_op.items() if v},
+            # what the check compares with the formula at 4 bytes per element: 16-bit payloads
+            # counted at fp32 (the elements sent); the same as bytes_by_op in an fp32 run
+            "bytes_by_op_fp32": {k: v for k, v in _by_op(sent, fp32=True).items() if v},
+            "bytes_by_dtype": _by_dtype(sent),
             "all_bytes": total,
             "activation_bytes": meter.bytes,
             "loss": float(loss.detach()),
@@ -168,7 +167,7 @@ class Runner:
             with torch.no_grad():
                 full = self.sp.exit(out.with_tensor(out.tensor.detach()))
             grads = full_gradients(self.raw_model, self.sp, self.mesh, self.tensor_parallel)
-            agreement = compare(reference, full, grads)
+            agreement = compare(reference, full, grads, self.case.precision.rtol)
             result["agreement"] = agreement.__dict__
         self._sync_dp()
         return result
@@ -191,34 +190,73 @@ class Runner:
 
     def formula(self, rank_in_sp: int) -> dict[str, Any]:
         """The cost model for this rank, walking the plan the runtime makes: bytes by op and
-        phase (``comm_bytes``, exact), activation memory, and the plan itself."""
+        phase (``comm_bytes``, exact) at the run's element size and at 4 bytes per element
+        (what the check compares with the traced elements, :func:`fp32_equivalent`),
+        activation memory at the run's element size, and the plan itself."""
         from ..costmodel import activation_bytes, comm_bytes, make_plan
 
         name = "ulysses" if self.name == PEER else self.name
         per_group = self.case.batch // self.mesh.dp_size
+        wl32 = self.case.workload(per_group, itemsize=4)
         wl = self.case.workload(per_group)
         n = self.mesh.sp_size
         strategy = self.case.strategy(name)
         plan = None
         if n > 1:  # the plan the runtime makes (a scan method: its embedded strategy's)
             plan = (
-                make_plan(wl, strategy, n)
+                make_plan(wl32, strategy, n)
                 if isinstance(strategy, str)
-                else strategy.plan(wl.dims, wl.lengths, wl.period, n)
+                else strategy.plan(wl32.dims, wl32.lengths, wl32.period, n)
             )
-        counts = comm_bytes(
-            wl, plan or name, n, rank_in_sp, ulysses_size=self.ulysses or 1, exit_gather=False
-        )
-        by_op = {f"{op}/{ph}": b for (op, ph), (_, b) in counts.items() if b}
+
+        def by_op(workload: Any) -> Any:
+            return comm_bytes(
+                workload, plan or name, n, rank_in_sp, ulysses_size=self.ulysses or 1,
+                exit_gather=False,
+            )  # fmt: skip
+
+        counts = by_op(wl)
         methods = sorted({s.method for s in plan.steps} - {"local"}) if plan else []
         return {
             "fwd": counts.bytes(phase="forward"),
             "bwd": counts.bytes(phase="backward"),
-            "bytes_by_op": by_op,
+            "bytes_by_op": _nonzero(counts),
+            "bytes_by_op_fp32": _nonzero(counts if wl.itemsize == 4 else by_op(wl32)),
             "activation": activation_bytes(wl, plan or name, n, rank_in_sp),
             "plan": str(plan) if plan else "SP 1: no plan",
             "methods": methods or ["local"],
         }
+
+
+def _nonzero(counts: Any) -> dict[str, int]:
+    """``{"op/phase": bytes}`` of a ``comm_bytes`` count, its non-zero entries."""
+    return {f"{op}/{ph}": b for (op, ph), (_, b) in counts.items() if b}
+
+
+def _sent(records: list[Any], peer: Any) -> list[tuple[str, str, int]]:
+    """``(op/phase, dtype, bytes)`` of every collective the cost model counts
+    (:data:`MODEL_OPS`), DeepSpeed's own all-to-alls (``peer``, counted at its comm layer)
+    included."""
+    sent = [(f"{r.op}/{r.phase}", r.dtype, r.bytes_sent) for r in records if r.op in MODEL_OPS]
+    if peer is not None:
+        sent += [(f"all_to_all/{ph}", dtype, n) for (ph, dtype), n in peer.by_dtype.items()]
+    return sent
+
+
+def _by_op(sent: list[tuple[str, str, int]], fp32: bool = False) -> dict[str, int]:
+    """Bytes per ``op/phase``; ``fp32``: 16-bit payloads at fp32 size (:func:`fp32_equivalent`)."""
+    by_op: dict[str, int] = {}
+    for key, dtype, n in sent:
+        by_op[key] = by_op.get(key, 0) + (fp32_equivalent(n, dtype) if fp32 else n)
+    return by_op
+
+
+def _by_dtype(sent: list[tuple[str, str, int]]) -> dict[str, int]:
+    """Bytes per dtype sent (``float32``, ``bfloat16``, …)."""
+    out: dict[str, int] = {}
+    for _, dtype, n in sent:
+        out[dtype] = out.get(dtype, 0) + n
+    return {k: v for k, v in out.items() if v}
 
 
 def _phase_bytes(by_op: dict[str, int], phase: str) -> int:
@@ -466,10 +504,14 @@ def summarise(
             "formula_bytes_fwd": max(p["formula"]["fwd"] for p in per),
             "formula_bytes_bwd": max(p["formula"]["bwd"] for p in per),
             "formula_bytes": max(formula),
-            # every rank, every (op, phase): traced bytes == the cost model's walk of the plan
-            "formula_exact": all(p["bytes_by_op"] == p["formula"]["bytes_by_op"] for p in per),
+            # every rank, every (op, phase): the traced elements (16-bit payloads at fp32 size,
+            # so in an fp32 run the traced bytes) == the cost model's walk of the plan at fp32
+            "formula_exact": all(
+                p["bytes_by_op_fp32"] == p["formula"]["bytes_by_op_fp32"] for p in per
+            ),
             "bytes_by_op": [p["bytes_by_op"] for p in per],
             "formula_bytes_by_op": [p["formula"]["bytes_by_op"] for p in per],
+            "bytes_by_dtype": [p["bytes_by_dtype"] for p in per],
             "activation_bytes": max(p["activation_bytes"] for p in per),
             "formula_activation_bytes": max(p["formula"]["activation"] for p in per),
             "peak_rss_bytes": max(p["peak_rss_bytes"] for p in per),
@@ -486,9 +528,10 @@ def summarise(
             row["grad_error"] = max(a["grad_error"] for a in agree)
             row["worst_param"] = max(agree, key=lambda a: a["grad_error"])["worst_param"]
             row["missing_grads"] = sorted({m for a in agree for m in a["missing"]})
+            rtol = case.precision.rtol
             row["agrees"] = (
-                row["output_error"] <= RTOL
-                and row["grad_error"] <= RTOL
+                row["output_error"] <= rtol
+                and row["grad_error"] <= rtol
                 and not row["missing_grads"]
             )
         rows.append(row)
@@ -515,7 +558,10 @@ def summarise(
         "warmup": args.warmup,
         "reps": args.reps,
         "checked": not args.no_check,
-        "rtol": RTOL,
+        "rtol": case.precision.rtol,
+        "precision": case.precision.name,
+        "precision_label": case.precision.label,
+        "itemsize": case.precision.itemsize,
         "rows": rows,
         "skipped": skipped,
         "args": vars(args),
@@ -627,7 +673,15 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
 
 
 def reproduce_command(args: argparse.Namespace, world: int) -> str:
-    argv = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    """The command that reruns this benchmark: this process's flags, with
+    ``--mixed-precision`` whenever the run was not fp32. Accelerate's own
+    ``--mixed_precision`` stays ``no``: the benchmark autocasts its steps itself."""
+    words = sys.argv[1:]
+    precision = getattr(args, "mixed_precision", "no")
+    given = any(w == "--mixed-precision" or w.startswith("--mixed-precision=") for w in words)
+    if precision != "no" and not given:
+        words = [*words, "--mixed-precision", precision]
+    argv = " ".join(shlex.quote(a) for a in words)
     script = os.path.relpath(sys.argv[0]) if sys.argv[0].endswith(".py") else "scripts/benchmark.py"
     if world == 1:  # one process needs no launcher (and Accelerate refuses --multi_gpu for it)
         return f"python {script} {argv}".strip()
@@ -671,6 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: this-cpu, probed on the run's SP group after its timed repetitions; a "
         "preset such as h100-nvlink-ib; 'none' skips the comparison)",
     )
+    p.add_argument("--mixed-precision", choices=PRECISIONS, default="no",
+                   help="run every step's forward and loss under torch.autocast in this dtype, "
+                   "parameters fp32 (default no: fp32 steps; fp16 needs a CUDA GPU)")  # fmt: skip
     p.add_argument("--out", default="outputs/bench", help="folder for results.json/.md/.png")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -684,6 +741,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.warmup < 1 or args.reps < 0:
         raise SystemExit("--warmup must be ≥ 1 and --reps ≥ 0 (0: the traced step only)")
+    # every rank, before any process group: the same answer everywhere (a CPU run has no CUDA)
+    refuse_unsupported(Precision(args.mixed_precision), torch.cuda.is_available())
     result = run(args)
     if result is not None:
         write_report(result, args.out)

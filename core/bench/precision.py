@@ -1,0 +1,123 @@
+"""The benchmark's precision (``--mixed-precision no|bf16|fp16``): what the timed steps run in,
+how close to one process they must come, and how their bytes are counted.
+
+Mixed precision as training uses it: the parameters stay fp32 and every strategy's forward and
+loss (and those of the one-process reference of the check) run under
+``torch.autocast(device_type, dtype)``; the backward runs outside autocast, in the dtypes
+autocast chose for each forward op (PyTorch's recommended use). fp16 autocast needs a GPU: on a
+CPU it is refused (:func:`refuse_unsupported`) before any process group exists.
+
+**Tolerance of the check.** fp32 steps agree with one process up to ``1e-4`` (the summation
+order of the sharded reductions). Under autocast the parallel and the one-process step round
+different intermediate tensors to the low-precision dtype (a Megatron partial sum, a ring's
+blockwise softmax kept in fp32 where one process rounds the attention output, a switch of a
+bf16 tensor against none), so they differ by the dtype's rounding, amplified through the
+layers and the backward. The tolerance is :data:`ROUNDINGS` times the dtype's machine epsilon
+(:func:`tolerance`): bf16 (8 significant bits: ε = 2⁻⁷ = 7.8e-3) allows 6.2e-2, fp16 (11
+significant bits: ε = 2⁻¹⁰ = 9.8e-4) 7.8e-3. A wrong result the check exists to catch (a
+missing SP-group mean halves a gradient, a wrong shard swaps tokens) is off by O(1) and still
+fails (``tests/test_benchmark_precision.py``).
+
+**Bytes.** Under autocast some collectives carry 16-bit tensors (what a linear produced: the
+Q/K/V and outputs of Ulysses' all-to-alls) and others fp32 ones (the residual stream, which
+adds fp32 to the low-precision branch and stays fp32: DSP's switches; ring's fp32 dK/dV
+accumulators). The tracer records each collective's dtype; :func:`fp32_equivalent` scales a
+16-bit payload to fp32 bytes, so "traced = formula" compares the *elements* sent with the cost
+model's formula at 4 bytes per element, exactly, on every rank and (op, phase), whatever dtype
+each op sent. The report shows the bytes actually sent, by dtype, and the formula at the run's
+element size (:attr:`Precision.itemsize`, the cost model's ``Workload.itemsize``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..entry import UsageError
+
+#: the values of ``--mixed-precision``
+PRECISIONS = ("no", "bf16", "fp16")
+#: fp32 steps against one process: the summation order of sharded reductions
+FP32_RTOL = 1e-4
+#: the check's tolerance under autocast, in units of the dtype's machine epsilon: one rounding
+#: of a sum is ε/2; a step sums tens of them (a few roundings per layer that the parallel and
+#: the one-process step place differently, over the depth and again in the backward), so 8 ε
+#: is a bound the tiny and the default cases stay well below (measured: under 2 ε), while a
+#: wrong result (relative error ~1) stays far above it
+ROUNDINGS = 8
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_LOW_PRECISION = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One value of ``--mixed-precision``: ``"no"`` (fp32 steps) or an autocast dtype.
+
+    Attributes:
+        name: ``"no"``, ``"bf16"`` or ``"fp16"``.
+    """
+
+    name: str = "no"
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise UsageError(
+                f"--mixed-precision {self.name}: choose one of {', '.join(PRECISIONS)}"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype (``None``: no autocast, fp32)."""
+        return _DTYPES.get(self.name)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per activation element the cost model prices the run at."""
+        return 4 if self.dtype is None else self.dtype.itemsize
+
+    @property
+    def label(self) -> str:
+        """In words, for the report: ``fp32`` or ``bf16 autocast (fp32 parameters)``."""
+        return "fp32" if self.dtype is None else f"{self.name} autocast (fp32 parameters)"
+
+    @property
+    def rtol(self) -> float:
+        """The check's tolerance (see :func:`tolerance`)."""
+        return tolerance(self.dtype)
+
+    @contextlib.contextmanager
+    def autocast(self, device_type: str) -> Iterator[None]:
+        """``torch.autocast(device_type, dtype)`` for a low precision, else nothing."""
+        if self.dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=device_type, dtype=self.dtype):
+            yield
+
+
+def tolerance(dtype: torch.dtype | None) -> float:
+    """The check's relative tolerance: :data:`FP32_RTOL` for fp32 (``None``), else
+    :data:`ROUNDINGS` × the dtype's machine epsilon (bf16: 6.25e-2; fp16: 7.8e-3)."""
+    if dtype is None or dtype == torch.float32:
+        return FP32_RTOL
+    return ROUNDINGS * torch.finfo(dtype).eps
+
+
+def refuse_unsupported(precision: Precision, cuda: bool) -> None:
+    """Raise :class:`~dspzoo.core.entry.UsageError` for fp16 without CUDA (CPU autocast runs
+    bf16 only). Every rank calls it before any process group work, so all of them exit with
+    the same one line."""
+    if precision.name == "fp16" and not cuda:
+        raise UsageError(
+            "--mixed-precision fp16 needs a CUDA GPU: CPU autocast runs bf16 only "
+            "(use --mixed-precision bf16 on a CPU)"
+        )
+
+
+def fp32_equivalent(bytes_sent: int, dtype: str) -> int:
+    """A collective's payload in fp32 bytes: a 16-bit float payload (``bfloat16``,
+    ``float16``, the tracer's dtype names) counts twice, anything else as sent."""
+    return 2 * bytes_sent if dtype in _LOW_PRECISION else bytes_sent
