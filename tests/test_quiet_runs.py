@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,7 @@ def test_a_two_rank_text_run_says_each_line_once(tmp_path: Path) -> None:
     assert "Grad strides do not match" not in err and "Traceback" not in err, err
     assert err.count("Saving current state to") == 2  # a checkpoint at steps 1 and 2, once each
     assert err.count("dspzoo.text.train: done: 2 steps") == 1
+    # the log lines are written above the progress bar, never into the middle of its line
+    logged = [part for part in re.split(r"[\r\n]", err) if "dspzoo.text.train:" in part]
+    assert any(": step 2 " in part for part in logged), err
+    assert all(re.match(r"\d\d:\d\d:\d\d dspzoo", part) for part in logged), logged
