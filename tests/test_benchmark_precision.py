@@ -135,18 +135,20 @@ def test_a_bf16_run_at_sp2_sends_what_its_report_says(tmp_path: Path) -> None:
             assert sum(traced.values()) == sum(by_dtype.values())  # the split covers every byte
     # the rounding is real: fp32's tolerance would have flagged the runs
     assert max(r["grad_error"] for r in rows.values()) > FP32_RTOL
-    # what each sends: DSP switches the fp32 residual stream, so it sends twice the formula at
-    # 2 bytes per element; Ulysses' Q/K/V/output all-to-alls are bf16, equal to the formula
-    dsp, uly = rows["dsp"], rows["ulysses"]
+    # what each sends, byte for byte the cost model's formula at the run's element sizes: the
+    # linears' and attention's outputs in bf16, the residual stream in fp32 (DSP's switches,
+    # Megatron-SP's all-gather of a norm's output and its backward reduce-scatter)
+    for name, r in rows.items():
+        assert r["bytes_by_op"] == r["formula_bytes_by_op"], name
+    dsp, uly, meg = rows["dsp"], rows["ulysses"], rows["megatron_sp"]
     assert set(dsp["bytes_by_dtype"][0]) == {"float32", "int32"}  # int32: the input check
-    for traced, formula in zip(dsp["bytes_by_op"], dsp["formula_bytes_by_op"]):
-        for key in ("all_to_all/forward", "all_to_all/backward"):
-            assert traced[key] == 2 * formula[key] > 0, key
     assert set(uly["bytes_by_dtype"][0]) == {"bfloat16", "int32"}
-    assert uly["bytes_by_op"] == uly["formula_bytes_by_op"]
+    for traced in meg["bytes_by_op"]:  # the stream's collectives at 4 bytes, the others at 2
+        assert traced["all_gather/forward"] == 2 * traced["all_gather/backward"] > 0
+        assert traced["reduce_scatter/backward"] == 2 * traced["reduce_scatter/forward"] > 0
     assert uly["bytes"] < rows["ring"]["bytes"] == rows["ring"]["formula_bytes"]  # fp32 dK/dV
     table = (result["_out"] / "results.md").read_text()
-    assert "formula at 2 B/elem" in table and "| = elements |" in table
+    assert "formula at 2 B/elem, stream 4" in table and "| = elements |" in table
     assert "| yes | 1.00 | fp32 100% |" in table.split("| dsp | local |")[1].splitlines()[0]
     assert "| bf16 100% |" in table.split("| ulysses | ulysses |")[1].splitlines()[0]
     assert "bf16 33%, fp32 67%" in table.split("| ring | ring |")[1].splitlines()[0]

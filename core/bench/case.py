@@ -127,10 +127,14 @@ class Case:
 
     def workload(self, batch: int, itemsize: int | None = None) -> Any:
         """The cost model's description of ``batch`` samples of this case, its activations
-        at ``itemsize`` bytes per element (default: the run's, :attr:`Precision.itemsize`)."""
+        at ``itemsize`` bytes per element throughout (default: the run's element sizes,
+        :attr:`Precision.itemsize` and, for the residual stream, :attr:`Precision.stream_itemsize`)."""
         from dspzoo.zoo.workloads import workload_for
 
-        size = self.precision.itemsize if itemsize is None else itemsize
+        if itemsize is None:
+            wl = self.workload(batch, self.precision.itemsize)
+            return wl.with_(stream_itemsize=self.precision.stream_itemsize)
+        size = itemsize
         if self.text:
             return workload_for(
                 self.name,

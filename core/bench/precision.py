@@ -25,7 +25,10 @@ accumulators). The tracer records each collective's dtype; :func:`fp32_equivalen
 16-bit payload to fp32 bytes, so "traced = formula" compares the *elements* sent with the cost
 model's formula at 4 bytes per element, exactly, on every rank and (op, phase), whatever dtype
 each op sent. The report shows the bytes actually sent, by dtype, and the formula at the run's
-element size (:attr:`Precision.itemsize`, the cost model's ``Workload.itemsize``).
+element sizes (:attr:`Precision.itemsize` for what the linears and attention produce,
+:attr:`Precision.stream_itemsize` for the residual stream: the cost model's
+``Workload.itemsize`` and ``Workload.stream_itemsize``), which is then the bytes sent, exactly,
+for the video and text models' strategies (``tests/test_benchmark_precision.py``).
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ class Precision:
     def itemsize(self) -> int:
         """Bytes per activation element the cost model prices the run at."""
         return 4 if self.dtype is None else self.dtype.itemsize
+
+    @property
+    def stream_itemsize(self) -> int | None:
+        """Bytes per element of the residual stream where they differ from :attr:`itemsize`:
+        4 under autocast (``x + block(x)`` adds the 16-bit branch to fp32 ``x``), else
+        ``None`` (the cost model's ``Workload.stream_itemsize``)."""
+        return None if self.dtype is None else 4
 
     @property
     def label(self) -> str:

@@ -78,7 +78,11 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
     checked = result.get("checked", False)
     mixed = autocast(result)
     on_device = any(r.get("peak_device_bytes") for r in result["rows"])
-    formula = f"formula at {result['itemsize']} B/elem" if mixed else "formula"
+    formula = (
+        f"formula at {result['itemsize']} B/elem, stream {result.get('stream_itemsize', 4)}"
+        if mixed
+        else "formula"
+    )
     head = (
         f"| strategy | methods | fwd KiB/rank ({formula}) | bwd KiB/rank ({formula}) | "
         f"{'= elements' if mixed else '='} | ×dsp |"
@@ -131,10 +135,11 @@ def precision_note(result: dict[str, Any]) -> str:
         f"Precision: {result['precision_label']}: every step's forward and loss (and the "
         f"one-process reference's) under `torch.autocast`, the backward in the dtypes it chose. "
         f"Bytes: what was sent, some collectives in {result['precision']}, others in fp32 "
-        f"(sent as: the worst rank's split); the formula prices activations at {size} bytes "
-        f"per element as the cost model does for this precision (ring's softmax statistics "
-        f"and dK/dV at 4), so a row that sent fp32 where the formula says {size} bytes shows "
-        f"more bytes than its formula; '= elements': the elements sent equal the formula's on "
+        f"(sent as: the worst rank's split); the formula prices what the linears and attention "
+        f"produce at {size} bytes per element and the residual stream (DSP's switches, "
+        f"Megatron-SP's all-gather of a norm's output) at 4, as the cost model does for this "
+        f"precision (ring's softmax statistics and dK/dV at 4 too); '= elements': the elements "
+        f"sent equal the formula's on "
         f"every rank for every op and phase (16-bit payloads counted at fp32 size against the "
         f"formula at 4 bytes per element). The check's tolerance follows the dtype."
     )

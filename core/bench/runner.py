@@ -562,6 +562,7 @@ def summarise(
         "precision": case.precision.name,
         "precision_label": case.precision.label,
         "itemsize": case.precision.itemsize,
+        "stream_itemsize": case.precision.stream_itemsize or case.precision.itemsize,
         "rows": rows,
         "skipped": skipped,
         "args": vars(args),

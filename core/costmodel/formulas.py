@@ -97,6 +97,7 @@ def comm_bytes(
         return out
     plan = strategy if isinstance(strategy, Plan) else make_plan(workload, strategy, n, dim)
     isz, b, c = workload.itemsize, workload.batch, workload.hidden
+    stream = workload.residual_itemsize  # what switches and gathers of the stream carry
     lengths = dict(zip(workload.dims, workload.lengths))
     layout = plan.layout
 
@@ -113,16 +114,16 @@ def comm_bytes(
         for spec in layer:
             step = plan.step_for(spec.name)
             if step.sharded != cur and not gathered:
-                other = rest((cur, step.sharded)) * c * isz
+                other = rest((cur, step.sharded)) * c * stream
                 switch_bytes(out, sizes(cur), sizes(step.sharded), rank, other)
             cur = step.sharded
             method = get_method(step.method)
             gathered = method.name == "gather"
             if gathered:
-                gather_bytes(out, sizes(cur), rest((cur,)) * c * isz)
+                gather_bytes(out, sizes(cur), rest((cur,)) * c * stream)
             elif method.tensor_parallel:
                 for _ in range(spec.tp_pairs):
-                    megatron_pair_bytes(out, sizes(cur), rest((cur,)) * c, isz)
+                    megatron_pair_bytes(out, sizes(cur), rest((cur,)) * c, isz, stream)
             elif spec.attention and cur in spec.attention and method.name != "local":
                 attention_bytes(
                     out, workload, spec, step.method, cur, sizes(cur), rank, ulysses_size

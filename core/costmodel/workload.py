@@ -136,6 +136,12 @@ class Workload:
     elements per token entering the model and gathered at its exit (patch dims for video,
     1 byte id and ``vocab`` logits for text). ``context`` conditioning tokens feed every
     cross-attention. ``itemsize`` is the activation dtype's bytes (2 for bf16 training).
+    ``stream_itemsize``: the bytes of the residual stream where they differ (``None``: the
+    same). Under autocast with fp32 parameters (``--mixed-precision bf16``) the stream stays
+    fp32 (``x + block(x)`` adds a bf16 branch to fp32 ``x``), so what is sent of it — DSP's
+    switches, a gather for local use, Megatron-SP's all-gather of a norm's output and its
+    backward reduce-scatter — is 4 bytes while the linears' outputs are 2
+    (:attr:`residual_itemsize`).
     ``exit_last``: dims of which the head runs on, and the exit gathers, the last row alone
     (weather: ``t``, the forecast reads the last state's outputs only).
     ``loss_on_shard``: training computes its loss on each rank's output shard
@@ -162,6 +168,7 @@ class Workload:
     cond_dim: int = 0
     params: int = 0
     itemsize: int = 4
+    stream_itemsize: int | None = None
     exit_last: tuple[str, ...] = ()
     loss_on_shard: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -169,6 +176,11 @@ class Workload:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def residual_itemsize(self) -> int:
+        """Bytes per element of the residual stream (``stream_itemsize``, else ``itemsize``)."""
+        return self.itemsize if self.stream_itemsize is None else self.stream_itemsize
 
     @property
     def tokens(self) -> int:

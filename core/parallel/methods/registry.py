@@ -596,13 +596,21 @@ class MegatronSP(Method):
         )
 
 
-def megatron_pair_bytes(out: CommCount, sizes: list[int], rest_elems: int, isz: int) -> None:
-    """One Megatron linear pair: all-gather + reduce-scatter forward, their adjoints backward."""
+def megatron_pair_bytes(
+    out: CommCount, sizes: list[int], rest_elems: int, isz: int, stream_isz: int | None = None
+) -> None:
+    """One Megatron linear pair: all-gather + reduce-scatter forward, their adjoints backward.
+
+    The all-gather takes the stream (a norm's output, ``stream_isz`` bytes: fp32 under autocast)
+    and its adjoint reduce-scatters that tensor's gradient; the forward reduce-scatter sums the
+    row linear's partial outputs (``isz``) and its adjoint all-gathers their gradient."""
     n = len(sizes)
-    chunk = (n - 1) * max(sizes) * rest_elems * isz
-    for op in ("all_gather", "reduce_scatter"):
-        for phase in PHASES:
-            out.add(op, phase, chunk)
+    chunk = (n - 1) * max(sizes) * rest_elems
+    stream = chunk * (isz if stream_isz is None else stream_isz)
+    out.add("all_gather", "forward", stream)
+    out.add("all_gather", "backward", chunk * isz)
+    out.add("reduce_scatter", "forward", chunk * isz)
+    out.add("reduce_scatter", "backward", stream)
 
 
 def describe_methods() -> str:
