@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..costmodel.probe import AttentionShape, Rates, probe_group
+from ..entry import UsageError
 from ..parallel.comm.shm import transport
 from ..parallel.methods.registry import METHODS
 from ..parallel.strategies import STRATEGIES
@@ -693,7 +694,11 @@ def reproduce_command(args: argparse.Namespace, world: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    """The benchmark's flags; a bad one is one line, printed once per launch
+    (:class:`~dspzoo.core.argparser.CommandParser`), status 2."""
+    from ..argparser import CommandParser
+
+    p = CommandParser(
         prog="benchmark.py",
         description="Every sequence-parallel strategy on the same model, weights and inputs "
         "(see docs/benchmark.md).",
@@ -739,11 +744,16 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``scripts/benchmark.py`` (every launched process calls it)."""
     from .report import write_report
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.warmup < 1 or args.reps < 0:
-        raise SystemExit("--warmup must be ≥ 1 and --reps ≥ 0 (0: the traced step only)")
-    # every rank, before any process group: the same answer everywhere (a CPU run has no CUDA)
-    refuse_unsupported(Precision(args.mixed_precision), torch.cuda.is_available())
+        parser.error("--warmup must be ≥ 1 and --reps ≥ 0 (0: the traced step only)")
+    # every rank, before any process group: the same answer everywhere (a CPU run has no
+    # CUDA), said once per launch by the parser
+    try:
+        refuse_unsupported(Precision(args.mixed_precision), torch.cuda.is_available())
+    except UsageError as exc:
+        parser.error(str(exc))
     result = run(args)
     if result is not None:
         write_report(result, args.out)
