@@ -271,3 +271,22 @@ def test_the_zoo_page_is_current() -> None:
         cwd=Path(__file__).resolve().parents[1],
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("argv", [["list"], ["info", "stdit-720m"]])
+def test_a_reader_that_leaves_early_is_no_error(argv: list[str]) -> None:
+    """``dspzoo list | head -2``: the pipe is closed before the listing is written; the
+    command stops quietly with status 0 (it raised ``BrokenPipeError`` with a traceback)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspzoo", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # gone before the command (still importing) writes a line
+    try:
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 0, err
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -16,6 +16,7 @@ family module (a ``dspzoo.families`` entry point or ``DSPZOO_FAMILIES``) that fa
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from ..core.argparser import CommandParser
@@ -53,6 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     except FamilyImportError as exc:  # a broken plugin: say which, not a traceback
         print(f"dspzoo: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left early (``dspzoo list | head``): it had enough
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """Status 0 with stdout pointed at ``os.devnull``, so that flushing what is still buffered
+    at exit cannot raise ``BrokenPipeError`` again (Python's documented recipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 0
 
 
 def _main(argv: list[str] | None) -> int:
