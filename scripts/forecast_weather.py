@@ -1,8 +1,8 @@
 r"""Roll out an autoregressive forecast from a trained weather model, with DSP across processes.
 
-    dspzoo forecast weathertx-small-a1b-e1 --init-year 2059 --steps 20 --out forecast/
+    dspzoo forecast weathertx-small-a1b-e1 --init-year 2059 --steps 20 --out outputs/forecast/
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
-        -m dspzoo forecast weathertx-small-a1b-e1 --sp 2 --steps 20 --out forecast/
+        -m dspzoo forecast weathertx-small-a1b-e1 --sp 2 --steps 20 --out outputs/forecast/
 
 The model (``--model-dir`` when the script runs as ``python scripts/forecast_weather.py``) is
 a folder written by training (its final/) or a shipped model's name. The initial state is the
@@ -67,8 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lead", type=int, default=None, help="lead time per step (default: the shortest trained)"
     )
-    parser.add_argument("--out", default="forecast", help="output folder (default: forecast)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: forecast/ beside a folder's model, "
+        "outputs/<name>/forecast for a shipped name)",
+    )
     return parser
+
+
+def default_out(model_dir: str) -> Path:
+    """Where a forecast goes without ``--out``: ``forecast/`` beside a folder's model (as
+    ``dspzoo sample`` puts its clips), ``outputs/<name>/forecast`` for a shipped name (never
+    the working directory itself)."""
+    folder = Path(model_dir)
+    return (folder.parent if folder.is_dir() else Path("outputs") / folder.name) / "forecast"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = fc.summary()
     if mesh.is_main:
         data, forecast = fc.data, fc.forecast
-        out = Path(args.out)
+        out = Path(args.out) if args.out else default_out(args.model_dir)
         write_netcdf(data, forecast, out / "forecast.nc")
         for c, name in enumerate(data.fields.channels):
             plot_maps(data, forecast, out / f"maps_{name.replace('@', '_')}.png", channel=c)

@@ -146,6 +146,15 @@ def test_forecast_weather_is_what_the_command_writes(tmp_path) -> None:
         inference.forecast_weather("weathertx-small-a1b-e1", steps=1, init_year=1800)
 
 
+def test_forecast_without_out_writes_under_outputs(tmp_path, monkeypatch) -> None:
+    """No ``--out``: a shipped name's forecast goes to ``outputs/<name>/forecast`` (it went to
+    ``./forecast``, into whatever folder the command ran in)."""
+    monkeypatch.chdir(tmp_path)
+    _script("forecast_weather")(["--model-dir", "weathertx-small-a1b-e1", "--steps", "1"])
+    assert (tmp_path / "outputs" / "weathertx-small-a1b-e1" / "forecast" / "rmse.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+
+
 # -- Mamba models: recurrent decoding, the video Mamba sampler, the weather Mamba forecast -------
 def _mixers():
     from dspzoo.core.layers.mamba import Mamba1Config, Mamba1Mixer, Mamba2Config, Mamba2Mixer
