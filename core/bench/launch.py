@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..argparser import positive_int
 from ..entry import UsageError
 from .precision import PRECISIONS, Precision, refuse_unsupported
 
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-n",
         "--num-processes",
-        type=int,
+        type=positive_int,
         default=2,
         help="processes = SP size N (default 2); 1 runs SP 1 in one process",
     )
