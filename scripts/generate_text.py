@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> str:
             f"{result.trained_length}-byte windows the model was trained on",
             file=sys.stderr,
         )
-    print(result.text)
+    print(result.text, flush=True)  # before the stderr summary, also when both share a pipe
     print(
         f"[{len(result.new)} bytes in {result.seconds:.2f} s, "
         f"{len(result.new) / max(result.seconds, 1e-9):.0f} bytes/s]",

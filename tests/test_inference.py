@@ -132,6 +132,13 @@ def test_predict_protein_is_what_the_command_writes_and_sp2_agrees(folders, tmp_
         inference.predict_protein(folders["protein"], "ACDEFGHIK", [msa])
 
 
+def test_a_sample_size_the_patches_do_not_divide_is_named(folders) -> None:
+    """``--size 30`` with a 2× codec and 2×2 patches: the message names the size and a fix
+    (it named only the latent's shape and the patch)."""
+    with pytest.raises(ValueError, match=r"size 30 px does not fit .* multiple of 4 .* e\.g\. 28"):
+        inference.sample_video(folders["video"], per_class=1, steps=1, size=30)
+
+
 def test_forecast_weather_is_what_the_command_writes(tmp_path) -> None:
     """The shipped weather model, two steps from its default start (the last training year)."""
     fc = inference.forecast_weather("weathertx-small-a1b-e1", steps=2)

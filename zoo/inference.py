@@ -32,6 +32,7 @@ them (``scripts/sample_video.py``, ``generate_text.py``, ``predict_protein.py``,
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -163,9 +164,18 @@ def sample_video(
     frames = frames or settings["frames"]
     size = size or settings["size"]
     codec = PixelUnshuffleCodec(settings.get("codec_factor", 2))
-    if size % codec.factor:
-        raise ValueError(f"size {size} is not a multiple of the codec factor {codec.factor}")
     config = loaded.model.config
+    pt, ph, pw = getattr(config, "patch", (1, 1, 1))
+    side = math.lcm(ph, pw)
+    step = codec.factor * side  # pixels per patch side, through the codec
+    if size % step:
+        raise ValueError(
+            f"size {size} px does not fit this model: it must be a multiple of {step} (the "
+            f"codec's factor {codec.factor} times the patch side {side}), e.g. "
+            f"{max(step, size // step * step)}"
+        )
+    if frames % pt:
+        raise ValueError(f"frames {frames} must be a multiple of the temporal patch {pt}")
     if labels is None:
         labels = torch.arange(max(1, config.num_classes)).repeat_interleave(per_class)
     shape = (len(labels), config.in_channels, frames, size // codec.factor, size // codec.factor)
