@@ -79,6 +79,7 @@ class Axial3DTask(Task):
     config_type = Axial3DTrainConfig
     name = "axial3d"
     loss_name = "mse"
+    families = ("axial3d",)
     cfg: Axial3DTrainConfig
 
     def build_data(self) -> Dataset:

@@ -13,9 +13,11 @@ history to <output-dir>/losses.json.
 from __future__ import annotations
 
 from dspzoo.core.train.flags import TrainingCLI
-from dspzoo.examples.axial3d_training import Axial3DTrainConfig, train
+from dspzoo.examples.axial3d_training import Axial3DTask, Axial3DTrainConfig, train
 
-CLI = TrainingCLI(Axial3DTrainConfig, train, __doc__, "dspzoo.axial3d.train", "mse")
+CLI = TrainingCLI(
+    Axial3DTrainConfig, train, __doc__, "dspzoo.axial3d.train", "mse", task=Axial3DTask
+)
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":

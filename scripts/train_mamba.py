@@ -11,9 +11,11 @@ The data, losses (bits per byte), evaluation, checkpoints and --resume are the t
 from __future__ import annotations
 
 from dspzoo.core.train.flags import TrainingCLI
-from dspzoo.domains.mamba.training import MambaTrainConfig, train
+from dspzoo.domains.mamba.training import MambaTask, MambaTrainConfig, train
 
-CLI = TrainingCLI(MambaTrainConfig, train, __doc__, "dspzoo.mamba.train", "bits/byte")
+CLI = TrainingCLI(
+    MambaTrainConfig, train, __doc__, "dspzoo.mamba.train", "bits/byte", task=MambaTask
+)
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":

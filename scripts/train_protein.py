@@ -17,9 +17,11 @@ scripts/predict_protein.py needs).
 from __future__ import annotations
 
 from dspzoo.core.train.flags import TrainingCLI
-from dspzoo.domains.protein.training import ProteinTrainConfig, train
+from dspzoo.domains.protein.training import ProteinTask, ProteinTrainConfig, train
 
-CLI = TrainingCLI(ProteinTrainConfig, train, __doc__, "dspzoo.protein.train", "distogram loss")
+CLI = TrainingCLI(
+    ProteinTrainConfig, train, __doc__, "dspzoo.protein.train", "distogram loss", task=ProteinTask
+)
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":

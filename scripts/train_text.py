@@ -15,9 +15,9 @@ layout.
 from __future__ import annotations
 
 from dspzoo.core.train.flags import TrainingCLI
-from dspzoo.domains.text.training import TextTrainConfig, train
+from dspzoo.domains.text.training import TextTask, TextTrainConfig, train
 
-CLI = TrainingCLI(TextTrainConfig, train, __doc__, "dspzoo.text.train", "bits/byte")
+CLI = TrainingCLI(TextTrainConfig, train, __doc__, "dspzoo.text.train", "bits/byte", task=TextTask)
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ continues it exactly, at any layout.
 from __future__ import annotations
 
 from dspzoo.core.train.flags import TrainingCLI
-from dspzoo.domains.video.training import VideoTrainConfig, train
+from dspzoo.domains.video.training import VideoTask, VideoTrainConfig, train
 
-CLI = TrainingCLI(VideoTrainConfig, train, __doc__, "dspzoo.video.train", "losses")
+CLI = TrainingCLI(VideoTrainConfig, train, __doc__, "dspzoo.video.train", "losses", task=VideoTask)
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":

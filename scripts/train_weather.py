@@ -18,9 +18,11 @@ any layout.
 from __future__ import annotations
 
 from dspzoo.core.train.flags import TrainingCLI
-from dspzoo.domains.weather.training import WeatherTrainConfig, train
+from dspzoo.domains.weather.training import WeatherTask, WeatherTrainConfig, train
 
-CLI = TrainingCLI(WeatherTrainConfig, train, __doc__, "dspzoo.weather.train", "mse")
+CLI = TrainingCLI(
+    WeatherTrainConfig, train, __doc__, "dspzoo.weather.train", "mse", task=WeatherTask
+)
 build_parser, parse_args, main = CLI.build_parser, CLI.parse_args, CLI.main
 
 if __name__ == "__main__":

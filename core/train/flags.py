@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..argparser import CommandParser
@@ -87,14 +87,23 @@ def parse_config(
     argv: list[str] | None,
     description: str | None,
     defaults_shown: dict[str, str] | None = None,
+    check: Callable[[Any], None] | None = None,
 ) -> Any:
-    """Parse ``argv`` into a validated ``config_cls`` (its ``validate()``; errors exit 2)."""
+    """Parse ``argv`` into a validated ``config_cls`` (its ``validate()``, then ``check(cfg)``
+    if given). Bad input — in the flags, in building the config (``--init-from``'s weights),
+    in validating or checking it — is the parser's one-line error, printed once per launch,
+    and exits 2."""
+    from ..entry import USER_ERRORS, error_message
+
     parser = build_parser(config_cls, description, defaults_shown)
-    cfg = config_cls(**vars(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
     try:
+        cfg = config_cls(**vars(args))
         cfg.validate()
-    except ValueError as exc:
-        parser.error(str(exc))
+        if check is not None:
+            check(cfg)
+    except USER_ERRORS as exc:
+        parser.error(error_message(exc))
     return cfg
 
 
@@ -102,7 +111,10 @@ class TrainingCLI:
     """The command line of a training script: flags from ``config_cls``, then ``train``.
 
     ``train(cfg)`` returns ``{"is_main", "losses", "output_dir", …}``; ``loss_name`` names the
-    losses in the closing log line.
+    losses in the closing log line. ``task``, the domain's :class:`~dspzoo.core.train.task.Task`
+    class, checks the model while the flags are parsed (:meth:`Task.check_model`: a model of
+    another family is one line, status 2, before any process group or output folder exists),
+    and tells ``dspzoo train`` which families the domain trains.
     """
 
     SHOWN_DEFAULTS = {"output_dir": "default: outputs/<model>"}
@@ -114,9 +126,10 @@ class TrainingCLI:
         description: str | None,
         logger_name: str,
         loss_name: str = "losses",
+        task: type | None = None,
     ) -> None:
         self.config_cls, self.train, self.description = config_cls, train, description
-        self.logger_name, self.loss_name = logger_name, loss_name
+        self.logger_name, self.loss_name, self.task = logger_name, loss_name, task
 
     def build_parser(self) -> argparse.ArgumentParser:
         """One flag per config field, with its description and choices."""
@@ -124,7 +137,10 @@ class TrainingCLI:
 
     def parse_args(self, argv: list[str] | None = None) -> Any:
         """A validated config from ``--field-name value`` flags (errors exit 2)."""
-        return parse_config(self.config_cls, argv, self.description, self.SHOWN_DEFAULTS)
+        check = self.task.check_model if self.task is not None else None
+        return parse_config(
+            self.config_cls, argv, self.description, self.SHOWN_DEFAULTS, check=check
+        )
 
     def main(self, argv: list[str] | None = None) -> None:
         """Parse, train, and log the session's first and last loss."""

@@ -10,6 +10,7 @@ layout, logging, progress and the end of the run are the Trainer's::
     class WeatherTask(Task):
         config_type = WeatherTrainConfig
         name = "weather"
+        families = ("weathertx", "weathermamba")     # the model families it trains
         def build_data(self): ...                    # the training dataset
         def build_model(self): ...                   # seeded: identical on every rank
         def loss(self, model, batch, step, sp): ...  # keyed randomness from (seed, step, sample)
@@ -17,7 +18,8 @@ layout, logging, progress and the end of the run are the Trainer's::
         def final_extra(self, history, evals, figures): ...   # saved beside the weights
 
 The Trainer sets :attr:`accelerator`, :attr:`mesh`, :attr:`sp` and :attr:`output_dir` before it
-calls any of these (:meth:`Task.attach`).
+calls any of these (:meth:`Task.attach`); before the mesh exists it checks that ``--model`` is
+one of the task's :attr:`~Task.families` (:meth:`Task.check_model`).
 """
 
 from __future__ import annotations
@@ -43,12 +45,16 @@ class Task:
         loss_name: how the reported loss is called in the logs.
         run_settings: config fields that change the loss sequence: recorded in checkpoints,
             and a resumed run that changes one gets a warning naming it.
+        families: the zoo model families the task trains; ``--model`` (or ``--init-from``'s
+            weights) of another family is refused before the run sets anything up
+            (:meth:`check_model`). Empty: not checked (a task building its model itself).
     """
 
     config_type: ClassVar[type[RunConfig]] = RunConfig
     name: ClassVar[str] = "task"
     loss_name: ClassVar[str] = "loss"
     run_settings: ClassVar[tuple[str, ...]] = ("global_batch", "seed")
+    families: ClassVar[tuple[str, ...]] = ()
 
     accelerator: Any
     mesh: Any
@@ -62,6 +68,16 @@ class Task:
                 f"{type(cfg).__name__}"
             )
         self.cfg = cfg
+
+    @classmethod
+    def check_model(cls, cfg: RunConfig) -> None:
+        """Refuse a model the task cannot train, before anything is built or written: an
+        unknown ``--model`` (the zoo's did-you-mean error) or one of a family not in
+        :attr:`families` (``UsageError`` naming the family and the ``dspzoo train`` domain
+        that trains it; :func:`~dspzoo.core.train.families.check_trains`)."""
+        from .families import check_trains
+
+        check_trains(cls, cfg)
 
     def attach(self, accelerator: Any, mesh: Any, sp: Any, output_dir: Path) -> None:
         """Called by the Trainer once the mesh exists, before any other method."""

@@ -2,7 +2,8 @@
 
 ``Trainer(task).run()``:
 
-1. validates the config and builds the accelerator, the dp × sp mesh and the SP context
+1. checks that the task trains ``--model``'s family (:meth:`Task.check_model`), validates
+   the config and builds the accelerator, the dp × sp mesh and the SP context
    (:func:`~dspzoo.core.train.config.start_run`), then the task's data, model and optimizer,
    the warm-up/cosine schedule, the EMA the task asks for, and the SP-aware loader;
 2. prepares gradient synchronisation as the strategy says (:class:`GradientSync`: DDP on its
@@ -51,6 +52,7 @@ class Trainer:
     def setup(self) -> None:
         """Accelerator, mesh, data, model, optimizer, schedule, EMA and loader."""
         cfg, task = self.cfg, self.task
+        task.check_model(cfg)  # a model the task cannot train: refused before mesh and folder
         accelerator, mesh, sp, output_dir = start_run(cfg)
         self.accelerator, self.mesh, self.sp, self.output_dir = accelerator, mesh, sp, output_dir
         if mesh.is_main:  # the start-up summary: nodes, and where the SP and DP groups lie

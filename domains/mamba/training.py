@@ -34,15 +34,6 @@ class MambaTrainConfig(TextTrainConfig):
         tuple(STRATEGIES),
     )
 
-    def validate(self) -> None:
-        super().validate()
-        family = self.model.split("-", 1)[0].lower()
-        if family not in LM_FAMILIES:
-            raise ValueError(
-                f"--model {self.model!r} is not a Mamba LM; pick a {', '.join(LM_FAMILIES)} "
-                f"model (the video Mamba trains with `dspzoo train video --model videomamba-…`)"
-            )
-
 
 def build_model(cfg: MambaTrainConfig) -> torch.nn.Module:
     """The zoo model, seeded from ``cfg.seed`` alone (global RNG untouched); byte vocabulary."""
@@ -63,6 +54,7 @@ class MambaTask(TextTask):
 
     config_type = MambaTrainConfig
     name = "mamba"
+    families = LM_FAMILIES  # the video and weather Mambas train with their domains' Tasks
     cfg: MambaTrainConfig
 
     def build_model(self) -> torch.nn.Module:

@@ -239,6 +239,7 @@ class ProteinTask(Task):
     config_type = ProteinTrainConfig
     name = "protein"
     loss_name = "distogram loss"
+    families = ("evoformer",)
     run_settings = ("global_batch", "seed", "crop_size", "max_msa_rows")
     cfg: ProteinTrainConfig
 

@@ -124,6 +124,7 @@ class TextTask(Task):
     config_type = TextTrainConfig
     name = "text"
     loss_name = "bits/byte"
+    families = ("bytelm",)
     run_settings = ("global_batch", "seq_len", "seed")
     cfg: TextTrainConfig
 

@@ -129,6 +129,7 @@ class VideoTask(Task):
 
     config_type = VideoTrainConfig
     name = "video"
+    families = ("stdit", "latte", "videomamba")  # latte1 (the converted Latte-1) samples only
     cfg: VideoTrainConfig
 
     def build_data(self):

@@ -434,6 +434,7 @@ class WeatherTask(Task):
     config_type = WeatherTrainConfig
     name = "weather"
     loss_name = "mse"
+    families = WEATHER_FAMILIES
     run_settings = ("global_batch", "seed", "history", "stride", "leads", "data", "holdout_from")
     cfg: WeatherTrainConfig
 
