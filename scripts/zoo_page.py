@@ -30,6 +30,7 @@ DOMAINS = {
     "toy2d": "minimal example (domains/toy)",
     "mambalm": "Mamba-1 LM, transformers' layout (docs/mamba.md)",
     "mamba2lm": "Mamba-2 LM, transformers' layout (docs/mamba.md)",
+    "hybridlm": "hybrid Mamba-2 / attention LM (docs/mamba.md)",
     "videomamba": "video, scan orders (docs/mamba.md)",
     "weathermamba": "weather, axial scans (docs/mamba.md)",
     "spectro2d": "guide's second walk (examples/spectro2d.py)",
