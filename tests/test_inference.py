@@ -339,3 +339,19 @@ def test_forecast_with_a_weather_mamba_is_what_the_command_writes(mamba_folders,
         ["--model-dir", str(folder), "--steps", "2", "--out", str(tmp_path)]
     )
     assert written == summary == json.loads((tmp_path / "rmse.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "call, families",
+    [
+        ("sample_video", inference.VIDEO_FAMILIES),
+        ("generate_text", inference.TEXT_FAMILIES),
+        ("forecast_weather", inference.WEATHER_FAMILIES),
+    ],
+)
+def test_the_docs_table_names_the_families_each_call_takes(call: str, families: tuple) -> None:
+    """docs/inference.md's function table lists exactly the families the call accepts."""
+    rows = (REPO / "docs" / "inference.md").read_text().splitlines()
+    (row,) = [r for r in rows if r.startswith(f"| `{call}(")]
+    documented = set(re.findall(r"`([a-z0-9]+)`", row.split("|")[2]))
+    assert documented == set(families)
