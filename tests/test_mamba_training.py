@@ -57,8 +57,11 @@ def test_mamba2_lm_trains(tmp_path: Path, byte_file: Path) -> None:
 
 
 def test_non_mamba_model_is_refused(tmp_path: Path, byte_file: Path) -> None:
-    with pytest.raises(ValueError, match="is not a Mamba LM; pick a mambalm, mamba2lm, hybridlm"):
-        _config(tmp_path, byte_file, model="bytelm-tiny").validate()
+    from dspzoo.core.entry import UsageError
+    from dspzoo.domains.mamba.training import MambaTask
+
+    with pytest.raises(UsageError, match="dspzoo train mamba trains mambalm, mamba2lm, hybridlm"):
+        MambaTask.check_model(_config(tmp_path, byte_file, model="bytelm-tiny"))
 
 
 @pytest.mark.timeout(400)
