@@ -72,10 +72,11 @@ def test_a_model_of_another_family_is_one_line_naming_family_and_command(
     trains = ", ".join(TRAINS[domain])
     assert status == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith(f"dspzoo train {domain}: error: --model {model!r} is a"), (
-        err
-    )  # "a" or "an"
-    assert f" {family} model; dspzoo train {domain} trains {trains} models (e.g. " in err, err
+    article = "an" if family[0] in "aeiou" else "a"
+    assert err.startswith(
+        f"dspzoo train {domain}: error: --model {model!r} is {article} {family} model; "
+        f"dspzoo train {domain} trains {trains} models (e.g. "
+    ), err
     assert f"; for {family} use {command}" in err, err
     assert not out.exists() and list(alone.iterdir()) == []  # no train_config.json, no outputs/
 
