@@ -668,3 +668,26 @@ def test_contiguous_causal_lss_is_priced_unbalanced_like_ring() -> None:
     assert (
         predict(plain, "lss", n, h100).compute_s == predict(plain, "lss_zigzag", n, h100).compute_s
     )
+
+
+def test_causal_imbalance_follows_the_plans_methods_not_the_strategys_name() -> None:
+    """DSP's plan for a causal 1-D model with fewer heads than ranks runs ring on the contiguous
+    layout, so it is priced as ring is (it was priced balanced: 6.50 against ring's 11.92 TF per
+    rank for the LSS paper's model at SP 16); USP's imbalance is its ring's over the ``R = N/U``
+    slots, ``(2R − 1)/R``, not ``(2N − 1)/N``."""
+    from dspzoo.core.costmodel.cluster import PRESETS
+    from dspzoo.core.costmodel.formulas import forward_flops, make_plan
+
+    wl = workload_for("bytelm-lss-12l", seq_len=4096, batch=1, itemsize=2)  # 8 heads
+    h100, n = PRESETS["h100-nvlink-ib"], 16
+    dsp, ring = predict(wl, "dsp", n, h100), predict(wl, "ring", n, h100)
+    zigzag = predict(wl, "ring_zigzag", n, h100)
+    assert make_plan(wl, "dsp", n).steps[0].method == "ring"
+    assert (dsp.flops, dsp.compute_s) == (ring.flops, ring.compute_s)
+    assert dsp.flops > zigzag.flops
+    parts = forward_flops(wl)
+    share = parts.attention / parts.forward
+    u = 4  # the default grid at N = 16: Ulysses 4 × ring 4
+    usp = predict(wl, "usp", n, h100, ulysses_size=u)
+    r = n // u
+    assert usp.flops == pytest.approx(zigzag.flops * (1 + share * ((2 * r - 1) / r - 1)))

@@ -111,6 +111,18 @@ def _with_recomputation(counts: CommCount, exit_gather: int = 0) -> CommCount:
     return out
 
 
+def causal_work_factor(plan: Plan, ulysses: int = 1) -> float:
+    """The busiest rank's causal attention work over the average under ``plan``: the largest
+    factor of its methods on its layout (:meth:`Method.causal_work_factor`; 1 when balanced)."""
+    return max(
+        (
+            get_method(step.method).causal_work_factor(plan.sp_size, plan.layout, ulysses)
+            for step in plan.steps
+        ),
+        default=1.0,
+    )
+
+
 def predict(
     workload: Workload,
     strategy: str,
@@ -191,11 +203,11 @@ def predict(
     parts = forward_flops(workload)
     share = parts.attention / parts.forward if parts.forward else 0.0
     linear, attention = flops * (1 - share), flops * share
-    # causal attention on a contiguous layout (ring, LSS, USP's ring) is unbalanced: the last
-    # rank attends to every block before its own, (2N − 1)/N of the average (the zigzag
-    # layouts balance it)
-    if strategy in ("ring", "usp", "lss") and workload.causal and n > 1:
-        attention *= (2 * n - 1) / n
+    # causal attention on a contiguous layout (ring, LSS, USP's ring, and DSP where its plan
+    # runs one of them) is unbalanced: the last rank attends to every block before its own,
+    # (2N − 1)/N of the average (the zigzag layouts balance it); the plan's methods say
+    if workload.causal and plan is not None:
+        attention *= causal_work_factor(plan, ulysses_size or 1)
     flops = linear + attention
     nbytes, collectives = busiest.bytes(), busiest.count()
     # the attention at its own rate where it was measured apart (this-cpu), else the matmuls'

@@ -161,6 +161,15 @@ def gather_bytes(out: CommCount, sizes: list[int], row_bytes: int) -> None:
     out.add("reduce_scatter", "backward", chunk)
 
 
+def blockwise_causal_factor(blocks: int, layout: str) -> float:
+    """Causal work of the busiest of ``blocks`` query blocks attending to the key blocks up to
+    their own, over the average: ``(2B − 1)/B`` on a contiguous layout (the last block sees
+    every block), 1 on the zigzag layout (each rank's two chunks pair the short and the long)."""
+    if layout != "contiguous" or blocks < 2:
+        return 1.0
+    return (2 * blocks - 1) / blocks
+
+
 # -- methods ----------------------------------------------------------------------------------
 class Method:
     """One way to run a stage over the SP group (see the module docstring).
@@ -204,6 +213,11 @@ class Method:
     def saved_elements_per_token(self, kv_width: int, sp_size: int) -> int:
         """Elements per local token it saves for backward beyond one process's (LSS: K, V)."""
         return 0
+
+    def causal_work_factor(self, sp_size: int, layout: str, ulysses: int = 1) -> float:
+        """The busiest rank's causal attention work over the average, on the plan's
+        ``layout`` (1: balanced, as when every rank attends over whole sequences)."""
+        return 1.0
 
     def attention(
         self,
@@ -376,6 +390,9 @@ class Ring(Method):
     def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
         return 6.0 * sp_size
 
+    def causal_work_factor(self, sp_size: int, layout: str, ulysses: int = 1) -> float:
+        return blockwise_causal_factor(sp_size, layout)
+
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         ring_bytes(
             out, list(shape.seq), rank, shape.bf, shape.kv_heads, shape.head_dim, shape.itemsize
@@ -416,6 +433,9 @@ class LSS(Method):
 
     def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
         return 4.0 * sp_size
+
+    def causal_work_factor(self, sp_size: int, layout: str, ulysses: int = 1) -> float:
+        return blockwise_causal_factor(sp_size, layout)
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         n = len(shape.seq)
@@ -527,6 +547,11 @@ class USP(Method):
     def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
         ring = sp_size // max(ulysses, 1)
         return (8.0 if ulysses > 1 else 0.0) + (6.0 * ring if ring > 1 else 0.0)
+
+    def causal_work_factor(self, sp_size: int, layout: str, ulysses: int = 1) -> float:
+        # after the Ulysses switch each of the R = N/U slots holds a contiguous segment, and
+        # the ring over the slots is what is unbalanced
+        return blockwise_causal_factor(sp_size // max(ulysses, 1), layout)
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         seq, u = list(shape.seq), shape.ulysses
