@@ -76,14 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_out(model_dir: str) -> Path:
-    """Where a forecast goes without ``--out``: ``forecast/`` beside a folder's model (as
-    ``dspzoo sample`` puts its clips), ``outputs/<name>/forecast`` for a shipped name (never
-    the working directory itself)."""
-    folder = Path(model_dir)
-    return (folder.parent if folder.is_dir() else Path("outputs") / folder.name) / "forecast"
-
-
 def main(argv: list[str] | None = None) -> dict:
     from dspzoo.core.accelerate import setup_accelerate
     from dspzoo.domains.weather.forecast import plot_maps, plot_rmse, write_netcdf
@@ -116,16 +108,18 @@ def main(argv: list[str] | None = None) -> dict:
     result = fc.summary()
     if mesh.is_main:
         data, forecast = fc.data, fc.forecast
-        out = Path(args.out) if args.out else default_out(args.model_dir)
+        default = inference.default_output_folder(args.model_dir) / "forecast"
+        out = Path(args.out) if args.out else default
         write_netcdf(data, forecast, out / "forecast.nc")
         for c, name in enumerate(data.fields.channels):
             plot_maps(data, forecast, out / f"maps_{name.replace('@', '_')}.png", channel=c)
         plot_rmse(data, forecast, out / "rmse_vs_lead.png")
         (out / "rmse.json").write_text(json.dumps(result, indent=2))
         logger.info(
-            "forecast of %d steps from %s written to %s (model RMSE at lead %d: %s)",
+            "forecast of %d steps from %s on %s written to %s (model RMSE at lead %d: %s)",
             args.steps,
             result["init"],
+            accelerator.device.type,
             out,
             fc.lead,
             np.round(forecast.rmse["model"][0], 4).tolist(),

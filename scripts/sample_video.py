@@ -96,10 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     if mesh.is_main:
         video = result.video
         grid = video_grid(video, nrow=args.per_class)  # one row per class label
-        # a shipped model (given by name) has no output folder of its own
-        model_dir = Path(args.model_dir)
-        default = model_dir.parent if model_dir.is_dir() else Path("outputs") / model_dir.name
-        out = Path(args.out) if args.out else default / "samples.gif"
+        default = inference.default_output_folder(args.model_dir) / "samples.gif"
+        out = Path(args.out) if args.out else default
         write_video(grid, out, fps=6, upscale=args.upscale)
         strip = save_frame_strip_png(
             video_grid(video[:: args.per_class], nrow=1),
@@ -109,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         _, _, frames, height, width = video.shape
         print(
             f"sampled {len(video)} clips of {frames}×{height}×{width} with {args.steps} steps on "
-            f"{mesh.sp_size} SP rank(s): {float(latency):.2f} s "
+            f"{mesh.sp_size} SP rank(s) on {accelerator.device.type}: {float(latency):.2f} s "
             f"({float(latency) / args.steps * 1000:.1f} ms/step) -> {out} and {strip}"
         )
     accelerator.wait_for_everyone()

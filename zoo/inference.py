@@ -92,6 +92,16 @@ def load(
     return LoadedModel(model, folder, saved, load_extra(folder))
 
 
+def default_output_folder(model_ref: str | os.PathLike) -> Path:
+    """Where a command writes what it made from ``model_ref`` when given no ``--out``: beside
+    a folder's model (its parent folder, as training lays out ``<run>/final``), or
+    ``outputs/<name>`` for a shipped name — never the working directory itself."""
+    folder = Path(model_ref)
+    if folder.is_dir():
+        return folder.resolve().parent
+    return Path("outputs") / folder.name
+
+
 def _check_family(saved: str, wanted: str | tuple[str, ...] | None, where: Any) -> None:
     allowed = (wanted,) if isinstance(wanted, str) else wanted
     if allowed is not None and saved not in allowed:
