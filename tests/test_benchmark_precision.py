@@ -148,8 +148,9 @@ def test_a_bf16_run_at_sp2_sends_what_its_report_says(tmp_path: Path) -> None:
         assert traced["reduce_scatter/backward"] == 2 * traced["reduce_scatter/forward"] > 0
     assert uly["bytes"] < rows["ring"]["bytes"] == rows["ring"]["formula_bytes"]  # fp32 dK/dV
     table = (result["_out"] / "results.md").read_text()
-    assert "formula at 2 B/elem, stream 4" in table and "| = elements |" in table
-    assert "| yes | 1.00 | fp32 100% |" in table.split("| dsp | local |")[1].splitlines()[0]
+    assert all(r["formula_bytes_exact"] for r in rows.values())
+    assert "formula at 2 B/elem, stream 4" in table and "| = bytes/elements |" in table
+    assert "| bytes | 1.00 | fp32 100% |" in table.split("| dsp | local |")[1].splitlines()[0]
     assert "| bf16 100% |" in table.split("| ulysses | ulysses |")[1].splitlines()[0]
     assert "bf16 33%, fp32 67%" in table.split("| ring | ring |")[1].splitlines()[0]
 

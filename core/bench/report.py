@@ -69,6 +69,17 @@ def _worst_rank_dtypes(row: dict[str, Any]) -> dict[str, int]:
     return max(per, key=lambda d: sum(d.values()))
 
 
+def _exact(row: dict[str, Any], mixed: bool) -> str:
+    """The '=' cell: ``yes`` (fp32: traced bytes = formula); under autocast ``bytes`` (= the
+    formula byte for byte, each collective in its dtype), ``elements`` (only the elements
+    agree: the formula prices some collective in another dtype than it sent), else ``NO``."""
+    if not row["formula_exact"]:
+        return "NO"
+    if not mixed:
+        return "yes"
+    return "bytes" if row.get("formula_bytes_exact") else "elements"
+
+
 def bytes_table(result: dict[str, Any]) -> list[str]:
     """Per strategy: its methods, bytes traced beside the formula, memory, the check.
 
@@ -85,7 +96,7 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
     )
     head = (
         f"| strategy | methods | fwd KiB/rank ({formula}) | bwd KiB/rank ({formula}) | "
-        f"{'= elements' if mixed else '='} | ×dsp |"
+        f"{'= bytes/elements' if mixed else '='} | ×dsp |"
         f"{' sent as |' if mixed else ''} act. MiB | formula | ×dsp | traced step s | "
         "peak RSS MiB |"
     )
@@ -100,7 +111,7 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
             f"| {r['strategy']} | {'+'.join(r['methods'])} | "
             f"{_kib(r['bytes_fwd'])} ({_kib(r['formula_bytes_fwd'])}) | "
             f"{_kib(r['bytes_bwd'])} ({_kib(r['formula_bytes_bwd'])}) | "
-            f"{'yes' if r['formula_exact'] else 'NO'} | {_num(v['bytes'], '.2f')} | "
+            f"{_exact(r, mixed)} | {_num(v['bytes'], '.2f')} | "
             f"{sent_as(_worst_rank_dtypes(r)) + ' | ' if mixed else ''}"
             f"{r['activation_bytes'] / MiB:.2f} | {r['formula_activation_bytes'] / MiB:.2f} | "
             f"{v['activation']:.2f} | {r['traced_step_s']:.3f} | {r['peak_rss_bytes'] / MiB:,.0f} |"
@@ -135,13 +146,17 @@ def precision_note(result: dict[str, Any]) -> str:
         f"Precision: {result['precision_label']}: every step's forward and loss (and the "
         f"one-process reference's) under `torch.autocast`, the backward in the dtypes it chose. "
         f"Bytes: what was sent, some collectives in {result['precision']}, others in fp32 "
-        f"(sent as: the worst rank's split); the formula prices what the linears and attention "
+        f"(sent as: the worst rank's split). The formula prices what the linears and attention "
         f"produce at {size} bytes per element and the residual stream (DSP's switches, "
         f"Megatron-SP's all-gather of a norm's output) at 4, as the cost model does for this "
-        f"precision (ring's softmax statistics and dK/dV at 4 too); '= elements': the elements "
-        f"sent equal the formula's on "
-        f"every rank for every op and phase (16-bit payloads counted at fp32 size against the "
-        f"formula at 4 bytes per element). The check's tolerance follows the dtype."
+        f"precision (ring's softmax statistics and dK/dV at 4 too). '= bytes/elements', on "
+        f"every rank for every op and phase: 'bytes' where the bytes sent equal the formula's, "
+        f"'elements' where only the elements do (16-bit payloads counted at fp32 size against "
+        f"the formula at 4 bytes: some collective went in another dtype than the formula "
+        f"prices). The activation-memory formula counts every saved tensor at {size} bytes; "
+        f"autocast keeps the stream's and the norms' saved inputs in fp32 (and bf16 copies of "
+        f"the weights, which the meter counts), so it reads low. The check's tolerance follows "
+        f"the dtype."
     )
 
 

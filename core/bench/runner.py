@@ -510,6 +510,11 @@ def summarise(
             "formula_exact": all(
                 p["bytes_by_op_fp32"] == p["formula"]["bytes_by_op_fp32"] for p in per
             ),
+            # and byte for byte at the run's element sizes (under autocast: each collective
+            # priced in the dtype it sends; the same as formula_exact in an fp32 run)
+            "formula_bytes_exact": all(
+                p["bytes_by_op"] == p["formula"]["bytes_by_op"] for p in per
+            ),
             "bytes_by_op": [p["bytes_by_op"] for p in per],
             "formula_bytes_by_op": [p["formula"]["bytes_by_op"] for p in per],
             "bytes_by_dtype": [p["bytes_by_dtype"] for p in per],
