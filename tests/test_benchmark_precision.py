@@ -189,8 +189,15 @@ def test_dspzoo_bench_passes_the_flag_on_and_refuses_fp16_on_a_cpu(capsys) -> No
     assert line.endswith("scripts/benchmark.py --reps 1 --mixed-precision bf16")
     assert main(["bench", "-n", "2", "--mixed-precision", "fp16"]) == 0  # printed: for a GPU
     assert capsys.readouterr().out.strip().endswith("--mixed-precision fp16")
-    assert main(["bench", "-n", "2", "--mixed-precision", "fp16", "--run"]) == 2
-    assert capsys.readouterr().err.strip() == f"dspzoo bench: error: {FIX}"
-    assert main(["bench", "--run", "--", "--mixed-precision", "fp16"]) == 2
-    assert main(["bench", "--mixed-precision", "bf16", "--", "--mixed-precision=fp16"]) == 2
-    assert "give it once" in capsys.readouterr().err
+    for argv in (
+        ["bench", "-n", "2", "--mixed-precision", "fp16", "--run"],
+        ["bench", "--run", "--", "--mixed-precision", "fp16"],
+    ):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert refused.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"dspzoo bench: error: {FIX} (see dspzoo bench --help)"
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "--mixed-precision", "bf16", "--", "--mixed-precision=fp16"])
+    assert refused.value.code == 2 and "give it once" in capsys.readouterr().err

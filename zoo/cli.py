@@ -118,7 +118,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "bench":
         from ..core.bench.launch import run as bench_run
 
-        return bench_run(args)
+        return bench_run(args, bench)
     load_domains()
     if args.command == "plan":
         from .plan_cli import run

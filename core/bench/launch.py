@@ -107,15 +107,16 @@ def _precision_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print (``--run``: launch) the benchmark's command; bad flags are ``parser``'s usage
+    errors (one line, status 2, as every other ``dspzoo`` command says them)."""
     try:
         script_args = script_arguments(args)
         if args.run:  # refused here rather than by every launched process
             precision = _precision_parser().parse_known_args(script_args)[0].mixed_precision
             refuse_unsupported(Precision(precision or "no"), torch.cuda.is_available())
     except UsageError as exc:
-        print(f"dspzoo bench: error: {exc}", file=sys.stderr)
-        return 2
+        parser.error(str(exc))
     cmd = command(args.num_processes, script_args)
     print(shlex.join(cmd), flush=True)
     if not args.run:
