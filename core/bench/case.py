@@ -134,22 +134,11 @@ class Case:
         if itemsize is None:
             wl = self.workload(batch, self.precision.itemsize)
             return wl.with_(stream_itemsize=self.precision.stream_itemsize)
-        size = itemsize
-        if self.text:
-            return workload_for(
-                self.name,
-                batch=batch,
-                seq_len=self.lengths["l"],
-                itemsize=size,
-                overrides=self.overrides,
-            )
+        sizes = {"seq_len": self.lengths["l"]} if self.text else {
+            "frames": self.frames, "spatial": self.latent
+        }  # fmt: skip
         return workload_for(
-            self.name,
-            batch=batch,
-            frames=self.frames,
-            spatial=self.latent,
-            itemsize=size,
-            overrides=self.overrides,
+            self.name, batch=batch, itemsize=itemsize, overrides=self.overrides, **sizes
         )
 
     def to(self, device: torch.device | str) -> Case:
@@ -164,7 +153,9 @@ class Case:
         per = self.batch // dp_size
         return {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in self.inputs.items()}
 
-    def step(self, model: torch.nn.Module, sp: Any, inputs: dict[str, torch.Tensor]):
+    def step(
+        self, model: torch.nn.Module, sp: Any, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Any]:
         """This rank's loss and its output shard (a ``SeqTensor``; no output gather); the
         forward and the loss under the case's autocast (:attr:`precision`), on the device of
         ``inputs``. The caller's ``backward`` runs outside it, as PyTorch recommends."""
@@ -172,7 +163,9 @@ class Case:
         with self.precision.autocast(device_type):
             return self._forward_and_loss(model, sp, inputs)
 
-    def _forward_and_loss(self, model: torch.nn.Module, sp: Any, inputs: dict[str, torch.Tensor]):
+    def _forward_and_loss(
+        self, model: torch.nn.Module, sp: Any, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Any]:
         from ..loss import sp_mse
 
         if self.text:

@@ -113,7 +113,9 @@ def _with_recomputation(counts: CommCount, exit_gather: int = 0) -> CommCount:
 
 def causal_work_factor(plan: Plan, ulysses: int = 1) -> float:
     """The busiest rank's causal attention work over the average under ``plan``: the largest
-    factor of its methods on its layout (:meth:`Method.causal_work_factor`; 1 when balanced)."""
+    factor of its methods on its layout (:meth:`Method.causal_work_factor`; 1 when balanced).
+    Applied to all of the plan's attention FLOPs, it is exact for a plan whose attention
+    stages all run one method (every 1-D model) and an upper bound for a mixed one."""
     return max(
         (
             get_method(step.method).causal_work_factor(plan.sp_size, plan.layout, ulysses)

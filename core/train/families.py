@@ -21,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ..entry import UsageError
+from .config import _default_model
 
 if TYPE_CHECKING:
     from .task import Task
@@ -32,20 +33,16 @@ EXAMPLES = 4
 def model_family(cfg: Any) -> tuple[str, str]:
     """``(family, how the user gave it)`` of the model ``cfg`` trains.
 
-    With ``--init-from`` the family saved beside the weights (a shipped name or a folder; only
-    its ``config.json`` is read), otherwise ``--model``'s. Raises the zoo's ``KeyError`` /
-    ``ValueError`` (with its did-you-mean hint) for an unknown model name and
-    ``FileNotFoundError`` for missing weights.
+    ``cfg.model`` is the zoo config the run builds: ``--model``, or the one ``--init-from``'s
+    weights were saved as (the run config puts it there, :func:`~.config._model_of_weights`).
+    Raises the zoo's ``KeyError`` / ``ValueError`` (with its did-you-mean hint) for an unknown
+    model name.
     """
-    if getattr(cfg, "init_from", None):
-        from dspzoo.zoo.pretrained import _read_meta
-        from dspzoo.zoo.shipped import resolve_pretrained
-
-        family = str(_read_meta(resolve_pretrained(cfg.init_from))["family"])
-        return family, f"--init-from {cfg.init_from!r} holds {_a(family)} model"
     from dspzoo.zoo.registry import resolve_name, split_name
 
     family = split_name(resolve_name(cfg.model))[0]
+    if getattr(cfg, "init_from", None):
+        return family, f"--init-from {cfg.init_from!r} holds {_a(family)} model"
     return family, f"--model {cfg.model!r} is {_a(family)} model"
 
 
@@ -119,13 +116,11 @@ def _folded(families: tuple[str, ...]) -> set[str]:
 def check_trains(task_cls: type[Task], cfg: Any) -> None:
     """Refuse (``UsageError``) a model of a family ``task_cls`` does not train.
 
-    Cheap and local: it reads the model registry (or ``--init-from``'s ``config.json``),
-    builds nothing and needs no process group. A task that declares no families is not
+    Cheap and local: it reads the model registry, builds nothing and needs no process group. A task that declares no families is not
     checked (it may build its model without the zoo).
     """
     if not task_cls.families:
         return
     family, given = model_family(cfg)
     if family.casefold() not in _folded(task_cls.families):
-        default = type(cfg).__dataclass_fields__["model"].default
-        raise UsageError(refusal(task_cls, family, given, default))
+        raise UsageError(refusal(task_cls, family, given, _default_model(cfg)))

@@ -12,9 +12,12 @@ import argparse
 import dataclasses
 import typing
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..argparser import CommandParser
+
+if TYPE_CHECKING:
+    from .task import Task
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -126,7 +129,7 @@ class TrainingCLI:
         description: str | None,
         logger_name: str,
         loss_name: str = "losses",
-        task: type | None = None,
+        task: type[Task] | None = None,
     ) -> None:
         self.config_cls, self.train, self.description = config_cls, train, description
         self.logger_name, self.loss_name, self.task = logger_name, loss_name, task
