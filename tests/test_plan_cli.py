@@ -433,3 +433,15 @@ def test_plan_help_says_what_a_cluster_is() -> None:
     text = " ".join(build_parser().format_help().split())
     assert "a preset of published rates (default h100-nvlink-ib)" in text
     assert "this-cpu: rates measured on this machine" in text and "cached" in text
+
+
+def test_stream_bytes_price_the_switches_of_an_autocast_run(capsys) -> None:
+    """``--stream-bytes 4`` (autocast, fp32 parameters): DSP's switches carry the fp32 stream,
+    twice the bf16 bytes; Ulysses' all-to-alls carry what the linears produced, unchanged."""
+    argv = ("stdit-mini", "--frames", "16", "--size", "64", "--sp", "2", "--strategies",
+            "dsp,ulysses")  # fmt: skip
+    bf16 = _rows(_plan(capsys, *argv))
+    autocast = _rows(_plan(capsys, *argv, "--stream-bytes", "4"))
+    dsp, uly = ("2", "dsp"), ("2", "ulysses")
+    assert bf16[dsp][4:6] == ["224.00", "KiB"] and autocast[dsp][4:6] == ["448.00", "KiB"]
+    assert bf16[uly][4:6] == autocast[uly][4:6] == ["512.00", "KiB"]

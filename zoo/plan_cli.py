@@ -140,6 +140,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--dtype-bytes", type=positive_int, default=2, help="activation bytes (bf16: 2)")
     p.add_argument(
+        "--stream-bytes",
+        type=positive_int,
+        default=None,
+        help="bytes of the residual stream where they differ: 4 for training under autocast "
+        "with fp32 parameters (Accelerate's --mixed_precision bf16), whose stream stays fp32, "
+        "so DSP's switches and Megatron-SP's all-gathers send 4 bytes per element (default: "
+        "--dtype-bytes, a model held in bf16)",
+    )
+    p.add_argument(
         "--dp", type=positive_int, default=1, help="data-parallel groups (ZeRO sharding)"
     )
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
@@ -308,7 +317,7 @@ def workload_from_args(name: str, config: Any, sizing: Sizing, args: argparse.Na
     try:
         wl = workload_for(
             name, **kwargs, batch=args.batch, itemsize=args.dtype_bytes, dims=dims or None
-        )
+        ).with_(stream_itemsize=getattr(args, "stream_bytes", None))
     except ValueError as exc:
         raise ValueError(
             str(exc).replace("dims names", "--dims names").replace("with dims", "with --dims")
