@@ -7,7 +7,8 @@
 #   2. the blockwise methods' fused kernel against SDPA and the blockwise kernel at L 16384
 #      (scripts/bench_kernel_device.py);
 #   3. `dspzoo bench` at SP 1 on the GPU (scripts/benchmark.py in one process): absolute step
-#      times of the video and the text benchmark models;
+#      times of the video and the text benchmark models, and the video model under bf16 and
+#      fp16 autocast (--mixed-precision; fp16 runs only on a GPU);
 #   4. one af2-width Evoformer block forward at R = 4096 (chunked, SP 1): its peak memory beside
 #      scripts/protein_memory.py's model.
 #
@@ -16,8 +17,10 @@
 # Runs ${PYTHON:-python3}: the first python3 on PATH (an activated .venv's, else the machine's),
 # which needs a CUDA build of torch, pytest, accelerate and einops; without a CUDA device it
 # stops at once with one line (status 2). The repository is put on PYTHONPATH as the package
-# `dspzoo`. Each step has its own time limit and a failing step does not stop the others; the
-# exit status is the number of failed steps. OUTDIR receives gpu_checks.log (every step's
+# `dspzoo`. Each step has its own time limit, all of them share one budget (GPU_CHECKS_BUDGET_S,
+# default 780 s: a 15-minute device lease less the machine's start; a step is cut to what is
+# left, and skipped, as failed, when under 20 s is), and a failing step does not stop the others;
+# the exit status is the number of failed or skipped steps. OUTDIR receives gpu_checks.log (every step's
 # output), junit.xml, bench_video.json, bench_text.json and protein_r4096.json.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,10 +36,19 @@ cd "$root" || exit 1
 py=${PYTHON:-python3}
 failed=0
 
-# step NAME LIMIT_S COMMAND...: run it, log everything, print its tail and time
+budget_end=$((SECONDS + ${GPU_CHECKS_BUDGET_S:-780}))
+
+# step NAME LIMIT_S COMMAND...: run it within the budget, log everything, print its time
 step() {
     local name=$1 limit=$2
     shift 2
+    local left=$((budget_end - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        echo "== $name: skipped, ${left} s of the budget left" | tee -a "$log"
+        failed=$((failed + 1))
+        return
+    fi
+    [ "$limit" -le "$left" ] || limit=$left
     local start=$SECONDS
     echo "== $name: $*" | tee -a "$log"
     timeout "$limit" "$@" >>"$log" 2>&1
@@ -73,6 +85,13 @@ for spec in "video --model stdit-mini" "text --model bytelm-small --seq-len 2048
         --reps 10 --warmup 3 --cluster h100-nvlink-ib --out "$link/bench_$name"
     cp "$link/bench_$name/results.json" "$out/bench_$name.json" 2>/dev/null
     tail -n 25 "$link/bench_$name/results.md" 2>/dev/null
+done
+
+for precision in bf16 fp16; do
+    step "bench_video_$precision" 90 "$py" scripts/benchmark.py --model stdit-mini --peer off \
+        --no-progress --reps 5 --warmup 2 --cluster h100-nvlink-ib --mixed-precision "$precision" \
+        --out "$link/bench_video_$precision"
+    cp "$link/bench_video_$precision/results.json" "$out/bench_video_$precision.json" 2>/dev/null
 done
 
 for dtype in float32 bfloat16; do
