@@ -23,7 +23,13 @@ from test_benchmark import REPO, _launch
 from dspzoo.core.bench import build_parser
 from dspzoo.core.bench.case import build_case
 from dspzoo.core.bench.check import compare, one_process_reference
-from dspzoo.core.bench.precision import FP32_RTOL, Precision, fp32_equivalent, tolerance
+from dspzoo.core.bench.precision import (
+    FP32_RTOL,
+    Precision,
+    fp32_equivalent,
+    tolerance,
+    tolerance_for,
+)
 from dspzoo.core.bench.report import sent_as
 from dspzoo.core.parallel.strategies import STRATEGIES
 
@@ -82,6 +88,10 @@ def test_the_tolerance_follows_the_dtype_and_bytes_count_elements() -> None:
     assert sent_as({"int32": 4}) == "–"
     with pytest.raises(Exception, match="choose one of no, bf16, fp16"):
         Precision("fp8")
+    # the step's own rounding raises the tolerance of a deep model, never lowers the floor
+    assert tolerance_for(torch.bfloat16, 1e-3) == pytest.approx(BF16_RTOL)
+    assert tolerance_for(torch.bfloat16, 3e-2) == pytest.approx(4 * 3e-2)
+    assert tolerance_for(None, 0.5) == FP32_RTOL
 
 
 def test_the_check_still_catches_a_wrong_gradient_under_bf16() -> None:
@@ -97,7 +107,13 @@ def test_the_check_still_catches_a_wrong_gradient_under_bf16() -> None:
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in fp32.model.named_parameters()}
     output = out.tensor.detach()
-    rounded = compare(reference, output, grads, Precision("bf16").rtol)
+    # the reference measured its own rounding against this very fp32 step (the same errors,
+    # up to which of the two is the denominator's max)
+    against_fp32 = compare(reference, output, grads)
+    rounding = max(against_fp32.output_error, against_fp32.grad_error)
+    assert reference.rounding == pytest.approx(rounding, rel=1e-2) and rounding > FP32_RTOL
+    assert reference.rtol == tolerance_for(torch.bfloat16, reference.rounding)
+    rounded = compare(reference, output, grads)
     assert rounded.ok and max(rounded.output_error, rounded.grad_error) > FP32_RTOL
     assert not compare(reference, output, grads, FP32_RTOL).ok  # fp32's tolerance: too tight
     name = rounded.worst_param

@@ -5,21 +5,24 @@ the reference output ``[B, …]`` and every parameter gradient. A strategy's gat
 its full gradients (the SP-group mean, the gradient contract; Megatron's reassembled tensors)
 are compared with them by relative error (``max|got − want| / max|want|``, the public
 harness's :func:`~dspzoo.core.harness.relative_error`), flagged above the run's tolerance:
-``1e-4`` in fp32, a multiple of the dtype's epsilon under autocast
-(:func:`~dspzoo.core.bench.precision.tolerance`, where the value is argued). The reference runs
-the case's step, so under ``--mixed-precision`` it is one process under the same autocast.
+``1e-4`` in fp32. Under ``--mixed-precision`` the reference is one process under the same
+autocast, and the tolerance follows the rounding of that very computation: the reference is run
+once more in fp32, and the tolerance is the larger of a multiple of the dtype's epsilon and a
+multiple of how far the autocast reference lies from the fp32 one
+(:func:`~dspzoo.core.bench.precision.tolerance_for`, where the values are argued), so a deeper
+model, whose rounding grows with its depth, is not flagged for rounding alone.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..harness import relative_error
-from .precision import FP32_RTOL
+from .precision import FP32_RTOL, Precision, tolerance_for
 
 # relative error above which a strategy is flagged as disagreeing with one process (fp32);
 # under autocast the tolerance follows the dtype (precision.tolerance)
@@ -29,14 +32,33 @@ ATOL = 1e-12
 
 @dataclass
 class Reference:
-    """One process's output (gathered, ``[B, …]``) and parameter gradients, by name."""
+    """One process's output (gathered, ``[B, …]``) and parameter gradients, by name, and the
+    relative error above which a strategy disagrees with them (``rtol``)."""
 
     output: torch.Tensor
     grads: dict[str, torch.Tensor]
+    rtol: float = FP32_RTOL
+    rounding: float = 0.0  # under autocast: its relative error against the step in fp32
 
 
 def one_process_reference(case: Any, inputs: dict[str, torch.Tensor]) -> Reference:
-    """Run ``case``'s step on ``inputs`` in this process alone (a copy of the weights)."""
+    """Run ``case``'s step on ``inputs`` in this process alone (a copy of the weights), with
+    the tolerance of the check: under autocast measured against the same step in fp32."""
+    reference = _one_process(case, inputs)
+    if case.precision.dtype is None:
+        return reference
+    exact = _one_process(replace(case, precision=Precision()), inputs)
+    rounding = max(
+        relative_error(reference.output.float(), exact.output, ATOL),
+        *(relative_error(g, exact.grads[n], ATOL) for n, g in reference.grads.items()),
+    )
+    reference.rounding = rounding
+    reference.rtol = tolerance_for(case.precision.dtype, rounding)
+    return reference
+
+
+def _one_process(case: Any, inputs: dict[str, torch.Tensor]) -> Reference:
+    """``case``'s step on ``inputs`` in this process alone, on a copy of the weights."""
     from ..parallel.runtime import SeqParallel
 
     model = copy.deepcopy(case.model)
@@ -72,10 +94,11 @@ def compare(
     reference: Reference,
     output: torch.Tensor,
     grads: dict[str, torch.Tensor],
-    rtol: float = RTOL,
+    rtol: float | None = None,
 ) -> Agreement:
     """Output and every reference parameter's gradient against one process, flagged above
-    ``rtol`` (the run's: :attr:`~dspzoo.core.bench.precision.Precision.rtol`)."""
+    ``rtol`` (default: the reference's, :attr:`Reference.rtol`)."""
+    rtol = reference.rtol if rtol is None else rtol
     out_err = relative_error(output, reference.output, ATOL)
     grad_err, worst, missing = 0.0, "", []
     for name, want in reference.grads.items():

@@ -173,7 +173,14 @@ def markdown(result: dict[str, Any]) -> str:
     check = (
         f"the gathered output and every parameter gradient against one process on the same "
         f"samples (relative error, flagged above "
-        f"{result['rtol']:{'.1e' if autocast(result) else '.0e'}})"
+        f"{result['rtol']:{'.1e' if autocast(result) else '.0e'}}"
+        + (
+            f": the larger of 8 × the dtype's epsilon and 4 × the one-process step's own "
+            f"rounding, {max(r.get('reference_rounding', 0.0) for r in result['rows']):.1e} "
+            f"from the same step in fp32)"
+            if autocast(result)
+            else ")"
+        )
         if result.get("checked")
         else "no check against one process (--no-check)"
     )

@@ -168,8 +168,8 @@ class Runner:
             with torch.no_grad():
                 full = self.sp.exit(out.with_tensor(out.tensor.detach()))
             grads = full_gradients(self.raw_model, self.sp, self.mesh, self.tensor_parallel)
-            agreement = compare(reference, full, grads, self.case.precision.rtol)
-            result["agreement"] = agreement.__dict__
+            agreement = compare(reference, full, grads)
+            result["agreement"] = agreement.__dict__ | {"rounding": reference.rounding}
         self._sync_dp()
         return result
 
@@ -534,12 +534,13 @@ def summarise(
             row["grad_error"] = max(a["grad_error"] for a in agree)
             row["worst_param"] = max(agree, key=lambda a: a["grad_error"])["worst_param"]
             row["missing_grads"] = sorted({m for a in agree for m in a["missing"]})
-            rtol = case.precision.rtol
+            # each rank's own tolerance (under autocast: from its reference's rounding)
             row["agrees"] = (
-                row["output_error"] <= rtol
-                and row["grad_error"] <= rtol
+                all(a["output_error"] <= a["rtol"] and a["grad_error"] <= a["rtol"] for a in agree)
                 and not row["missing_grads"]
             )
+            row["rtol"] = max(a["rtol"] for a in agree)
+            row["reference_rounding"] = max(a["rounding"] for a in agree)
         rows.append(row)
     dsp = rows[0]
     for row in rows:
@@ -564,7 +565,7 @@ def summarise(
         "warmup": args.warmup,
         "reps": args.reps,
         "checked": not args.no_check,
-        "rtol": case.precision.rtol,
+        "rtol": max((r["rtol"] for r in rows if "rtol" in r), default=case.precision.rtol),
         "precision": case.precision.name,
         "precision_label": case.precision.label,
         "itemsize": case.precision.itemsize,
