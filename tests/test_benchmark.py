@@ -317,6 +317,8 @@ def test_dspzoo_bench_prints_the_launch_command(capsys) -> None:
     assert line.endswith("scripts/benchmark.py --model bytelm-tiny --seq-len 64")
     assert main(["bench", "-n", "1"]) == 0  # Accelerate refuses --multi_gpu for one process
     assert capsys.readouterr().out.startswith("accelerate launch --num_processes 1 --num_machines")
+    assert main(["bench", "--", "--help"]) == 0  # the benchmark's flags, not a launch command
+    assert capsys.readouterr().out.startswith("usage: benchmark.py")
     with pytest.raises(SystemExit) as refused:  # it ran the whole default benchmark in one process
         main(["bench", "-n", "0", "--run"])
     assert refused.value.code == 2

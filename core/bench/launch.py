@@ -110,6 +110,11 @@ def _precision_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print (``--run``: launch) the benchmark's command; bad flags are ``parser``'s usage
     errors (one line, status 2, as every other ``dspzoo`` command says them)."""
+    if {"-h", "--help"} & set(args.script_args):  # the benchmark's own flags, not a launch
+        from .runner import build_parser
+
+        build_parser().print_help()
+        return 0
     try:
         script_args = script_arguments(args)
         if args.run:  # refused here rather than by every launched process
