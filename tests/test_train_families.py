@@ -90,6 +90,29 @@ def test_a_family_no_domain_trains_says_so(alone: Path, capsys) -> None:
     ), err
 
 
+def test_a_domain_that_cannot_be_imported_is_named_not_ignored(monkeypatch) -> None:
+    """When a domain's training script cannot be imported (its optional dependencies are
+    missing), the refusal says so instead of claiming no domain trains the family."""
+    import importlib
+
+    from dspzoo.core.train import families
+    from dspzoo.domains.text.training import TextTask
+
+    real = importlib.import_module
+
+    def without_mamba(name: str, *args, **kwargs):
+        if name.endswith(".train_mamba"):
+            raise ImportError("no module named 'mamba_only_dependency'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(families.importlib, "import_module", without_mamba)
+    line = families.refusal(TextTask, "mambalm", "--model 'mambalm-tiny' is a mambalm model")
+    assert line.endswith(
+        "no `dspzoo train` domain that imports here trains mambalm models (could not import "
+        "the training scripts of mamba)"
+    ), line
+
+
 def test_a_misspelled_model_gets_did_you_mean_at_the_default_sp(alone: Path, capsys) -> None:
     """The default ``--sp 2`` on one process would need a launcher: the name comes first."""
     status, err = _train("video", "--model", "stdit-minni", "--steps", "2", capsys=capsys)

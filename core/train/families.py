@@ -26,6 +26,9 @@ from .config import _default_model
 if TYPE_CHECKING:
     from .task import Task
 
+UNKNOWN = "?"
+"""What :func:`training_domains` lists for a domain whose script could not be imported."""
+
 EXAMPLES = 4
 """How many model names the refusal offers as examples of what the task trains."""
 
@@ -60,7 +63,8 @@ def training_domains() -> dict[str, tuple[str, ...]]:
     for domain, module in COMMANDS["train"].scripts.items():
         try:
             script = importlib.import_module(f"dspzoo.scripts.{module}")
-        except ImportError:
+        except ImportError:  # its optional dependencies are missing: the hint says so
+            domains[domain] = (UNKNOWN,)
             continue
         task = getattr(getattr(script, "CLI", None), "task", None)
         if task is not None:
@@ -101,9 +105,15 @@ def refusal(task_cls: type[Task], family: str, given: str, default: str = "") ->
     examples = _examples(task_cls, default)
     example = f" (e.g. {', '.join(examples)})" if examples else ""
     elsewhere = [d for d, fams in domains.items() if family.casefold() in _folded(fams)]
+    unknown = sorted(d for d, fams in domains.items() if fams == (UNKNOWN,))
     if elsewhere:
         where = " or ".join(f"dspzoo train {d}" for d in elsewhere)
         hint = f"for {family} use {where}"
+    elif unknown:  # one of these may train it: say they could not be asked
+        hint = (
+            f"no `dspzoo train` domain that imports here trains {family} models (could not "
+            f"import the training scripts of {', '.join(unknown)})"
+        )
     else:
         hint = f"no `dspzoo train` domain trains {family} models"
     return f"{given}; {_command(task_cls, domains)} trains {trains} models{example}; {hint}"
