@@ -273,12 +273,12 @@ def test_the_zoo_page_is_current() -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("argv", [["list"], ["info", "stdit-720m"]])
-def test_a_reader_that_leaves_early_is_no_error(argv: list[str]) -> None:
+def test_a_reader_that_leaves_early_is_no_error() -> None:
     """``dspzoo list | head -2``: the pipe is closed before the listing is written; the
-    command stops quietly with status 0 (it raised ``BrokenPipeError`` with a traceback)."""
+    command stops quietly with status 0 (it raised ``BrokenPipeError`` with a traceback; the
+    CLI's entry point catches it for every command)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dspzoo", *argv],
+        [sys.executable, "-m", "dspzoo", "list"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
