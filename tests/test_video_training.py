@@ -218,3 +218,7 @@ def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) ->
             parse_args(bad)
         assert info.value.code == 2
     assert "--class-dropout must be in [0, 1]" in capsys.readouterr().err
+    # a yes/no flag is a switch, as the docs write it, and still takes a value
+    assert parse_args(["--fsdp"]).fsdp is True
+    assert parse_args(["--fsdp", "--activation-checkpointing"]).activation_checkpointing is True
+    assert parse_args(["--fsdp", "false"]).fsdp is False and parse_args([]).fsdp is False

@@ -74,6 +74,7 @@ def build_parser(
         choices = f.metadata.get("choices")
         default = "optional" if f.default is None else f"default: {f.default}"
         default = shown.get(f.name, default)
+        switch = {"nargs": "?", "const": True} if base is bool else {}  # bare --fsdp: true
         parser.add_argument(
             _option(f.name),
             type=parse_bool if base is bool else base,
@@ -81,6 +82,7 @@ def build_parser(
             choices=choices,
             metavar="{true,false}" if base is bool else (None if choices else f.name.upper()),
             help=f"{f.metadata.get('help', '')} ({default})",
+            **switch,
         )
     return parser
 
