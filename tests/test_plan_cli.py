@@ -179,6 +179,59 @@ def test_a_users_image_model_is_planned_by_its_own_dim_names(capsys) -> None:
         unregister_family("planimage")
 
 
+def test_a_users_family_gets_its_size_as_given_and_a_clear_error_below_one_token(capsys) -> None:
+    """``--size`` of a family of yours is not divided by ``--vae-stride`` (the help: "as they
+    are given"): it says what ``--latent`` says; a size below one token (the builder's patch)
+    or not a positive integer is one line naming the flag, not a ``ZeroDivisionError``."""
+    register_family("planimage", ImageModel, ImageConfig)
+    register_config("planimage", "tiny", ImageConfig())  # patch 4
+    register_workload("planimage", _image_workload)
+    try:
+        by_size = _plan(capsys, "planimage-tiny", "--size", "256")
+        assert "tokens (h=64, w=64)" in by_size[0]
+        assert by_size == _plan(capsys, "planimage-tiny", "--latent", "256")
+        strided = _plan(capsys, "planimage-tiny", "--size", "32x16", "--vae-stride", "4")
+        assert "tokens (h=8, w=4)" in strided[0]  # no VAE of its own: the stride is not applied
+        assert _error(capsys, "planimage-tiny", "--size", "2") == (
+            "dspzoo plan: error: planimage-tiny gets no token along h, w from --size 2: one token "
+            "covers more than that; give a larger size (see dspzoo plan --help)"
+        )
+        assert "along w from --latent 8x3:" in _error(capsys, "planimage-tiny", "--latent", "8x3")
+        for flag, text in (("--size", "0"), ("--latent", "x"), ("--size", "-4")):
+            assert f"{flag} takes H or HxW in positive integers" in _error(
+                capsys, "planimage-tiny", flag, text
+            )
+        both = _error(capsys, "planimage-tiny", "--size", "32", "--latent", "32")
+        assert "give the size once: --size or --latent" in both
+    finally:
+        unregister_family("planimage")
+    assert "no token along s from --latent 1:" in _error(capsys, "stdit-tiny", "--latent", "1")
+
+
+def test_the_methods_per_stage_leave_out_what_is_not_runnable(capsys) -> None:
+    """A strategy whose row is "not runnable" runs no stage: the "methods per stage" lines name
+    it on a ``not runnable`` line of its own, never with the methods it would have run."""
+    register_family("planimage", ImageModel, ImageConfig)  # no TP_PLAN: megatron_sp cannot run
+    register_config("planimage", "tiny", ImageConfig())
+    register_workload("planimage", _image_workload)
+    try:
+        image = _plan(capsys, "planimage-tiny", "--latent", "64")
+    finally:
+        unregister_family("planimage")
+    assert main(["axial3d-mini", "--frames", "8", "--latent", "32", "--sp", "4,8"]) == 0
+    axial = capsys.readouterr().out.splitlines()  # 4 heads: ulysses and megatron_sp stop at 4
+    for lines in (image, axial):
+        unrunnable = {key for key, cells in _rows(lines).items() if "runnable:" in cells}
+        methods = lines[lines.index("methods per stage (those not listed run locally):") + 1 :]
+        for line in methods:
+            sp, text, names = re.fullmatch(r"  SP (\d+): (.*)  \((.*)\)", line).groups()
+            marked = text == "not runnable (the table's row says why)"
+            assert all(((sp, s) in unrunnable) == marked for s in names.split(", ")), line
+        assert unrunnable, lines
+    assert "  SP 4: not runnable (the table's row says why)  (megatron_sp)" in image
+    assert "  SP 8: not runnable (the table's row says why)  (ulysses, megatron_sp)" in axial
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -350,7 +403,8 @@ def test_a_mamba1_plan_speaks_of_channels_and_its_default_length(capsys) -> None
     scans = next(x for x in lines if x.startswith("  scans:"))
     assert "Mamba-1" in scans and "d_inner 64 channels" in scans and "heads x" not in scans
     assert not any("not runnable: ulysses" in x for x in lines)  # no attention stage to shard
-    assert "  SP 4: every stage state_passing  (dsp, ulysses, ring, lss, usp, megatron_sp)" in lines
+    assert "  SP 4: every stage state_passing  (dsp, ulysses, ring, lss, usp)" in lines
+    assert "  SP 4: not runnable (the table's row says why)  (megatron_sp)" in lines  # no TP_PLAN
     video = _plan(capsys, "videomamba-tiny", "--frames", "8")
     assert "tokens (t=8, h=8, w=8)" in video[0]
     assert (

@@ -23,7 +23,8 @@ Each kind of model takes its own sizes; a size left out is the config's own:
 * protein (evoformer): ``--residues`` and ``--msa-depth`` (default 256 and 128, AlphaFold 2's
   training crop); the Evoformer runs under ``dsp`` only, so it prints its two-activation plan;
 * any other family (yours): the sizes its workload builder reads (``--frames``, ``--size`` /
-  ``--latent``, ``--seq-len``);
+  ``--latent``, ``--seq-len``), as given: ``--size`` is not divided by ``--vae-stride`` (your
+  builder turns pixels into tokens itself, so ``--size`` and ``--latent`` say the same);
 * every model: ``--dims name=tokens,...`` sets token lengths (after patching) by the model's
   own dim names, e.g. ``--dims h=64,w=64``; with ``--dims`` alone, name every dim.
 
@@ -55,6 +56,7 @@ from dspzoo.core.costmodel import (
     recommend,
     stage_methods,
 )
+from dspzoo.core.costmodel.predict import plan_unsupported
 
 from ..core.argparser import CommandParser, positive_int, positive_int_list
 from .registry import (
@@ -96,10 +98,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     video = p.add_argument_group("video models: stdit, latte, latte1, videomamba")
     video.add_argument("--frames", type=positive_int, help="latent frames (default 1: an image)")
-    video.add_argument("--size", type=str, help="pixel size H or HxW")
+    video.add_argument(
+        "--size",
+        type=str,
+        help="pixel size H or HxW (a video family divides it by --vae-stride; a family of yours "
+        "gets it as given)",
+    )
     video.add_argument("--latent", type=str, help="latent size H or HxW (instead of --size)")
     video.add_argument(
-        "--vae-stride", type=positive_int, default=8, help="pixels per latent (default 8)"
+        "--vae-stride",
+        type=positive_int,
+        default=8,
+        help="pixels per latent of the video families' --size (default 8)",
     )
     video.add_argument("--context", type=positive_int, help="conditioning tokens (default 0)")
     text = p.add_argument_group("language models: bytelm; Mamba LMs mambalm, mamba2lm, hybridlm")
@@ -173,11 +183,18 @@ class Sizing:
 
 
 def _hw(text: str, scale: int = 1, flag: str = "--size") -> tuple[int, int]:
+    """``"H"`` or ``"HxW"`` (positive integers) divided by ``scale``; a one-line error naming
+    ``flag`` for anything else."""
     h, _, w = text.lower().partition("x")
     try:
-        return int(h) // scale, int(w or h) // scale
+        sides = int(h), int(w or h)
     except ValueError:
-        raise ValueError(f"{flag} takes H or HxW (e.g. 256 or 128x256), got {text!r}") from None
+        sides = (0, 0)
+    if min(sides) < 1:
+        raise ValueError(
+            f"{flag} takes H or HxW in positive integers (e.g. 256 or 128x256), got {text!r}"
+        )
+    return sides[0] // scale, sides[1] // scale
 
 
 def _video_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -240,12 +257,16 @@ def _weather_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any
 
 
 def _builder_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
-    """Any other family: the sizes as given, for its workload builder to read."""
+    """Any other family: the sizes as given, for its workload builder to read (``--size`` and
+    ``--latent`` alike: a family of yours has no VAE that ``--vae-stride`` would describe; its
+    builder turns pixels into tokens itself)."""
+    if args.size is not None and args.latent is not None:
+        raise ValueError("give the size once: --size or --latent (the same for a family of yours)")
     kwargs: dict[str, Any] = {"frames": args.frames, "seq_len": args.seq_len}
     if args.latent is not None:
         kwargs["spatial"] = _hw(args.latent, flag="--latent")
     elif args.size is not None:
-        kwargs["spatial"] = _hw(args.size, args.vae_stride)
+        kwargs["spatial"] = _hw(args.size)
     kwargs["context"] = args.context or 0
     return kwargs, []
 
@@ -322,6 +343,17 @@ def workload_from_args(name: str, config: Any, sizing: Sizing, args: argparse.Na
         raise ValueError(
             str(exc).replace("dims names", "--dims names").replace("with dims", "with --dims")
         ) from None
+    empty = [d for d, n in zip(wl.dims, wl.lengths) if n < 1]
+    if empty:  # a size below one patch (or one latent pixel): say so, not a ZeroDivisionError
+        given = " ".join(
+            f"--{f.replace('_', '-')} {getattr(args, f)}"
+            for f in sizing.flags
+            if getattr(args, f) is not None
+        )
+        raise ValueError(
+            f"{name} gets no token along {', '.join(empty)} from {given or 'its default sizes'}: "
+            "one token covers more than that; give a larger size"
+        )
     return wl, [] if dims else notes
 
 
@@ -356,16 +388,22 @@ def describe_scans(wl: Any) -> list[str]:
 def describe_methods(wl: Any, strategies: list[str], sizes: list[int]) -> list[str]:
     """Per SP size, the method of every stage that mixes the sharded dim, one line per distinct
     list of methods (:func:`stage_methods`; the strategies that make it listed together, as
-    the table's merged rows list them)."""
+    the table's merged rows list them). A strategy the table marks not runnable at that size
+    (:func:`~dspzoo.core.costmodel.predict.plan_unsupported`) runs no stage: it is left out of
+    those lines and named on one line of its own, ``SP n: not runnable (...)``."""
     lines = []
     for n in sizes:
         if n < 2:
             continue
         seen: dict[str, list[str]] = {}
+        unrunnable: list[str] = []
         for strategy in strategies:
             if strategy == "ulysses_flat":
                 continue
             plan = make_plan(wl, strategy, n)
+            if plan_unsupported(plan, wl, strategy):
+                unrunnable.append(strategy)
+                continue
             used = stage_methods(plan)
             methods = {m for _, m in used}
             if not used:
@@ -377,6 +415,9 @@ def describe_methods(wl: Any, strategies: list[str], sizes: list[int]) -> list[s
             seen.setdefault(text, []).append(strategy)
         for text, names in seen.items():
             lines.append(f"  SP {n}: {text}  ({', '.join(names)})")
+        if unrunnable:
+            text = "not runnable (the table's row says why)"
+            lines.append(f"  SP {n}: {text}  ({', '.join(unrunnable)})")
     if not lines:
         return []
     return ["methods per stage (those not listed run locally):", *lines]
