@@ -18,9 +18,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+#: ``<model>@fsdp-ac``: the Mamba LM ``<model>`` under ``--fsdp --activation-checkpointing``
+FSDP_AC = "@fsdp-ac"
+
 
 def train_model(model: str, sp: int, strategy: str, data: str, out: Path) -> list[float]:
-    """Three steps of ``model`` at SP ``sp``: the loss per step."""
+    """Three steps of ``model`` at SP ``sp``: the loss per step (``<LM>@fsdp-ac``: sharded
+    weights and FSDP's checkpointing of the blocks, which recomputes them in the region they
+    ran in; the LM's own checkpointing would recompute its mixers on sharded weights)."""
+    sharded = model.endswith(FSDP_AC) and sp > 1
+    model = model.removesuffix(FSDP_AC)
     if model.startswith("videomamba"):
         from dspzoo.domains.video.training import VideoTrainConfig
         from dspzoo.domains.video.training import train as train_video
@@ -42,7 +49,8 @@ def train_model(model: str, sp: int, strategy: str, data: str, out: Path) -> lis
 
     cfg = MambaTrainConfig(model=model, sp=sp, sp_strategy=strategy, seq_len=19, steps=3,
                            global_batch=2, warmup=1, eval_every=0, log_every=3, save_every=0,
-                           data=data, output_dir=str(out))  # fmt: skip
+                           data=data, output_dir=str(out), fsdp=sharded,
+                           activation_checkpointing=sharded)  # fmt: skip
     return train(cfg)["losses"]
 
 

@@ -8,6 +8,8 @@ One 4-process launch (gloo) of the axial3d example, a tiny model on an uneven sh
 * a run stopped after step 3 at dp 2 × sp 2, resumed under ``--fsdp`` at dp 4 × sp 1 (another
   layout) — steps 4 and 5 as uninterrupted; its step-3 checkpoint also resumes on one process
   without ``--fsdp`` (full tensors), the same steps again;
+* the video domain (STDiT, blocks written with ``stage()``, an EMA) stopped after step 2 at
+  dp 2 × sp 2 with ``--activation-checkpointing`` and resumed at dp 4 × sp 1: one process's run;
 * 2 steps with ``--mixed-precision bf16`` (FSDP's policy: bf16 compute, fp32 reduction and
   master weights) — close to fp32.
 
@@ -48,9 +50,11 @@ def _driver(out: str) -> None:
         "cut": train(_config(root / "cut", **fsdp, stop_after=3)),
         "resumed_dp4": train(_config(root / "cut", sp=1, fsdp=True, resume="latest")),
     }
-    # video: an EMA (its averages checkpointed and restored) and unevenly sharded tensors
+    # video: an EMA (its averages checkpointed and restored), unevenly sharded tensors, and
+    # blocks written with stage() (recomputed in the region they ran in) checkpointed
     video_train, video = _video(root)
-    losses["video_cut"] = video_train(video(root / "video", sp=2, fsdp=True, stop_after=2))
+    cut = video(root / "video", sp=2, fsdp=True, activation_checkpointing=True, stop_after=2)
+    losses["video_cut"] = video_train(cut)
     losses["video_resumed"] = video_train(video(root / "video", sp=1, fsdp=True, resume="latest"))
     # Accelerate's state is per process: made anew for another precision
     from accelerate.state import AcceleratorState
@@ -119,8 +123,10 @@ def test_fsdp_checkpoints_resume_at_another_layout_and_without_fsdp(launched) ->
 
 
 def test_video_ema_and_uneven_shards_checkpoint_and_resume_under_fsdp(launched) -> None:
-    """Stopped after step 2 at dp 2 × sp 2, resumed at dp 4 × sp 1: the EMA's averages and
-    the optimizer's moments come back, the final model equals one process's."""
+    """Stopped after step 2 at dp 2 × sp 2 (with activation checkpointing of STDiT's blocks,
+    which are written with ``stage()``: their recomputation reopens the region they ran in),
+    resumed at dp 4 × sp 1: the EMA's averages and the optimizer's moments come back, the
+    final model equals one process's."""
     from dspzoo.zoo import from_pretrained
 
     resumed = launched["video_cut"] + launched["video_resumed"]

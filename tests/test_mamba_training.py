@@ -69,12 +69,18 @@ def test_three_steps_under_accelerate_launch_at_sp2_repeat_sp1(tmp_path: Path, b
     """The Mamba LMs, the hybrid, a raster video Mamba DiT and the weather Mamba, 3 steps at
     SP 2 under ``accelerate launch`` (DSP: the scans by state passing over the sharded bytes or
     frames, the hybrid's attention by Ulysses, the weather's axial scans local between
-    switches): the losses of the one-process run."""
+    switches), and the hybrid again under ``--fsdp --activation-checkpointing``: the losses of
+    the one-process run."""
     from mamba_training_driver import train_model
 
     models = ("mambalm-tiny", "mamba2lm-tiny", "hybridlm-tiny", "videomamba-tiny-raster",
-              "weathermamba-tiny")  # fmt: skip
-    reference = {m: train_model(m, 1, "dsp", str(byte_file), tmp_path / "sp1" / m) for m in models}
+              "weathermamba-tiny", "hybridlm-tiny@fsdp-ac")  # fmt: skip
+    reference = {
+        m: train_model(m, 1, "dsp", str(byte_file), tmp_path / "sp1" / m)
+        for m in models
+        if "@" not in m
+    }
+    reference["hybridlm-tiny@fsdp-ac"] = reference["hybridlm-tiny"]  # the same run, sharded
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
         "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",

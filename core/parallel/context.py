@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any
 
@@ -101,6 +101,12 @@ class Region(ABC):
         """The activation name whose dims include ``dims`` (``None``: the only one)."""
         return None
 
+    def snapshot(self) -> Region:
+        """A copy of this region in its present state (layouts, the stage in force), which the
+        region's later stages do not change: what a checkpointed block's recomputation runs in
+        (:func:`recompute_contexts`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be recomputed from a snapshot")
+
     def close(self) -> None:
         """Called when the region's ``with`` block ends normally (no stage is in force after)."""
         self.stage_name = None
@@ -119,6 +125,31 @@ def open_region(region: Region) -> Iterator[Region]:
         region.close()
     finally:
         region.release()
+        _ACTIVE.reset(token)
+
+
+def recompute_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` for activation checkpointing (``torch.utils.checkpoint`` and
+    ``torch.distributed._composable.checkpoint``) of a block written with :func:`stage`.
+
+    Called as the block's forward starts: nothing around the forward, and around its
+    recomputation in backward — after the model's region has closed — a snapshot of the region
+    as it was when the block started (:meth:`Region.snapshot`), so the recomputed block switches
+    and reads layouts exactly as its forward did. Outside a region: nothing around either.
+    """
+    region = _ACTIVE.get()
+    if region is None:
+        return nullcontext(), nullcontext()
+    return nullcontext(), _reopened(region.snapshot())
+
+
+@contextmanager
+def _reopened(region: Region) -> Iterator[Region]:
+    """``region`` active for the ``with`` block, left as the block leaves it (a snapshot)."""
+    token = _ACTIVE.set(region)
+    try:
+        yield region
+    finally:
         _ACTIVE.reset(token)
 
 

@@ -26,6 +26,7 @@ traced under the stage's name.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -234,6 +235,21 @@ class SeveralActivations(Region):
         self.sp, self.mp, self.state = mp.sp, mp, state
         self._sent: dict[str, torch.Tensor] = {}  # what each in-flight switch was launched from
         self._tag: tuple[str, ...] | None = None
+
+    def snapshot(self) -> SeveralActivations:
+        """A copy with its own activations' record (a stage updates the state in place); a
+        block cannot start while a switch is in flight (its recomputation could not relaunch
+        a switch its forward did not)."""
+        if self.state.pending:
+            raise RuntimeError(
+                f"activation checkpointing: a checkpointed block starts while "
+                f"{sorted(self.state.pending)} are being switched (an overlapped switch of the "
+                f"block before); checkpoint blocks the plan does not overlap across"
+            )
+        copied = copy.copy(self)
+        copied.state = MultiState(self.state.acts)
+        copied._sent = dict(self._sent)
+        return copied
 
     # -- stages --------------------------------------------------------------------------------
     def stage(

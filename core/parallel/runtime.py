@@ -29,6 +29,7 @@ sets the method, ``attention`` runs locally or through the method.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -445,6 +446,10 @@ class OneActivation(Region):
                 "sp.region: the activation has no plan; create it with sp.enter(..., stages=...)"
             )
         self.sp, self.act = sp, act
+
+    def snapshot(self) -> OneActivation:
+        # a stage rebinds self.act and self.stage_name (never mutates them): a shallow copy
+        return copy.copy(self)
 
     def seq(self, x: torch.Tensor) -> SeqTensor:
         """The local tensor ``x`` (this rank's shard in the current layout) as a SeqTensor."""

@@ -91,6 +91,11 @@ class RunConfig:
         if self.output_dir is None:
             self.output_dir = f"outputs/{self.model}"
 
+    def model_checkpointing(self) -> bool:
+        """Whether the model recomputes its own blocks (``create_model(..., checkpoint=...)``)
+        rather than FSDP's unit checkpointing (:class:`~.fsdp.ShardingSettings`)."""
+        return self.activation_checkpointing and self.MODEL_CHECKPOINTING
+
     def validate(self) -> None:
         """Raise a clear ``ValueError`` for shared values no run can use."""
         check_values(

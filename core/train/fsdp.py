@@ -146,6 +146,8 @@ class FullyShardedTraining:
         from torch.distributed._composable import checkpoint
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        from ..parallel.context import recompute_contexts
+
         if not hasattr(model, "config"):
             raise ValueError(
                 f"--fsdp: {type(model).__name__} has no .config; the final model is rebuilt "
@@ -158,8 +160,8 @@ class FullyShardedTraining:
             param_dtype=low, reduce_dtype=torch.float32 if low is not None else None
         )
         for unit in self.settings.units(model):
-            if self.settings.activation_checkpointing:
-                checkpoint(unit)
+            if self.settings.activation_checkpointing:  # recomputed in the region it ran in
+                checkpoint(unit, context_fn=recompute_contexts)
             fully_shard(unit, mesh=self.device_mesh, mp_policy=policy)
         fully_shard(model, mesh=self.device_mesh, mp_policy=policy)
         model.register_state_dict_post_hook(_full_state_dict)

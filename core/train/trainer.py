@@ -62,7 +62,7 @@ class Trainer:
         sharding = (
             ShardingSettings(
                 cfg.mixed_precision,
-                cfg.activation_checkpointing and not getattr(cfg, "MODEL_CHECKPOINTING", False),
+                cfg.activation_checkpointing and not cfg.model_checkpointing(),
                 task.fsdp_units,
             )
             if getattr(cfg, "fsdp", False)

@@ -27,6 +27,12 @@ class MambaTrainConfig(TextTrainConfig):
     model: str = flag(
         "mambalm-small", "zoo Mamba LM (mambalm-…, mamba2lm-… or hybridlm-…; `dspzoo list`)"
     )
+
+    def model_checkpointing(self) -> bool:
+        # under --fsdp the LM's own checkpoint of its mixers would recompute them outside
+        # FSDP's unshard (their weights still sharded DTensors): FSDP checkpoints the blocks
+        return super().model_checkpointing() and not self.fsdp
+
     sp_strategy: str = flag(
         "dsp",
         "sequence-parallel strategy; every strategy runs the scans over the sharded sequence "
@@ -41,7 +47,7 @@ def build_model(cfg: MambaTrainConfig) -> torch.nn.Module:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = create_model(cfg.model, checkpoint=cfg.activation_checkpointing)
+        model = create_model(cfg.model, checkpoint=cfg.model_checkpointing())
     if model.config.vocab_size < 256:
         raise ValueError(
             f"{cfg.model} has vocab_size {model.config.vocab_size}; byte data needs at least 256"

@@ -99,7 +99,7 @@ def build_model(cfg: TextTrainConfig) -> torch.nn.Module:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = create_model(cfg.model, checkpoint=cfg.activation_checkpointing)
+        model = create_model(cfg.model, checkpoint=cfg.model_checkpointing())
     mc = model.config
     if mc.position == "learned" and cfg.seq_len > mc.max_len:
         raise ValueError(
