@@ -202,8 +202,49 @@ def test_a_plugin_that_reuses_a_builtin_name_is_refused(tmp_path: Path) -> None:
         env={"PYTHONPATH": str(tmp_path), "DSPZOO_FAMILIES": "clash"},
     )
     assert proc.returncode != 0
-    assert "named by DSPZOO_FAMILIES='clash'" in proc.stderr
-    assert "is already registered" in proc.stderr
+    assert (
+        "model family 'Toy2D' is already registered (as 'toy2d'; names ignore case), by dspzoo's "
+        "built-in module 'dspzoo.domains.toy'; module 'clash' (named by DSPZOO_FAMILIES='clash') "
+        "registers it again. A built-in family keeps its name: give yours another one, or take "
+        "'clash' out of DSPZOO_FAMILIES"
+    ) in proc.stderr
+
+
+def test_a_family_registered_twice_names_both_sources_and_the_fix(tmp_path: Path) -> None:
+    """An installed entry point and ``DSPZOO_FAMILIES`` registering the same family: every
+    ``dspzoo list``/``info`` fails with one line naming who registered it first, who again, and
+    how to keep one of the two (it used to say only "already registered")."""
+    _installed_plugin(tmp_path, "widget")
+    (tmp_path / "my_widget.py").write_text(PLUGIN.format(family="widget"))
+    env = {"PYTHONPATH": str(tmp_path), "DSPZOO_FAMILIES": "my_widget"}
+    expected = (
+        "dspzoo: error: model family 'widget' is already registered, by module 'widgets_pkg.zoo' "
+        "(named by the 'dspzoo.families' entry point 'widgets' of the installed package "
+        "widgets-pkg 0.3); module 'my_widget' (named by DSPZOO_FAMILIES='my_widget') registers "
+        "it again. Keep one of the two: remove the 'dspzoo.families' entry point naming "
+        "'widgets_pkg.zoo' (or uninstall its package), or take 'my_widget' out of DSPZOO_FAMILIES"
+    )
+    for command in (["list"], ["info", "widget-mini"]):
+        proc = _run([sys.executable, "-m", "dspzoo", *command], env=env)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [expected], proc.stderr
+    imported = _python(  # a script's own import first: named as the module it is
+        """
+        import my_widget
+        from dspzoo.zoo import list_models
+        try:
+            list_models()
+        except ImportError as exc:
+            print(exc)
+        """,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert _ok(imported).strip() == (
+        "model family 'widget' is already registered, by module 'my_widget'; module "
+        "'widgets_pkg.zoo' (named by the 'dspzoo.families' entry point 'widgets' of the installed "
+        "package widgets-pkg 0.3) registers it again. Keep one of the two: stop importing "
+        "'my_widget' (or its register_family call), or remove the 'dspzoo.families' entry point "
+        "naming 'widgets_pkg.zoo' (or uninstall its package)"
+    )
 
 
 def test_the_docs_example_module_runs_as_the_guide_says() -> None:
@@ -230,5 +271,8 @@ def test_the_docs_example_module_runs_as_the_guide_says() -> None:
     plan = run("-m", "dspzoo", "plan", "widget-mini", "--dims", "h=64,w=64", "--sp", "1,2")
     assert plan.startswith("widget-mini: 144 parameters, batch 1, tokens (h=64, w=64)")
     assert "  SP 2: every stage local (each mixes a dim that is whole)" in plan
+    # no TP_PLAN: megatron_sp's row is "not runnable", and so is its methods line
+    assert "  SP 2: not runnable (the table's row says why)  (megatron_sp)" in plan
+    assert "every stage megatron_sp" not in plan
     built = run("-c", "from dspzoo.zoo import create_model; print(create_model('widget-mini'))")
     assert built.startswith("Widget(") and built.count("Linear(in_features=8, out_features=8") == 2

@@ -44,13 +44,44 @@ HOW_TO_REGISTER = (
 )
 
 
+BUILTIN_WHERE = "dspzoo's built-in domains (BUILTIN_MODULES of zoo/families.py)"
+
+
 class FamilyImportError(ImportError):
     """A module named by an entry point or ``DSPZOO_FAMILIES`` failed to import."""
+
+
+class FamilyClashError(ValueError):
+    """A family name registered twice (by the registry; its message names both sources)."""
 
 
 _builtins_loaded = False
 _loading = False  # re-entry guard: the imported modules call the registry while we import them
 _entry_points: list[tuple[str, str]] | None = None
+#: ``(module, where)`` of the family modules being imported now, the innermost last
+_importing: list[tuple[str, str]] = []
+
+
+def importing() -> tuple[str, str] | None:
+    """``(module, where)`` of the family module this module is importing now (``where`` as
+    :func:`entry_point_modules` and :func:`env_modules` say it, or :data:`BUILTIN_WHERE`), so
+    that the registry can say where a family came from; ``None`` outside such an import."""
+    return _importing[-1] if _importing else None
+
+
+def how_to_drop(module: str, where: str | None) -> str:
+    """How to stop ``module``, imported for ``where`` (:func:`importing`), registering its
+    families: a ``DSPZOO_FAMILIES`` module, an entry point, or a module imported directly
+    (``""`` for dspzoo's own: a built-in family keeps its name)."""
+    if where is None:
+        return f"stop importing {module!r} (or its register_family call)"
+    if where == BUILTIN_WHERE:
+        return ""
+    if where.startswith(ENV_VAR):
+        return f"take {module!r} out of {ENV_VAR}"
+    return (
+        f"remove the {ENTRY_POINT_GROUP!r} entry point naming {module!r} (or uninstall its package)"
+    )
 
 
 def builtin_modules() -> tuple[str, ...]:
@@ -78,21 +109,29 @@ def env_modules() -> list[tuple[str, str]]:
 
 
 def _import_builtin(name: str) -> None:
+    _importing.append((name, BUILTIN_WHERE))
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name != name:  # a domain that exists but fails to import is a real error
             raise
+    finally:
+        _importing.pop()
 
 
 def _import_plugin(name: str, where: str) -> None:
+    _importing.append((name, where))
     try:
         importlib.import_module(name)
+    except FamilyClashError as exc:  # its message names both modules and the fix already
+        raise FamilyImportError(str(exc)) from exc
     except Exception as exc:
         raise FamilyImportError(
             f"cannot import module {name!r}, named by {where}, to register its model families: "
             f"{type(exc).__name__}: {exc}. Fix or uninstall that package, or correct {ENV_VAR}"
         ) from exc
+    finally:
+        _importing.pop()
 
 
 def load_builtin_families() -> None:

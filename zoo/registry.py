@@ -15,13 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .families import HOW_TO_REGISTER, load_builtin_families, load_families
+from .families import (
+    BUILTIN_WHERE,
+    HOW_TO_REGISTER,
+    FamilyClashError,
+    builtin_modules,
+    how_to_drop,
+    importing,
+    load_builtin_families,
+    load_families,
+)
 
 
 @dataclass
@@ -32,9 +42,32 @@ class Family:
     model_cls: type[nn.Module]
     config_cls: type
     configs: dict[str, Any] = field(default_factory=dict)
+    origin: str = ""
+    """Who registered it (:func:`registered_by`), for the error of a second registration."""
+    drop: str = ""
+    """How to stop that module registering it (:func:`~dspzoo.zoo.families.how_to_drop`)."""
 
 
 _FAMILIES: dict[str, Family] = {}
+
+
+def registered_by(module: str) -> tuple[str, str]:
+    """``(origin, how to drop it)`` of a registration made by ``module``: the module, and the
+    entry point or ``DSPZOO_FAMILIES`` that had it imported (:func:`~dspzoo.zoo.families.importing`);
+    a module imported otherwise (a script's own import) is named alone; one of dspzoo's
+    domains is built-in however it was imported."""
+    current = importing()
+    if current is None and any(
+        module.startswith(f"{b}.") or module == b for b in builtin_modules()
+    ):
+        current = (module, BUILTIN_WHERE)
+    if current is None:
+        return f"module {module!r}", how_to_drop(module, None)
+    imported, where = current
+    if where == BUILTIN_WHERE:
+        return f"dspzoo's built-in module {module!r}", how_to_drop(module, where)
+    via = "" if imported == module else f"imported by {imported!r}, "
+    return f"module {module!r} ({via}named by {where})", how_to_drop(imported, where)
 
 
 def register_family(family: str, model_cls: type[nn.Module], config_cls: type) -> None:
@@ -45,13 +78,25 @@ def register_family(family: str, model_cls: type[nn.Module], config_cls: type) -
         )
     if "-" in family:
         raise ValueError(f"family names may not contain '-': {family!r}")
+    # the module calling register_family (a helper of its own may call it: then that one's)
+    origin, drop = registered_by(sys._getframe(1).f_globals.get("__name__", "?"))
     clash = _match(family, _FAMILIES)
     if clash is not None:
-        raise ValueError(
-            f"model family {family!r} is already registered"
-            + (f" (as {clash!r}; names ignore case)" if clash != family else "")
+        first = _FAMILIES[clash]
+        spelled = f" (as {clash!r}; names ignore case)" if clash != family else ""
+        if not first.drop or not drop:  # one is dspzoo's own: the other one gives way
+            yours = first.drop or drop
+            fix = "A built-in family keeps its name: give yours another one" + (
+                f", or {yours}" if yours else ""
+            )
+        else:
+            fixes = [first.drop, drop] if first.drop != drop else [drop]
+            fix = f"Keep one of the two: {', or '.join(fixes)}"
+        raise FamilyClashError(
+            f"model family {family!r} is already registered{spelled}, by "
+            f"{first.origin or 'dspzoo'}; {origin} registers it again. {fix}"
         )
-    _FAMILIES[family] = Family(family, model_cls, config_cls)
+    _FAMILIES[family] = Family(family, model_cls, config_cls, origin=origin, drop=drop)
 
 
 def register_config(family: str, name: str, config: Any) -> None:
