@@ -52,6 +52,34 @@ def make_broken_model() -> nn.Module:
     return model
 
 
+GUIDE = ROOT / "docs" / "new_architecture.md"
+
+
+def _guide_harness_blocks() -> list[str]:
+    """The ``text`` blocks of the guide that quote a harness table, in order: every strategy on
+    this file's model (section 5), the 2-head model's verdicts, the broken variant's error."""
+    blocks = re.findall(r"```text\n(.*?)```", GUIDE.read_text(), re.S)
+    quoted = [b for b in blocks if " SP strategy     output err" in b]
+    assert len(quoted) == 3, [b[:80] for b in quoted]
+    return quoted
+
+
+def _masked(text: str) -> str:
+    """``text`` with every error figure (``1.4e-01``) replaced by ``#``: what a harness table or
+    its failure lines print but for float rounding, which may differ across machines."""
+    return re.sub(r"\d\.\de[+-]\d\d", "#", text)
+
+
+def _table_rows(block: str) -> dict[tuple[int, str], list[str]]:
+    """``(sp, strategy) -> [bytes/rank0, plan, result...]`` of a quoted harness table."""
+    rows = {}
+    for line in block.splitlines():
+        cells = line.split()
+        if len(cells) > 6 and cells[0].isdigit():
+            rows[(int(cells[0]), cells[1])] = cells[4:]
+    return rows
+
+
 @pytest.mark.timeout(200)
 def test_axial3d_equals_one_process_under_every_strategy_at_sp_2_3_4() -> None:
     wl = workload("axial3d-tiny", CONFIG, frames=FRAMES, spatial=(HEIGHT, WIDTH), batch=2)
@@ -73,6 +101,8 @@ def test_axial3d_equals_one_process_under_every_strategy_at_sp_2_3_4() -> None:
     assert max(c.output_error for c in report.checks) <= 1e-5
     assert max(c.grad_error for c in report.checks) <= 1e-5
     assert "megatron_sp" in report.table() and not report.failures
+    # the guide quotes this table: the same rows, bytes and verdicts (errors are rounding)
+    assert _masked(_guide_harness_blocks()[0]) == _masked(report.table() + "\n")
 
 
 @pytest.mark.timeout(120)
@@ -90,6 +120,12 @@ def test_harness_catches_a_stage_that_mixes_a_dim_it_did_not_declare() -> None:
     failed = [line for c in report.checks if c.sp == 3 for line in c.failures]
     assert any(line.startswith("SP 3, dsp, rank 0: output") for line in failed), failed
     assert any("gradient of blocks.0" in line and "relative error" in line for line in failed)
+    # the guide quotes what check_model raises for it: the same lines, errors masked
+    raised = (
+        f"AssertionError: {len(report.failures)} failure(s) against one process:\n"
+        f"{report.summary()}\n\n{report.table()}\n"
+    )
+    assert _masked(_guide_harness_blocks()[2]) == _masked(raised)
 
 
 def test_harness_rejects_bad_arguments_and_measures_relative_error() -> None:
@@ -177,6 +213,84 @@ def test_the_docs_quote_the_plan_command_as_it_prints(capsys, doc: str, command:
     listing = _quoted_listing((ROOT / "docs" / doc).read_text(), command)
     assert plan_main(command.split()) == 0
     assert capsys.readouterr().out == listing
+
+
+#: the models whose ``get_strategy(...).plan(...)`` listings the guide quotes, by their dims
+PLAN_MODELS = {("t", "h", "w"): "dspzoo.examples.axial3d", ("f", "t"): "dspzoo.examples.spectro2d"}
+
+
+def test_the_guide_quotes_the_plans_as_they_print() -> None:
+    """Every plan listing of docs/new_architecture.md (``DSP plan over (t=7, h=3, w=5) at SP
+    size 3: ...``, ``RING plan ...``, the hybrid one of section 7) is what
+    ``get_strategy(s).plan(SEQ_DIMS, lengths, STAGES, n)`` prints for its model, whole (but the
+    trailing blanks of the ``switch`` column and the indent of a listing in a list item)."""
+    import importlib
+    import textwrap
+
+    from dspzoo.core.parallel.strategies import STRATEGIES, get_strategy
+
+    header = re.compile(r"(.*) plan over \((.*)\) at SP size (\d+): ")
+    blocks = [
+        textwrap.dedent(b)
+        for b in re.findall(r"```text\n(.*?)```", GUIDE.read_text(), re.S)
+        if header.match(b.lstrip())
+    ]
+    assert len(blocks) >= 4
+    for block in blocks:
+        _, dims, n = header.match(block).groups()
+        lengths = dict(item.split("=") for item in dims.split(", "))
+        module = importlib.import_module(PLAN_MODELS[tuple(lengths)])
+        printed = {
+            "\n".join(line.rstrip() for line in str(plan).splitlines()) + "\n"
+            for plan in (
+                get_strategy(s).plan(
+                    module.SEQ_DIMS, tuple(int(v) for v in lengths.values()), module.STAGES, int(n)
+                )
+                for s in STRATEGIES
+            )
+        }
+        assert block in printed, f"the guide quotes\n{block}\nthe plans print\n" + "\n".join(
+            sorted(printed)
+        )
+
+
+def test_the_guide_quotes_the_harness_tables_as_the_plan_counts_them() -> None:
+    """The harness tables of docs/new_architecture.md, section 5, without a multi-process run:
+    their rows are every strategy at SP 2, 3 and 4 (the prose lists the same strategies), and
+    every byte count is what the cost model plans for rank 0 (``comm_bytes``, as the harness
+    checks it). The every-strategy and broken-variant tests above pin the rest of those tables
+    (the verdicts, the failure lines), the error figures masked; the 2-head verdicts table is
+    ``tests/test_harness_verdicts.py``'s model, whose not-runnable reasons are checked here."""
+    from dspzoo.core.costmodel import comm_bytes
+    from dspzoo.core.harness import not_runnable
+    from dspzoo.core.parallel.strategies import STRATEGIES
+
+    every, verdicts, broken = _guide_harness_blocks()
+    doc = GUIDE.read_text()
+    listed = doc[doc.index("For every SP size and strategy") :].split("—")[1]
+    assert set(re.findall(r"`([a-z_]+)`", listed)) == set(STRATEGIES), listed
+    wl = workload("axial3d-tiny", CONFIG, frames=FRAMES, spatial=(HEIGHT, WIDTH), batch=2)
+
+    def planned(wl, strategy: str, n: int) -> str:
+        usp = 2 if strategy == "usp" and n == 4 else 1  # the harness's USP mesh at SP 4
+        return str(comm_bytes(wl, strategy, n, 0, ulysses_size=usp).bytes())
+
+    rows = _table_rows(every)
+    assert set(rows) == {(n, s) for n in (2, 3, 4) for s in STRATEGIES}
+    for (n, s), cells in rows.items():
+        assert cells == [planned(wl, s, n)] * 2 + ["ok"], (n, s, cells)
+    assert {k: v[0] for k, v in _table_rows(broken).items()} == {
+        (n, "dsp"): planned(wl, "dsp", n) for n in (2, 3)
+    }
+    two = Axial3DConfig(patch=2, hidden=8, heads=2, depth=1, max_frames=8, max_side=8)
+    two_wl = workload("axial3d-tiny", two, frames=5, spatial=(6, 4), batch=2)
+    model = Axial3D(two)
+    for (n, s), cells in _table_rows(verdicts).items():
+        why = not_runnable(s, model, n)
+        if why is None:
+            assert cells == [planned(two_wl, s, n), "-", "ok"], (n, s, cells)
+        else:
+            assert " ".join(cells) == f"- - not runnable: {why}", (n, s, cells)
 
 
 def test_axial3d_trains_and_resumes_exactly(tmp_path: Path) -> None:
