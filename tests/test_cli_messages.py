@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,25 @@ def test_a_family_module_that_fails_to_import_is_one_line_with_status_2() -> Non
         "dspzoo: error: cannot import module 'dspzoo_no_such_family_module', named by "
         "DSPZOO_FAMILIES="
     )
+
+
+def test_a_broken_family_module_under_a_training_script_is_one_line(tmp_path) -> None:
+    """A training script (``TrainingCLI`` under ``run_entry_point``) whose model lookup meets
+    a family module that fails to import: one line, status 2, no traceback (it was a
+    traceback, status 1; ``FamilyImportError`` is bad input, a ``UsageError``)."""
+    (tmp_path / "tsbroken.py").write_text("import no_such_dependency_of_tsbroken\n")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_axial3d.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--sp", "1", "--model", "tsformer-tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "DSPZOO_FAMILIES": "tsbroken", "PYTHONPATH": str(tmp_path)},
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith("train_axial3d.py: error: cannot import module 'tsbroken'")
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def _parse(argv: list[str], rank: str | None, capsys) -> tuple[int, str]:

@@ -226,7 +226,8 @@ def test_a_family_registered_twice_names_both_sources_and_the_fix(tmp_path: Path
     )
     for command in (["list"], ["info", "widget-mini"]):
         proc = _run([sys.executable, "-m", "dspzoo", *command], env=env)
-        assert proc.returncode == 2 and proc.stderr.splitlines() == [expected], proc.stderr
+        line = f"{expected} (see dspzoo --help)"  # the CLI's one-line usage error
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
     imported = _python(  # a script's own import first: named as the module it is
         """
         import my_widget

@@ -51,9 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (bad usage or names: one line, status 2)."""
     try:
         return _main(argv)
-    except FamilyImportError as exc:  # a broken plugin: say which, not a traceback
-        print(f"dspzoo: error: {exc}", file=sys.stderr)
-        return 2
+    except FamilyImportError as exc:  # a broken plugin: say which, once per launch
+        CommandParser(prog="dspzoo").error(str(exc))
     except BrokenPipeError:  # the reader left early (``dspzoo list | head``): it had enough
         return _reader_gone()
 

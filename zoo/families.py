@@ -26,6 +26,8 @@ import importlib
 import os
 from importlib.metadata import entry_points
 
+from ..core.entry import UsageError
+
 BUILTIN_MODULES = (
     "dspzoo.domains.toy",
     "dspzoo.domains.video",
@@ -47,8 +49,10 @@ HOW_TO_REGISTER = (
 BUILTIN_WHERE = "dspzoo's built-in domains (BUILTIN_MODULES of zoo/families.py)"
 
 
-class FamilyImportError(ImportError):
-    """A module named by an entry point or ``DSPZOO_FAMILIES`` failed to import."""
+class FamilyImportError(UsageError, ImportError):
+    """A module named by an entry point or ``DSPZOO_FAMILIES`` failed to import: bad input
+    (a :class:`~dspzoo.core.entry.UsageError`), so a script run by ``run_entry_point`` or a
+    training script's flags say it in one line, once per launch, status 2."""
 
 
 class FamilyClashError(ValueError):
