@@ -24,9 +24,6 @@ import torch
 from ..harness import relative_error
 from .precision import FP32_RTOL, Precision, tolerance_for
 
-# relative error above which a strategy is flagged as disagreeing with one process (fp32);
-# under autocast the tolerance follows the dtype (precision.tolerance)
-RTOL = FP32_RTOL
 ATOL = 1e-12
 
 
@@ -83,7 +80,7 @@ class Agreement:
     grad_error: float
     worst_param: str
     missing: list[str]
-    rtol: float = RTOL
+    rtol: float = FP32_RTOL
 
     @property
     def ok(self) -> bool:
