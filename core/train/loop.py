@@ -15,13 +15,11 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..parallel.trace import SavedTensorMeter
 from .resume import mean_step_time
@@ -105,47 +103,45 @@ def run_training_loop(
         dynamic_ncols=True,
         mininterval=0.5 if sys.stderr.isatty() else 30,  # keep logs of non-interactive runs short
     )
-    # log lines go through the bar (written above it), not into the middle of its line
-    with logging_redirect_tqdm(tqdm_class=tqdm) if is_main else nullcontext():
-        session_over = False
-        step = s.start_step
-        while step < s.steps and not session_over:
-            loader.set_step(step)
-            for batch in loader:
-                start = time.perf_counter()
-                meter = SavedTensorMeter(parameters()) if step == s.start_step else None
-                loss = step_fn(batch, step, meter)
-                if meter is not None:
-                    result.activation_bytes = meter.bytes
-                step += 1
-                result.losses.append(loss)
-                result.timings.append(time.perf_counter() - start)
-                progress.update(1)
-                if after_step is not None:
-                    after_step(step)
-                if step % window == 0 or step == s.steps:
-                    recent = result.losses[-window:]
-                    avg = sum(recent) / len(recent)
-                    step_time = mean_step_time(result.timings, window)
-                    tps = s.tokens_per_step / step_time
-                    name = f"{s.loss_name}(avg{len(recent)})"
-                    progress.set_postfix({name: f"{avg:.4f}", "tok/s": f"{tps:.0f}"})
-                    if is_main:
-                        logger.info(
-                            "step %d %s %.4f step_time %.3fs tokens/s %.0f lr %.2e",
-                            step,
-                            name,
-                            avg,
-                            step_time,
-                            tps,
-                            current_lr(),
-                        )
-                session_over = s.stop_after is not None and step - s.start_step >= s.stop_after
-                periodic = s.save_every and step % s.save_every == 0
-                if periodic or session_over or step >= s.steps:  # the last step always
-                    save(step, history + result.losses)
-                if session_over or step >= s.steps:
-                    break
+    session_over = False
+    step = s.start_step
+    while step < s.steps and not session_over:
+        loader.set_step(step)
+        for batch in loader:
+            start = time.perf_counter()
+            meter = SavedTensorMeter(parameters()) if step == s.start_step else None
+            loss = step_fn(batch, step, meter)
+            if meter is not None:
+                result.activation_bytes = meter.bytes
+            step += 1
+            result.losses.append(loss)
+            result.timings.append(time.perf_counter() - start)
+            progress.update(1)
+            if after_step is not None:
+                after_step(step)
+            if step % window == 0 or step == s.steps:
+                recent = result.losses[-window:]
+                avg = sum(recent) / len(recent)
+                step_time = mean_step_time(result.timings, window)
+                tps = s.tokens_per_step / step_time
+                name = f"{s.loss_name}(avg{len(recent)})"
+                progress.set_postfix({name: f"{avg:.4f}", "tok/s": f"{tps:.0f}"})
+                if is_main:
+                    logger.info(
+                        "step %d %s %.4f step_time %.3fs tokens/s %.0f lr %.2e",
+                        step,
+                        name,
+                        avg,
+                        step_time,
+                        tps,
+                        current_lr(),
+                    )
+            session_over = s.stop_after is not None and step - s.start_step >= s.stop_after
+            periodic = s.save_every and step % s.save_every == 0
+            if periodic or session_over or step >= s.steps:  # the last step always
+                save(step, history + result.losses)
+            if session_over or step >= s.steps:
+                break
     progress.close()
     result.step = step
     return result

@@ -21,10 +21,13 @@ Checkpoints record the task's run settings, the layout, the loss and evaluation 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..loss import world_report
 from ..parallel.trace import SavedTensorMeter, format_bytes
@@ -192,18 +195,20 @@ class Trainer:
         settings = LoopSettings.of_run(
             self.cfg, start_step, self.tokens_per_step, self.task.loss_name
         )
-        session = run_training_loop(
-            settings,
-            self.loader,
-            self.step,
-            self.checkpoint,
-            lambda: self.sync.local_parameters(self.model),
-            history,
-            self.mesh.is_main,
-            self.logger,
-            lambda: self.scheduler.get_last_lr()[0],
-            after_step=self.after_step,
-        )
+        # log lines go through the progress bar (written above it), not into its line
+        with logging_redirect_tqdm(tqdm_class=tqdm) if self.mesh.is_main else nullcontext():
+            session = run_training_loop(
+                settings,
+                self.loader,
+                self.step,
+                self.checkpoint,
+                lambda: self.sync.local_parameters(self.model),
+                history,
+                self.mesh.is_main,
+                self.logger,
+                lambda: self.scheduler.get_last_lr()[0],
+                after_step=self.after_step,
+            )
         history = history + session.losses
         self.finish(session.step, history, start_step)
         step_time = mean_step_time(session.timings)
