@@ -21,9 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dspzoo.core import SeqParallel, SeqTensor, comm_region
-from dspzoo.core.parallel import context
-from dspzoo.core.parallel.context import stage
-from dspzoo.core.parallel.layout import SeqSpec
+from dspzoo.core.parallel.context import recompute_contexts, stage
 from dspzoo.core.parallel.plan import Stage
 from dspzoo.core.parallel.validate import validate_collectively
 
@@ -138,26 +136,21 @@ class MambaLMBlock(nn.Module):
         """``x`` local ``[B, L_l, C]`` → ``[B, L, C]`` (``L`` whole after the stage)."""
         return self.mix(stage("scan", x))
 
-    def mix(
-        self, x: torch.Tensor, sp: SeqParallel | None = None, spec: SeqSpec | None = None
-    ) -> torch.Tensor:
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's computation on ``x`` already in the stage's layout (what activation
-        checkpointing recomputes: the stage's switch stays outside it).
-
-        ``sp``/``spec``: the runtime and ``x``'s layout, for a call outside the open region —
-        checkpointing's recomputation runs in backward, after the region has closed, and
-        must scan the segment with the same method as the forward did."""
+        checkpointing recomputes: the stage's switch stays outside it)."""
         # fp32 residuals (fp64 stays fp64)
         residual = x.to(torch.promote_types(x.dtype, torch.float32)) if self.residual_in_fp32 else x
         return residual + run_scan(
-            self.mixer, self.norm(x.to(self.norm.weight.dtype)), SEQ_DIMS, ("l",), sp, spec
+            self.mixer, self.norm(x.to(self.norm.weight.dtype)), SEQ_DIMS, ("l",)
         )
 
     def checkpointed(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`mix` under activation checkpointing, on ``x`` in the stage's layout: the open
-        region's runtime and layout go in explicitly, so the recomputation in backward (the
-        region closed by then) runs the same scan method on the same segment."""
-        return checkpoint(self.mix, x, context.runtime(), context.layout(), use_reentrant=False)
+        """:meth:`mix` under activation checkpointing, on ``x`` in the stage's layout; its
+        recomputation in backward (the region closed by then) runs in a snapshot of the region
+        (:func:`~dspzoo.core.parallel.context.recompute_contexts`): the same scan method on the
+        same segment."""
+        return checkpoint(self.mix, x, use_reentrant=False, context_fn=recompute_contexts)
 
 
 class MambaBackbone(nn.Module):
