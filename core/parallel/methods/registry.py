@@ -182,6 +182,8 @@ class Method:
         scans_whole_lines: a scan method that scans whole sequences for a share of the heads
             (what it saves is the mixer's ``HeadScanSaved``, not one process's on its tokens).
         layout: how it cuts the sharded dim (``"contiguous"`` or ``"zigzag"``).
+        blockwise_causal: each rank's query block attends the key blocks up to its own, so
+            causal work is unbalanced on a contiguous layout (:meth:`causal_work_factor`).
         entry: the runtime call a stage must make while the method is in force.
     """
 
@@ -191,6 +193,7 @@ class Method:
     tensor_parallel: ClassVar[bool] = False
     scans_whole_lines: ClassVar[bool] = False
     layout: ClassVar[str] = "contiguous"
+    blockwise_causal: ClassVar[bool] = False
     entry: ClassVar[str | None] = None
     formula: ClassVar[str] = ""
 
@@ -214,10 +217,18 @@ class Method:
         """Elements per local token it saves for backward beyond one process's (LSS: K, V)."""
         return 0
 
+    def ring_size(self, sp_size: int, ulysses: int = 1) -> int:
+        """How many sequence blocks its ring passes around (USP: the ``N/U`` slots)."""
+        return sp_size
+
     def causal_work_factor(self, sp_size: int, layout: str, ulysses: int = 1) -> float:
         """The busiest rank's causal attention work over the average, on the plan's
-        ``layout`` (1: balanced, as when every rank attends over whole sequences)."""
-        return 1.0
+        ``layout``: :func:`blockwise_causal_factor` of its ring for a method whose query blocks
+        attend the key blocks up to their own (:attr:`blockwise_causal`), else 1 (balanced, as
+        when every rank attends over whole sequences)."""
+        if not self.blockwise_causal:
+            return 1.0
+        return blockwise_causal_factor(self.ring_size(sp_size, ulysses), layout)
 
     def attention(
         self,
@@ -382,6 +393,7 @@ class Ring(Method):
     """Ring attention: K/V blocks passed around the ring with an online-softmax merge."""
 
     name = "ring"
+    blockwise_causal = True
     ops = frozenset({"attention"})
     hybrid = True
     entry = "sp.attention"
@@ -389,9 +401,6 @@ class Ring(Method):
 
     def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
         return 6.0 * sp_size
-
-    def causal_work_factor(self, sp_size: int, layout: str, ulysses: int = 1) -> float:
-        return blockwise_causal_factor(sp_size, layout)
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         ring_bytes(
@@ -427,15 +436,13 @@ class LSS(Method):
     ``[K|V]`` forward, a reduce-scatter backward; every rank keeps its queries."""
 
     name = "lss"
+    blockwise_causal = True
     ops = frozenset({"attention"})
     entry = "sp.attention"
     formula = "fwd all-gather (N−1)·M_kv·2/N of [K|V]; bwd reduce-scatter, same"
 
     def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
         return 4.0 * sp_size
-
-    def causal_work_factor(self, sp_size: int, layout: str, ulysses: int = 1) -> float:
-        return blockwise_causal_factor(sp_size, layout)
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         n = len(shape.seq)
@@ -540,18 +547,18 @@ class USP(Method):
     """Unified SP: Ulysses inside groups of ``U`` ranks, Ring across the ``R = N/U`` slots."""
 
     name = "usp"
+    blockwise_causal = True
     ops = frozenset({"attention"})
     entry = "sp.attention"
     formula = "Ulysses 4·(M/N)(U−1)/U in groups of U + ring over N/U slots"
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
-        ring = sp_size // max(ulysses, 1)
-        return (8.0 if ulysses > 1 else 0.0) + (6.0 * ring if ring > 1 else 0.0)
+    def ring_size(self, sp_size: int, ulysses: int = 1) -> int:
+        # after the Ulysses switch each of the R = N/U slots holds a contiguous segment
+        return sp_size // max(ulysses, 1)
 
-    def causal_work_factor(self, sp_size: int, layout: str, ulysses: int = 1) -> float:
-        # after the Ulysses switch each of the R = N/U slots holds a contiguous segment, and
-        # the ring over the slots is what is unbalanced
-        return blockwise_causal_factor(sp_size // max(ulysses, 1), layout)
+    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+        ring = self.ring_size(sp_size, ulysses)
+        return (8.0 if ulysses > 1 else 0.0) + (6.0 * ring if ring > 1 else 0.0)
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         seq, u = list(shape.seq), shape.ulysses
