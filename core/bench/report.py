@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from .case import PEER
+from .precision import ROUNDING_MARGIN, ROUNDINGS
 
 MiB = 2**20
 
@@ -175,7 +176,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"samples (relative error, flagged above "
         f"{result['rtol']:{'.1e' if autocast(result) else '.0e'}}"
         + (
-            f": the larger of 8 × the dtype's epsilon and 4 × the one-process step's own "
+            f": the larger of {ROUNDINGS} × the dtype's epsilon and {ROUNDING_MARGIN} × the "
+            f"one-process step's own "
             f"rounding, {max(r.get('reference_rounding', 0.0) for r in result['rows']):.1e} "
             f"from the same step in fp32)"
             if autocast(result)
