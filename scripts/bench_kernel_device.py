@@ -1,11 +1,12 @@
 """The shared attention kernel on one device: fused vs blockwise vs plain SDPA, forward + backward.
 
 One causal attention ``[1, L, H, D]`` over positions ``0 … L−1`` through
-:func:`~dspzoo.core.parallel.methods.kernels.kernel_attention` with ``kernel="fused"`` (on
-CUDA: PyTorch's memory-efficient attention with its log-sum-exp; on the CPU: its fused CPU
-attention) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score block),
-beside ``F.scaled_dot_product_attention`` (no log-sum-exp: what a single device would run
-without sequence parallelism). The three run interleaved, in a rotated order each repetition;
+:func:`~dspzoo.core.parallel.methods.kernels.kernel_attention` with ``kernel="fused"`` (on the
+CPU PyTorch's fused CPU attention; on CUDA FlashAttention-2 in half precision, else the
+memory-efficient kernel), ``fused-efficient`` (the fused kernel held to the memory-efficient
+CUDA kernel) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score
+block), beside ``F.scaled_dot_product_attention`` (no log-sum-exp: what a single device would
+run without sequence parallelism). They run interleaved, in a rotated order each repetition;
 the table gives the median time (synchronised on CUDA), the peak memory the call added
 (CUDA allocator; on the CPU not measured), each one's error against SDPA in float64 on a
 small problem (output and input gradients), and the ratios to SDPA::
@@ -23,9 +24,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dspzoo.core.parallel.methods.kernels import kernel_attention
+from dspzoo.core.parallel.methods.kernels import FusedKernel, kernel_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# sdpa: plain SDPA; fused: the methods' default kernel (on CUDA in half precision
+# FlashAttention-2, else the memory-efficient kernel); fused-efficient: the fused kernel held to
+# the memory-efficient CUDA kernel (what ``fused`` ran in half precision before 28 Nov 2026);
+# blockwise: the einsum kernel
+KERNELS = ("sdpa", "fused", "fused-efficient", "blockwise")
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -37,13 +43,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
 
 
 def _call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
-    """One causal attention ``[1, L, H, D]`` through kernel ``name`` (``sdpa``, ``fused``,
-    ``blockwise``)."""
+    """One causal attention ``[1, L, H, D]`` through kernel ``name`` (:data:`KERNELS`)."""
     scale = q.shape[-1] ** -0.5
     if name == "sdpa":
         return _sdpa(q, k, v, scale)
     pos = torch.arange(q.shape[1])
-    return kernel_attention(q, k, v, pos, pos, True, scale, kernel=name, chunk=chunk)
+    kernel = {"fused-efficient": FusedKernel("efficient")}.get(name, name)
+    return kernel_attention(q, k, v, pos, pos, True, scale, kernel=kernel, chunk=chunk)
 
 
 def _sync(device: torch.device) -> None:
@@ -116,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10, help="timed repetitions of each kernel")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     p.add_argument(
-        "--kernels", default="sdpa,fused,blockwise", help="comma-separated: sdpa,fused,blockwise"
+        "--kernels", default="sdpa,fused,blockwise", help=f"comma-separated, of {','.join(KERNELS)}"
     )
     args = p.parse_args(argv)
+    unknown = sorted(set(args.kernels.split(",")) - set(KERNELS))
+    if unknown:
+        p.error(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(

@@ -4,7 +4,8 @@
 #      (tests/test_attention.py, tests/test_kernels.py: every CUDA case against float64), and
 #      EMA + checkpoint resume on CUDA (tests/test_cuda_resume.py), and evaluation and the
 #      inference commands with the model on CUDA against the CPU (tests/test_cuda_inference.py);
-#   2. the blockwise methods' fused kernel against SDPA and the blockwise kernel at L 16384
+#   2. the blockwise methods' fused kernel against SDPA and the blockwise kernel at L 16384,
+#      and in half precision FlashAttention-2 against the memory-efficient kernel
 #      (scripts/bench_kernel_device.py);
 #   3. `dspzoo bench` at SP 1 on the GPU (scripts/benchmark.py in one process): absolute step
 #      times of the video and the text benchmark models, and the video model under bf16 and
@@ -13,6 +14,10 @@
 #      scripts/protein_memory.py's model.
 #
 #   bash scripts/gpu_checks.sh [OUTDIR]      # default: $OUT, else outputs/gpu
+#   GPU_CHECKS_STEPS=tests,kernels_bfloat16 bash scripts/gpu_checks.sh   # only these steps
+#
+# Steps: env, tests, bench_video, bench_text, bench_video_bf16, bench_video_fp16,
+# kernels_float32, kernels_bfloat16, kernels_float16, protein.
 #
 # Runs ${PYTHON:-python3}: the first python3 on PATH (an activated .venv's, else the machine's),
 # which needs a CUDA build of torch, pytest, accelerate and einops; without a CUDA device it
@@ -42,6 +47,9 @@ budget_end=$((SECONDS + ${GPU_CHECKS_BUDGET_S:-780}))
 step() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "${GPU_CHECKS_STEPS:-}" ] && [[ ",$GPU_CHECKS_STEPS," != *",$name,"* ]]; then
+        return  # not among the steps asked for
+    fi
     local left=$((budget_end - SECONDS))
     if [ "$left" -lt 20 ]; then
         echo "== $name: skipped, ${left} s of the budget left" | tee -a "$log"
@@ -94,9 +102,11 @@ for precision in bf16 fp16; do
     cp "$link/bench_video_$precision/results.json" "$out/bench_video_$precision.json" 2>/dev/null
 done
 
-for dtype in float32 bfloat16; do
+for dtype in float32 bfloat16 float16; do
+    kernels=sdpa,fused,blockwise
+    [ "$dtype" = float32 ] || kernels=sdpa,fused,fused-efficient,blockwise
     step "kernels_$dtype" 120 "$py" scripts/bench_kernel_device.py --device cuda --seq-len 16384 \
-        --dtype "$dtype" --reps 5
+        --dtype "$dtype" --reps 5 --kernels "$kernels"
 done
 
 step protein 180 "$py" scripts/protein_memory.py --one-block 4096 --device cuda --msa-depth 8 \

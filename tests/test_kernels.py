@@ -90,8 +90,8 @@ def test_pieces_cover_exactly_the_visible_pairs(name, causal):
     count = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int64)
     for p in attention_pieces(runs, position_runs(k_pos), causal):
         qp, kp = q_pos[p.q0 : p.q1], k_pos[p.k0 : p.k1]
-        if p.causal:  # the top-left mask of SDPA is the causal mask only for a common start
-            assert qp[0] == kp[0]
+        if p.causal:  # square, on the same positions: top-left and bottom-right masks agree
+            assert torch.equal(qp, kp)
             count[p.q0 : p.q1, p.k0 : p.k1] += torch.ones(len(qp), len(kp)).tril().long()
         else:
             assert (kp[None, :] <= qp[:, None]).all() or not causal
@@ -300,20 +300,80 @@ def test_half_precision_blockwise_on_cuda(dtype):
 
 @CUDA
 @pytest.mark.parametrize("head_dim", [64, 72, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_on_cuda_at_ring_sizes(head_dim, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "backend"),
+    [(torch.float32, "auto")]
+    + [(t, b) for t in (torch.bfloat16, torch.float16) for b in ("flash", "efficient")],
+)
+def test_fused_on_cuda_at_ring_sizes(head_dim, dtype, backend):
     """Blocks the size a ring step or an LSS block has (zigzag shards of 1,000 tokens over 4
     ranks, several tiles of the kernel, GQA 8/2 heads, head sizes the kernel specialises and
-    one it pads): forward and every gradient against the blockwise kernel in float64."""
+    one it pads), through each CUDA kernel: forward and every gradient against the blockwise
+    kernel in float64."""
     for rank in (0, 3):
         q_pos, k_pos = zigzag_positions(1000, 4, rank), zigzag_positions(1000, 4, 1)
         q, k, v, w = _tensors(len(q_pos), len(k_pos), 8, 2, head_dim, head_dim, torch.float64)
         ref = _block(BlockwiseKernel(), q, k, v, w, q_pos, k_pos, True, head_dim**-0.5)
         on = [t.to("cuda", dtype) for t in (q, k, v, w)]
         assert FusedKernel.supports(on[0])
-        got = _block(FusedKernel(), *on, q_pos, k_pos, True, head_dim**-0.5)
+        got = _block(FusedKernel(backend), *on, q_pos, k_pos, True, head_dim**-0.5)
         for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
             finite = ~torch.isinf(r)
             err = (g.cpu().double()[finite] - r[finite]).norm() / r[finite].norm()
             limit = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}[dtype]
             assert err < limit, f"{name} rank {rank} D {head_dim} {dtype}: {err:.1e}"
+
+
+@CUDA
+@pytest.mark.parametrize("backend", ["flash", "efficient"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", sorted(POSITIONS))
+def test_half_precision_cuda_backends_match_naive(name, causal, dtype, backend):
+    """Each CUDA kernel in half precision on every position set (offset, broken and one-token
+    blocks: pieces of every shape), GQA and a value head size it pads: forward and gradients
+    against the blockwise kernel in float64, to the dtype's rounding."""
+    q_pos, k_pos = POSITIONS[name]
+    q, k, v, w = _tensors(len(q_pos), len(k_pos), 4, 2, 8, 6, torch.float64)
+    ref = _block(BlockwiseKernel(), q, k, v, w, q_pos, k_pos, causal, 0.5)
+    got = _block(
+        FusedKernel(backend),
+        *(t.to("cuda", dtype) for t in (q, k, v, w)),
+        q_pos,
+        k_pos,
+        causal,
+        0.5,
+    )
+    for what, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        finite = ~torch.isinf(r)
+        torch.testing.assert_close(
+            g.cpu().double()[finite], r[finite], **TOL[dtype], msg=f"{what} {name} {backend}"
+        )
+
+
+def test_cuda_backend_is_checked():
+    with pytest.raises(ValueError, match="cuda_backend must be one of"):
+        FusedKernel("triton")
+
+
+@CUDA
+def test_cuda_backend_choice(monkeypatch):
+    """``auto`` runs FlashAttention-2 on half precision and the memory-efficient kernel on
+    float32 or heads over 256; ``flash`` refuses what FlashAttention-2 does not take."""
+    from dspzoo.core.parallel.methods import kernels
+
+    seen = []
+    real = kernels._fused_piece
+    monkeypatch.setattr(kernels, "_fused_piece", lambda *a: seen.append(a[-1]) or real(*a))
+    pos = torch.arange(4)
+    for dtype, head, want in [
+        (torch.bfloat16, 64, True),
+        (torch.float32, 64, False),
+        (torch.float16, 264, False),
+    ]:
+        x = torch.randn(1, 4, 2, head, device="cuda").to(dtype)
+        kernel_attention(x, x, x, pos, pos, True, 0.1, kernel=FusedKernel())
+        assert seen[-1] is want, (dtype, head)
+    x = torch.randn(1, 4, 2, 64, device="cuda")
+    with pytest.raises(ValueError, match="cuda_backend='flash' needs float16/bfloat16"):
+        kernel_attention(x, x, x, pos, pos, True, 0.1, kernel=FusedKernel("flash"))

@@ -9,13 +9,17 @@ that interface:
 
 * ``"fused"`` (default): PyTorch's fused attention that returns and takes the log-sum-exp and
   never materialises a score matrix (internal tiles only): on the CPU
-  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, on CUDA the
-  memory-efficient kernel ``aten._scaled_dot_product_efficient_attention`` and its
-  ``_backward`` (float32, float16, bfloat16). A block is cut into *pieces* by position runs
-  (:func:`position_runs`), and each piece is exact under the causal mask: keys wholly before
-  the queries are one fully visible call; the keys from the first common position on form a
-  diagonal piece whose queries and keys start at the same position, which is exactly SDPA's
-  top-left ``is_causal``; keys wholly after every query are skipped. Grouped-query K/V are
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``; on CUDA, in
+  float16/bfloat16 on compute capability 8.0 or newer with head sizes up to 256, PyTorch's
+  FlashAttention-2 ``aten._scaled_dot_product_flash_attention`` and its ``_backward``, else
+  the memory-efficient kernel ``aten._scaled_dot_product_efficient_attention`` and its
+  ``_backward`` (float32 too; :class:`FusedKernel`'s ``cuda_backend`` forces either). A block
+  is cut into *pieces* by position runs (:func:`position_runs`), and each piece is exact under
+  the causal mask: keys wholly before the queries are one fully visible call; the keys from
+  the first common position on form a *square* diagonal piece whose queries and keys start at
+  the same position, where SDPA's top-left ``is_causal`` and FlashAttention-2's bottom-right
+  one agree (queries past its last key see all of its keys: a full piece); keys wholly after
+  every query are skipped. Grouped-query K/V are
   expanded to the query heads per piece (and their gradients summed back); a value head size
   different from the query's is zero-padded (on CUDA also up to a multiple of 8, the kernel's
   alignment).
@@ -33,6 +37,7 @@ statistics), so a ring rank holds O(L/N) and LSS O(L) (its gathered keys) at any
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -52,6 +57,7 @@ from .blockwise import (
 __all__ = [
     "KERNELS",
     "KERNEL_ENV",
+    "CUDA_BACKENDS",
     "BlockwiseKernel",
     "FusedKernel",
     "LseAccumulator",
@@ -106,7 +112,7 @@ def position_runs(pos: torch.Tensor) -> list[Run]:
 @dataclass(frozen=True)
 class Piece:
     """One kernel call: query rows ``[q0, q1)`` on key rows ``[k0, k1)`` of a block; ``causal``:
-    the two start at the same global position and the mask is SDPA's top-left one."""
+    the two are the same positions (a square piece) and the mask is the lower triangle."""
 
     q0: int
     q1: int
@@ -120,9 +126,11 @@ def attention_pieces(q_runs: list[Run], k_runs: list[Run], causal: bool) -> list
 
     Non-causal: one piece per pair of runs. Causal, for query run ``[qs, qe)`` and key run
     ``[ks, ke)``: keys ``[ks, min(ke, qs))`` are seen by every query (a full piece); keys
-    ``[c, min(ke, qe))`` with ``c = max(ks, qs)`` are seen by queries ``[c, qe)`` with the
-    top-left mask (a diagonal piece); later keys are seen by none. Full pieces that tile a rectangle are joined into one call
-    (:func:`join_full_pieces`): a zigzag shard's later run sees both runs of an earlier block.
+    ``[c, e)`` with ``c = max(ks, qs)``, ``e = min(ke, qe)`` are seen by queries ``[c, e)``
+    under the causal mask (a square diagonal piece) and by queries ``[e, qe)`` entirely (a
+    full piece); later keys are seen by none. Full pieces that tile a rectangle are joined
+    into one call (:func:`join_full_pieces`): a zigzag shard's later run sees both runs of an
+    earlier block.
     """
     pieces = []
     for qr in q_runs:
@@ -145,15 +153,11 @@ def attention_pieces(q_runs: list[Run], k_runs: list[Run], causal: bool) -> list
                 )
             c, k_end = max(kr.start, qr.start), min(kr.end, qr.end)
             if k_end > c:
-                pieces.append(
-                    Piece(
-                        qr.local + c - qr.start,
-                        qr.local + qr.length,
-                        kr.local + c - kr.start,
-                        kr.local + k_end - kr.start,
-                        True,
-                    )
-                )
+                q0, k0 = qr.local + c - qr.start, kr.local + c - kr.start
+                side = k_end - c
+                pieces.append(Piece(q0, q0 + side, k0, k0 + side, True))
+                if qr.end > k_end:  # queries past the diagonal's last key see all of its keys
+                    pieces.append(Piece(q0 + side, qr.local + qr.length, k0, k0 + side, False))
     return join_full_pieces(pieces)
 
 
@@ -302,15 +306,55 @@ def _bhld(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
+CUDA_BACKENDS = ("auto", "flash", "efficient")
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD = 256  # FlashAttention-2's largest head size
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once per device."""
+    return torch.cuda.get_device_capability(index)
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _flash_takes(q: torch.Tensor, width: int) -> bool:
+    """Whether PyTorch's FlashAttention-2 takes CUDA tensors like ``q`` at head size ``width``:
+    float16/bfloat16, compute capability 8.0 (Ampere) or newer, a head of at most 256."""
+    return (
+        q.dtype in _FLASH_DTYPES
+        and width <= _FLASH_MAX_HEAD
+        and _cuda_capability(q.device) >= (8, 0)
+    )
+
+
+@functools.cache
+def _flash_no_dropout(device: torch.device) -> tuple[Any, Any, Any, Any]:
+    """``cum_seq_q, cum_seq_k, philox_seed, philox_offset`` as the flash forward returns them
+    for a dense batch without dropout (what its backward is handed back), from one tiny call."""
+    tiny = torch.zeros(1, 1, 1, _CUDA_ALIGN, dtype=torch.float16, device=device)
+    result = torch.ops.aten._scaled_dot_product_flash_attention(tiny, tiny, tiny, 0.0, False)
+    return result[2], result[3], result[6], result[7]
+
+
 def _fused_piece(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, flash: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fused call on ``[Bf, H, L, D]`` views → ``out [Bf, H, Lq, D]``, ``lse [Bf, H, Lq]``
-    (float32; float64 for float64 on the CPU)."""
+    (float32; float64 for float64 on the CPU). ``flash``: on CUDA, FlashAttention-2 rather
+    than the memory-efficient kernel."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
+    if flash:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )[:2]
+        return out, lse
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale
     )[:2]
@@ -335,6 +379,7 @@ def _fused_piece_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    flash: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (``[Bf, H, L, D]``) of one fused call, given the *final* ``out`` and
     ``lse`` of its query rows (so the piece's exact share of the whole attention's gradient)."""
@@ -342,6 +387,26 @@ def _fused_piece_backward(
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
+    if flash:
+        cum_q, cum_k, seed, offset = _flash_no_dropout(q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            _tokens_before_heads(dout),
+            q,
+            k,
+            v,
+            _tokens_before_heads(out),
+            lse.contiguous(),  # read as a dense [Bf, H, Lq]
+            cum_q,
+            cum_k,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            seed,
+            offset,
+            scale=scale,
+        )
+        return dq, dk, dv
     no_dropout = torch.empty(0, dtype=torch.int64, device=q.device)  # seed/offset: unread at p=0
     # the kernel reads the statistics with head and batch strides that are multiples of 8; its
     # own forward pads their length to a multiple of 32, which is what this hands it
@@ -368,9 +433,19 @@ def _fused_piece_backward(
 
 class FusedKernel:
     """PyTorch's fused attention with log-sum-exp (CPU or CUDA), one call per exact piece
-    (module doc)."""
+    (module doc).
+
+    ``cuda_backend``: which CUDA kernel runs, ``"auto"`` (FlashAttention-2 where it takes the
+    tensors, else the memory-efficient kernel), ``"flash"`` (FlashAttention-2; an error where
+    it does not take them) or ``"efficient"``. The CPU has one fused kernel and ignores it.
+    """
 
     name = "fused"
+
+    def __init__(self, cuda_backend: str = "auto") -> None:
+        if cuda_backend not in CUDA_BACKENDS:
+            raise ValueError(f"cuda_backend must be one of {CUDA_BACKENDS}, got {cuda_backend!r}")
+        self.cuda_backend = cuda_backend
 
     @staticmethod
     def supports(q: torch.Tensor) -> bool:
@@ -379,7 +454,7 @@ class FusedKernel:
         if q.dtype not in _FUSED_DTYPES.get(q.device.type, ()):
             return False
         if q.device.type == "cuda" and q.dtype == torch.bfloat16:
-            return torch.cuda.get_device_capability(q.device) >= (8, 0)
+            return _cuda_capability(q.device) >= (8, 0)
         return True
 
     @staticmethod
@@ -389,6 +464,19 @@ class FusedKernel:
         if q.device.type == "cuda":
             width = -(-width // _CUDA_ALIGN) * _CUDA_ALIGN
         return width
+
+    def _flash(self, q: torch.Tensor, width: int) -> bool:
+        """Whether this call runs FlashAttention-2 (CUDA only; see the class doc)."""
+        if q.device.type != "cuda" or self.cuda_backend == "efficient":
+            return False
+        takes = _flash_takes(q, width)
+        if self.cuda_backend == "flash" and not takes:
+            raise ValueError(
+                f"cuda_backend='flash' needs float16/bfloat16 on compute capability 8.0+ with a "
+                f"head size of at most {_FLASH_MAX_HEAD}; got {q.dtype}, head size {width} on "
+                f"{q.device}: use cuda_backend='auto' or 'efficient'"
+            )
+        return takes
 
     def forward(
         self,
@@ -404,11 +492,12 @@ class FusedKernel:
         """As :meth:`BlockwiseKernel.forward`, piece by piece."""
         heads, dv = q.shape[2], v.shape[-1]
         width = self._width(q, v)
+        flash = self._flash(q, width)
         for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
             qp = _pad_last(q[:, p.q0 : p.q1], width)
             kp = _pad_last(_expand_heads(k[:, p.k0 : p.k1], heads), width)
             vp = _pad_last(_expand_heads(v[:, p.k0 : p.k1], heads), width)
-            o, lse = _fused_piece(_bhld(qp), _bhld(kp), _bhld(vp), p.causal, scale)
+            o, lse = _fused_piece(_bhld(qp), _bhld(kp), _bhld(vp), p.causal, scale, flash)
             acc.add(p.q0, p.q1, _bhld(o)[..., :dv], lse)
 
     def backward(
@@ -429,6 +518,7 @@ class FusedKernel:
         given the final ``out`` and ``lse``, yields exactly the piece's share)."""
         heads, kv_heads, d, dv = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
         width = self._width(q, v)
+        flash = self._flash(q, width)
         lse = lse.to(stats_dtype(q.dtype))
         for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
@@ -441,6 +531,7 @@ class FusedKernel:
                 lse[:, :, rows],
                 p.causal,
                 scale,
+                flash,
             )
             grads[0][:, rows] += _bhld(dq)[..., :d]
             grads[1][:, keys] += _sum_heads(_bhld(dk)[..., :d].to(grads[1].dtype), kv_heads)
@@ -563,17 +654,20 @@ def kernel_attention(
     k_pos: torch.Tensor,
     causal: bool,
     scale: float,
-    kernel: str | None = None,
+    kernel: str | BlockwiseKernel | FusedKernel | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
     """Exact attention ``[Bf, Lq, H, D]`` × ``[Bf, Lk, Hkv, D(v)]`` → ``[Bf, Lq, H, Dv]`` in q's
     dtype, causal by the int64 positions ``q_pos [Lq]``, ``k_pos [Lk]`` (CPU or any device).
 
-    Saves only ``q, k, v, out, lse`` for backward, which recomputes. ``chunk`` cuts queries and
+    ``kernel``: a kernel's name (:func:`select_kernel`) or a kernel itself (e.g.
+    ``FusedKernel(cuda_backend="efficient")``). Saves only ``q, k, v, out, lse`` for backward, which recomputes. ``chunk`` cuts queries and
     keys into blocks of that many tokens (the blockwise kernel's memory bound; the fused kernel
     needs none, and blocks with no visible key are skipped). Once differentiable.
     """
-    impl = select_kernel(q, kernel)
+    impl = (
+        kernel if isinstance(kernel, (BlockwiseKernel, FusedKernel)) else select_kernel(q, kernel)
+    )
     return _KernelAttention.apply(
         q, k, v, q_pos.detach().cpu(), k_pos.detach().cpu(), causal, scale, impl, chunk
     )
