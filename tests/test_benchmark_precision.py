@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_marks import CUDA
 from test_benchmark import REPO, _launch
 
 from dspzoo.core.bench import build_parser
@@ -25,8 +26,11 @@ from dspzoo.core.bench.case import build_case
 from dspzoo.core.bench.check import compare, one_process_reference
 from dspzoo.core.bench.precision import (
     FP32_RTOL,
+    MAX_RTOL,
     Precision,
     fp32_equivalent,
+    loss_scales,
+    scaled_backward,
     tolerance,
     tolerance_for,
 )
@@ -92,6 +96,23 @@ def test_the_tolerance_follows_the_dtype_and_bytes_count_elements() -> None:
     assert tolerance_for(torch.bfloat16, 1e-3) == pytest.approx(BF16_RTOL)
     assert tolerance_for(torch.bfloat16, 3e-2) == pytest.approx(4 * 3e-2)
     assert tolerance_for(None, 0.5) == FP32_RTOL
+    # however rounded the step, a gradient off by half (a missed SP-group mean) stays flagged
+    assert tolerance_for(torch.float16, 0.97) == MAX_RTOL < 0.5
+
+
+def test_loss_scaling_gives_the_plain_gradients_and_reports_overflow() -> None:
+    assert loss_scales(Precision("fp16"))[0] == 2.0**16 and loss_scales(Precision("fp16"))[-1] == 1
+    assert loss_scales(Precision("bf16")) == loss_scales(Precision("no")) == (1.0,)
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(5, 3), torch.randn(4, 5)
+    layer(x).square().mean().backward()
+    plain = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    assert scaled_backward(layer(x).square().mean(), layer.parameters(), 2.0**16)
+    for got, want in zip((p.grad for p in layer.parameters()), plain):
+        torch.testing.assert_close(got, want)  # a power of two: exact in fp32
+    layer.zero_grad()
+    assert not scaled_backward(layer(x).square().mean(), layer.parameters(), 1e38 * 1e5)
 
 
 def test_the_check_still_catches_a_wrong_gradient_under_bf16() -> None:
@@ -217,3 +238,16 @@ def test_dspzoo_bench_passes_the_flag_on_and_refuses_fp16_on_a_cpu(capsys) -> No
     with pytest.raises(SystemExit) as refused:
         main(["bench", "--mixed-precision", "bf16", "--", "--mixed-precision=fp16"])
     assert refused.value.code == 2 and "give it once" in capsys.readouterr().err
+
+
+@CUDA
+def test_the_fp16_reference_scales_its_loss_on_cuda() -> None:
+    """On a GPU the fp16 one-process reference takes a loss scale, which keeps its gradients
+    from underflowing: it lies within fp16's rounding of the fp32 step, not O(1) from it (0.97
+    unscaled on an H200), and the check's tolerance stays a real one."""
+    case = build_case(build_parser().parse_args([*TINY, "--mixed-precision", "fp16"]), 1)
+    case = case.to(torch.device("cuda"))
+    reference = one_process_reference(case, case.inputs)
+    assert reference.loss_scale > 1
+    assert reference.rounding < 0.05, reference.rounding
+    assert reference.rtol < MAX_RTOL

@@ -10,7 +10,10 @@ autocast, and the tolerance follows the rounding of that very computation: the r
 once more in fp32, and the tolerance is the larger of a multiple of the dtype's epsilon and a
 multiple of how far the autocast reference lies from the fp32 one
 (:func:`~dspzoo.core.bench.precision.tolerance_for`, where the values are argued), so a deeper
-model, whose rounding grows with its depth, is not flagged for rounding alone.
+model, whose rounding grows with its depth, is not flagged for rounding alone; it is capped
+(:data:`~dspzoo.core.bench.precision.MAX_RTOL`) so that an O(1) error is always flagged. Under
+fp16 the checked steps scale the loss (:func:`~dspzoo.core.bench.precision.scaled_backward`),
+as fp16 training does, so that small gradients do not underflow.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 from ..harness import relative_error
-from .precision import FP32_RTOL, Precision, tolerance_for
+from .precision import FP32_RTOL, Precision, loss_scales, scaled_backward, tolerance_for
 
 ATOL = 1e-12
 
@@ -36,15 +39,22 @@ class Reference:
     grads: dict[str, torch.Tensor]
     rtol: float = FP32_RTOL
     rounding: float = 0.0  # under autocast: its relative error against the step in fp32
+    loss_scale: float = 1.0  # under fp16: the loss scale its gradients came from
 
 
 def one_process_reference(case: Any, inputs: dict[str, torch.Tensor]) -> Reference:
     """Run ``case``'s step on ``inputs`` in this process alone (a copy of the weights), with
-    the tolerance of the check: under autocast measured against the same step in fp32."""
-    reference = _one_process(case, inputs)
+    the tolerance of the check: under autocast measured against the same step in fp32; under
+    fp16 with the largest loss scale that keeps its gradients finite
+    (:data:`~dspzoo.core.bench.precision.FP16_LOSS_SCALES`), which the strategies' checked
+    step then uses too."""
+    for scale in loss_scales(case.precision):
+        reference, finite = _one_process(case, inputs, scale)
+        if finite:
+            break
     if case.precision.dtype is None:
         return reference
-    exact = _one_process(replace(case, precision=Precision()), inputs)
+    exact, _ = _one_process(replace(case, precision=Precision()), inputs, 1.0)
     rounding = max(
         relative_error(reference.output.float(), exact.output, ATOL),
         *(relative_error(g, exact.grads[n], ATOL) for n, g in reference.grads.items()),
@@ -54,22 +64,25 @@ def one_process_reference(case: Any, inputs: dict[str, torch.Tensor]) -> Referen
     return reference
 
 
-def _one_process(case: Any, inputs: dict[str, torch.Tensor]) -> Reference:
-    """``case``'s step on ``inputs`` in this process alone, on a copy of the weights."""
+def _one_process(
+    case: Any, inputs: dict[str, torch.Tensor], loss_scale: float
+) -> tuple[Reference, bool]:
+    """``case``'s step on ``inputs`` in this process alone, on a copy of the weights, its
+    backward with ``loss_scale``; and whether its gradients are all finite."""
     from ..parallel.runtime import SeqParallel
 
     model = copy.deepcopy(case.model)
     sp = SeqParallel()
     model.zero_grad(set_to_none=True)
     loss, out = case.step(model, sp, inputs)
-    loss.backward()
+    finite = scaled_backward(loss, model.parameters(), loss_scale)
     with torch.no_grad():
         output = sp.exit(out.with_tensor(out.tensor.detach()))
     grads = {
         name: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
         for name, p in model.named_parameters()
     }
-    return Reference(output, grads)
+    return Reference(output, grads, loss_scale=loss_scale), finite
 
 
 @dataclass

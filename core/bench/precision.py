@@ -36,7 +36,7 @@ for the video and text models' strategies (``tests/test_benchmark_precision.py``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -126,14 +126,53 @@ class Precision:
 ROUNDING_MARGIN = 4
 
 
+#: the check's tolerance never exceeds this: a wrong result it exists to catch (a gradient
+#: missing the SP-group mean is off by 0.5) stays flagged however large the step's rounding.
+#: A reference whose rounding reaches it (``MAX_RTOL / ROUNDING_MARGIN``) is reported as too
+#: rounded to check against by more than its tolerance says.
+MAX_RTOL = 0.25
+
+#: fp16's loss scales, largest first: the check's steps under fp16 multiply the loss by the
+#: first under which the one-process reference's gradients are all finite, and divide the
+#: gradients by it (GradScaler's start, 2¹⁶, halved on overflow). Without it small gradients
+#: underflow fp16 (smallest normal 6.1e-5): on an H200 (28 Nov 2026, stdit-mini, SP 1) the
+#: unscaled fp16 reference lay 0.97 (relative) from the fp32 step, which made the tolerance
+#: 3.9: no check at all.
+FP16_LOSS_SCALES = tuple(2.0**e for e in range(16, -1, -1))
+
+
 def tolerance_for(dtype: torch.dtype | None, rounding: float) -> float:
     """The check's tolerance for a step under autocast in ``dtype`` whose one-process result
     lies ``rounding`` (relative error) from the same step in fp32: the larger of
     :func:`tolerance` and :data:`ROUNDING_MARGIN` × ``rounding``, which grows with the depth
-    of the model as its rounding does. fp32 (``None``): :data:`FP32_RTOL`."""
+    of the model as its rounding does, and at most :data:`MAX_RTOL`. fp32 (``None``):
+    :data:`FP32_RTOL`."""
     if dtype is None or dtype == torch.float32:
         return FP32_RTOL
-    return max(tolerance(dtype), ROUNDING_MARGIN * rounding)
+    return min(max(tolerance(dtype), ROUNDING_MARGIN * rounding), MAX_RTOL)
+
+
+def loss_scales(precision: Precision) -> tuple[float, ...]:
+    """The loss scales the check's one-process reference tries, in order: fp16's
+    (:data:`FP16_LOSS_SCALES`), else none (1)."""
+    return FP16_LOSS_SCALES if precision.name == "fp16" else (1.0,)
+
+
+def scaled_backward(loss: torch.Tensor, params: Iterable[torch.nn.Parameter], scale: float) -> bool:
+    """``loss.backward()`` with the loss multiplied by ``scale`` and the gradients of
+    ``params`` divided by it after (loss scaling, so that small fp16 gradients do not
+    underflow); ``scale`` 1: a plain backward. Returns whether every gradient is finite."""
+    if scale == 1.0:
+        loss.backward()
+        return True
+    (loss * scale).backward()
+    finite = True
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(scale)
+                finite = finite and bool(torch.isfinite(p.grad).all())
+    return finite
 
 
 def tolerance(dtype: torch.dtype | None) -> float:

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from .case import PEER
-from .precision import ROUNDING_MARGIN, ROUNDINGS
+from .precision import MAX_RTOL, ROUNDING_MARGIN, ROUNDINGS
 
 MiB = 2**20
 
@@ -171,6 +171,8 @@ def markdown(result: dict[str, Any]) -> str:
         if reps
         else "the traced step only (--reps 0: no timed repetitions)"
     )
+    rows = result["rows"]
+    scale = min((r.get("loss_scale", 1.0) for r in rows), default=1.0)
     check = (
         f"the gathered output and every parameter gradient against one process on the same "
         f"samples (relative error, flagged above "
@@ -178,8 +180,14 @@ def markdown(result: dict[str, Any]) -> str:
         + (
             f": the larger of {ROUNDINGS} × the dtype's epsilon and {ROUNDING_MARGIN} × the "
             f"one-process step's own "
-            f"rounding, {max(r.get('reference_rounding', 0.0) for r in result['rows']):.1e} "
-            f"from the same step in fp32)"
+            f"rounding, {max(r.get('reference_rounding', 0.0) for r in rows):.1e} "
+            f"from the same step in fp32, at most {MAX_RTOL}"
+            + (
+                f"; the checked steps' loss scaled by 2^{round(math.log2(scale))}"
+                if scale != 1
+                else ""
+            )
+            + ")"
             if autocast(result)
             else ")"
         )

@@ -38,7 +38,13 @@ from .auto_choice import AUTO, auto_choice, needs_own_row
 from .case import PEER, Case, build_case, select_strategies
 from .check import Reference, compare, one_process_reference
 from .meshes import MeshCache, ulysses_size_for
-from .precision import PRECISIONS, Precision, fp32_equivalent, refuse_unsupported
+from .precision import (
+    PRECISIONS,
+    Precision,
+    fp32_equivalent,
+    refuse_unsupported,
+    scaled_backward,
+)
 from .stats import paired_ratios, spread
 
 MODES = ("sp", "weak", "strong", "end-to-end")
@@ -139,7 +145,8 @@ class Runner:
                         loss, out = self.case.step(self.model, self.sp, self.inputs)
                     if peer is not None:
                         peer.phase = "backward"
-                    loss.backward()
+                    scale = 1.0 if reference is None else reference.loss_scale
+                    scaled_backward(loss, self.model.parameters(), scale)
             finally:
                 if peer is not None:
                     peer_ctx.__exit__(None, None, None)
@@ -172,6 +179,7 @@ class Runner:
             result["agreement"] = agreement.__dict__ | {
                 "ok": agreement.ok,
                 "rounding": reference.rounding,
+                "loss_scale": reference.loss_scale,
             }
         self._sync_dp()
         return result
@@ -541,6 +549,7 @@ def summarise(
             row["agrees"] = all(a["ok"] for a in agree)
             row["rtol"] = max(a["rtol"] for a in agree)
             row["reference_rounding"] = max(a["rounding"] for a in agree)
+            row["loss_scale"] = min(a.get("loss_scale", 1.0) for a in agree)
         rows.append(row)
     dsp = rows[0]
     for row in rows:
