@@ -7,8 +7,9 @@ FlashAttention-2 split (blocks merged by LSE, backward per block from the final 
 the whole; and the kernel choice (argument, environment variable, clear errors).
 
 The kernel tests run on the CPU and, where CUDA is available, again on the GPU (the fused
-kernel there is PyTorch's memory-efficient CUDA attention; float64 is CPU-only for it, so the
-CUDA cases run in float32 against the same float64 reference).
+kernel there is PyTorch's memory-efficient CUDA attention in float32 and its FlashAttention-2 in
+half precision; float64 is CPU-only for both, so the CUDA cases run in float32 and half
+precision against the same float64 reference, each half-precision kernel forced in turn).
 """
 
 from __future__ import annotations
