@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from dspzoo.core.device_memory import CudaPeak
 from dspzoo.core.parallel.methods.kernels import FusedKernel, kernel_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,17 +67,13 @@ def measure(
     for t in inputs:
         t.grad = None
     _sync(device)
-    base = None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    start = time.perf_counter()
-    out = _call(name, *inputs, chunk)
-    out.backward(grad)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    peak = None if base is None else torch.cuda.max_memory_allocated(device) - base
-    return seconds, peak
+    with CudaPeak(device) as peak:
+        start = time.perf_counter()
+        out = _call(name, *inputs, chunk)
+        out.backward(grad)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    return seconds, peak.added_bytes
 
 
 def error_vs_float64(

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from dspzoo.core.argparser import CommandParser
+from dspzoo.core.device_memory import CudaPeak
 from dspzoo.core.entry import UsageError
 from dspzoo.core.testing import run_distributed
 
@@ -259,22 +260,19 @@ def one_block(
         parts = af2_block(SeqParallel(None), residues, depth, chunk, channel_chunk, device=dev)
         weights = sum(t.numel() * t.element_size() for t in parts.block.parameters())
         inputs = sum(t.numel() * t.element_size() for t in parts.local.values())
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with CudaPeak(dev) as device_peak:
+            start = time.perf_counter()
+            z = chunked_forward(parts, chunk)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            seconds = time.perf_counter() - start
         if cuda:
-            torch.cuda.synchronize(dev)
-            before = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
+            before, peak = device_peak.before_bytes, device_peak.peak_bytes
+            reserved = device_peak.reserved_bytes
         else:
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        start = time.perf_counter()
-        z = chunked_forward(parts, chunk)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        seconds = time.perf_counter() - start
-        if cuda:
-            peak = torch.cuda.max_memory_allocated(dev)
-            reserved: int | None = torch.cuda.max_memory_reserved(dev)
-        else:
-            peak, reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
+            before, reserved = rss_before, None
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         finite = bool(torch.isfinite(z).all())  # after the peak: its mask is not the block's
     finally:
         torch.set_num_threads(previous_threads)

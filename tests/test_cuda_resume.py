@@ -27,6 +27,7 @@ launch --cpu`` sets) keeps the CPU case on the CPU on a machine with a GPU.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from cuda_marks import DEVICES
+from cuda_marks import CUDA, DEVICES
 from test_video_training import COMMON as VIDEO_RUN
 
 from dspzoo.core.train import Trainer
@@ -232,6 +233,40 @@ def test_ema_run_resumed_on_one_process_is_the_uninterrupted_run(
         assert_on(on_cpu.restored, "cpu")
         # the same run on other hardware: float rounding differs, nothing else
         assert on_cpu_result["losses"] == pytest.approx(full_result["losses"][CUT:], rel=1e-3)
+
+
+@CUDA
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_mixed_precision_run_on_cuda_resumes_exactly(
+    precision: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_accelerate
+) -> None:
+    """Under ``--mixed-precision`` on CUDA (fp16 with Accelerate's GradScaler, whose scale
+    the checkpoint carries) the run trains in finite losses, and the resumed session is the
+    rest of the uninterrupted one, bit for bit: losses, parameters, EMA, Adam moments, and
+    under fp16 the scaler's state."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        kw = {"mixed_precision": precision}
+        full, full_result = _train(monkeypatch, "cuda", tmp_path / "full", **kw)
+        _train(monkeypatch, "cuda", tmp_path / "cut", stop_after=CUT, **kw)
+        resumed, resumed_result = _train(
+            monkeypatch, "cuda", tmp_path / "cut", resume="latest", **kw
+        )
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    losses = full_result["losses"]
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
+    assert resumed_result["losses"] == losses[CUT:]
+    assert full.ended is not None and resumed.ended is not None
+    assert_identical(resumed.ended, full.ended, "end")
+    scalers = [t.accelerator.scaler for t in (full, resumed)]
+    if precision == "fp16":
+        assert all(s is not None for s in scalers)
+        assert scalers[1].state_dict() == scalers[0].state_dict()
+    else:
+        assert scalers == [None, None]
 
 
 @pytest.mark.parametrize("device", DEVICES)

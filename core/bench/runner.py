@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..costmodel.probe import AttentionShape, Rates, probe_group
+from ..device_memory import CudaPeak
 from ..entry import UsageError
 from ..parallel.comm.shm import transport
 from ..parallel.methods.registry import METHODS
@@ -131,9 +132,8 @@ class Runner:
         self.model.zero_grad(set_to_none=True)
         peer = None
         _barrier()
-        base = _device_peak_reset()
         start = time.perf_counter()
-        with trace_comm() as tracer:
+        with CudaPeak() as device_peak, trace_comm() as tracer:
             if self.name == PEER:
                 from .peer import count_deepspeed_bytes
 
@@ -169,7 +169,7 @@ class Runner:
             "loss": float(loss.detach()),
             "traced_step_s": elapsed,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_device_bytes": _device_peak_added(base),
+            "peak_device_bytes": device_peak.added_bytes,
         }
         if reference is not None:
             with torch.no_grad():
@@ -289,19 +289,6 @@ def _elapsed(start: float) -> float:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def _device_peak_reset() -> int | None:
-    """Start a CUDA peak measurement: the bytes allocated now (``None`` without CUDA)."""
-    if not torch.cuda.is_initialized():
-        return None
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
-
-
-def _device_peak_added(base: int | None) -> int | None:
-    """The CUDA allocator's peak since :func:`_device_peak_reset`, above its ``base``."""
-    return None if base is None else torch.cuda.max_memory_allocated() - base
 
 
 def device_name(device: torch.device) -> str:
