@@ -20,11 +20,14 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from dspzoo.core.argparser import CommandParser
 from dspzoo.core.device_memory import CudaPeak
+from dspzoo.core.entry import UsageError, run_entry_point
 from dspzoo.core.parallel.methods.kernels import FusedKernel, kernel_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,31 +79,45 @@ def measure(
     return seconds, peak.added_bytes
 
 
-def error_vs_float64(
-    name: str, args: argparse.Namespace, device: torch.device
-) -> tuple[float, float]:
-    """Relative errors of ``name``'s output and input gradients (the worst of dq, dk, dv) on a
-    512-token problem against SDPA in float64."""
-    g = torch.Generator().manual_seed(1)
-    shape = (1, min(args.seq_len, 512), args.heads, args.head_dim)
-    q, k, v, w = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = _sdpa(*leaves, args.head_dim**-0.5)
-    ref.backward(w)
-    dtype = DTYPES[args.dtype]
-    mine = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
-    got = _call(name, *mine, args.chunk)
-    got.backward(w.to(device, dtype))
+@dataclass
+class Float64Reference:
+    """Causal SDPA in float64 on the CPU, once for every kernel checked against it: inputs
+    ``q, k, v`` and output gradient ``w`` ``[1, min(L, 512), H, D]``, output and input
+    gradients."""
 
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        a, b = a.detach().double().cpu(), b.detach()
-        return float((a - b).norm() / b.norm())
+    inputs: list[torch.Tensor]
+    w: torch.Tensor
+    out: torch.Tensor
+    grads: list[torch.Tensor]
 
-    return rel(got, ref), max(rel(m.grad, r.grad) for m, r in zip(mine, leaves))
+    @classmethod
+    def build(cls, args: argparse.Namespace) -> Float64Reference:
+        g = torch.Generator().manual_seed(1)
+        shape = (1, min(args.seq_len, 512), args.heads, args.head_dim)
+        q, k, v, w = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = _sdpa(*leaves, args.head_dim**-0.5)
+        out.backward(w)
+        return cls([q, k, v], w, out.detach(), [t.grad for t in leaves])
+
+    def errors(
+        self, name: str, args: argparse.Namespace, device: torch.device
+    ) -> tuple[float, float]:
+        """Relative errors (``‖got − want‖ / ‖want‖``) of kernel ``name``'s output and input
+        gradients (the worst of dq, dk, dv) in the run's dtype on ``device``."""
+        dtype = DTYPES[args.dtype]
+        mine = [t.to(device, dtype).requires_grad_(True) for t in self.inputs]
+        got = _call(name, *mine, args.chunk)
+        got.backward(self.w.to(device, dtype))
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            return float((a.detach().double().cpu() - b).norm() / b.norm())
+
+        return rel(got, self.out), max(rel(m.grad, r) for m, r in zip(mine, self.grads))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -124,13 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     unknown = sorted(set(args.kernels.split(",")) - set(KERNELS))
     if unknown:
-        p.error(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
+        raise UsageError(
+            f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}"
+        )
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(
-            "bench_kernel_device.py: error: --device cuda: CUDA is not available", file=sys.stderr
-        )
-        return 2
+        raise UsageError(f"--device {args.device}: CUDA is not available; use --device cpu")
     names = args.kernels.split(",")
     g = torch.Generator().manual_seed(0)
     shape = (1, args.seq_len, args.heads, args.head_dim)
@@ -159,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         "rel. error out / grads (L ≤ 512, vs fp64) |"
     )
     print("|---|---|---|---|---|")
+    reference = Float64Reference.build(args)
     for name in names:
         med = statistics.median(times[name])
         peak = "–" if peaks.get(name) is None else f"{peaks[name] / 2**20:,.0f}"
-        err_out, err_grad = error_vs_float64(name, args, device)
+        err_out, err_grad = reference.errors(name, args, device)
         print(
             f"| {name} | {med * 1e3:.2f} | {med / first:.2f} | {peak} | "
             f"{err_out:.1e} / {err_grad:.1e} |"
@@ -173,4 +190,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_entry_point(main, "bench_kernel_device.py"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,12 @@ def _load_script(name: str):
 
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in it looks its module up there
     spec.loader.exec_module(module)
     return module
 
+
+from dspzoo.core.entry import UsageError, run_entry_point  # noqa: E402
 
 bench_kernel_device = _load_script("bench_kernel_device").main
 
@@ -43,8 +47,13 @@ def test_bench_kernel_device_on_the_cpu(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_bench_kernel_device_cuda_without_cuda(capsys):
-    assert bench_kernel_device(["--device", "cuda"]) == 2
-    assert "CUDA is not available" in capsys.readouterr().err
+    """Bad input is one line and status 2 (through the scripts' entry point)."""
+    assert run_entry_point(lambda: bench_kernel_device(["--device", "cuda"]), "b.py") == 2
+    assert capsys.readouterr().err == (
+        "b.py: error: --device cuda: CUDA is not available; use --device cpu\n"
+    )
+    with pytest.raises(UsageError, match="--kernels: unknown flash; choose from sdpa, fused"):
+        bench_kernel_device(["--device", "cpu", "--kernels", "sdpa,flash"])
 
 
 def test_gpu_checks_script_parses_and_names_what_exists():
@@ -63,7 +72,6 @@ def test_bench_report_names_the_gpu_and_its_peak(tmp_path):
     says why; the CPU run itself names the CPU and has no such column."""
     import json
     import os
-    import sys
 
     from dspzoo.core.bench.report import markdown
 
@@ -111,7 +119,6 @@ def test_gpu_checks_stops_at_once_without_cuda(tmp_path):
     """Without a CUDA device the script runs nothing (every CUDA case would be skipped and the
     run look green) and says so in one line, status 2."""
     import os
-    import sys
 
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(tmp_path)],
