@@ -720,7 +720,9 @@ def _check_shm_reduce_scatter(rank: int, world: int) -> int:
 
     sends = [block(rank, q) for q in range(world)]
     kept = [t.clone() for t in sends]
-    out = shm.ShmReduceScatter(channel, sends, torch.empty(rows[rank], 3)).wait()
+    exchange = shm.ShmReduceScatter(channel, sends, torch.empty(rows[rank], 3))
+    exchange.wait()
+    out = exchange.total()
     expected = block(0, rank).clone()
     for src in range(1, world):
         expected += block(src, rank)

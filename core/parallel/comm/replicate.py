@@ -202,8 +202,8 @@ def reduce_scatter_along(
         out = torch.empty(mine, dtype=grad.dtype, device=grad.device)
         with guard(f"reduce_scatter ({phase})", group, region, grad.device):
             exchange = ShmReduceScatter(channel, sends, out)
-            exchange.work.wait()
-        exchange.total()  # local work: outside the collective's guard
+            exchange.wait()
+        exchange.total()
         chunk = math.prod(_rows(grad.shape, dim, longest)) * grad.element_size()
         record("reduce_scatter", (n - 1) * chunk, group, out, phase, region)
         return out

@@ -735,7 +735,11 @@ class ShmReduceScatter:
     any strides; shaped like peer ``q``'s result) goes to each peer ``q``, each peer's block
     for this rank (shaped like ``out``) lands in a part of its own, and :meth:`total` sums
     every rank's block into ``out`` in rank order (:func:`sum_in_rank_order`: deterministic).
-    This rank's own block is read from ``sends[r]`` in place, so ``out`` must not overlap it."""
+    This rank's own block is read from ``sends[r]`` in place, so ``out`` must not overlap it.
+
+    Finished in two calls, the same for every caller: :meth:`wait` (the collective part,
+    under the caller's ``guard``, which reports a backend error as a collective failure), then
+    :meth:`total` (local arithmetic, outside it: its errors are not the peers')."""
 
     def __init__(self, channel: ShmChannel, sends: list[torch.Tensor], out: torch.Tensor) -> None:
         r = channel.r
@@ -744,14 +748,13 @@ class ShmReduceScatter:
         receives = [None if p == r else self.parts[p] for p in range(channel.n)]
         self.work = start_blocks(channel, sends, receives, "reduce_scatter")
 
-    def total(self) -> torch.Tensor:
-        """``out``, the rank-order sum of the parts (after the exchange is complete)."""
-        return sum_in_rank_order(self.parts, self.out)
-
-    def wait(self) -> torch.Tensor:
-        """Complete the exchange and return :meth:`total`."""
+    def wait(self) -> None:
+        """Complete the exchange (every peer's block has arrived)."""
         self.work.wait()
-        return self.total()
+
+    def total(self) -> torch.Tensor:
+        """``out``, the rank-order sum of the parts (after :meth:`wait`)."""
+        return sum_in_rank_order(self.parts, self.out)
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,8 @@ class _Pending:
         if self._work is not None:
             with guard(*self._where):
                 self._work.wait()
+            if isinstance(self._work, ShmReduceScatter):
+                self._work.total()  # its local sum, outside the guard (ShmReduceScatter)
             self._work = None
         self._send = None
         return self.result
