@@ -251,3 +251,17 @@ def test_the_fp16_reference_scales_its_loss_on_cuda() -> None:
     assert reference.loss_scale > 1
     assert reference.rounding < 0.05, reference.rounding
     assert reference.rtol < MAX_RTOL
+
+
+def test_the_peer_counter_sums_its_dtype_split() -> None:
+    """The DeepSpeed peer's byte counter (no DeepSpeed needed): bytes by (phase, dtype), and
+    their total, the one figure the report adds to the traced bytes."""
+    from dspzoo.core.bench.peer import _Counter
+
+    counter = _Counter()
+    counter.add(torch.zeros(2, dtype=torch.bfloat16), 10)
+    counter.phase = "backward"
+    counter.add(torch.zeros(2), 7)
+    counter.add(torch.zeros(2), 5)
+    assert counter.by_dtype == {("forward", "bfloat16"): 10, ("backward", "float32"): 12}
+    assert counter.total == 22

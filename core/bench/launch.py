@@ -85,20 +85,21 @@ def command(num_processes: int, script_args: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def script_arguments(args: argparse.Namespace) -> list[str]:
+def script_arguments(args: argparse.Namespace) -> tuple[list[str], str]:
     """The benchmark's flags: those after ``--``, with ``--mixed-precision`` when given to
-    ``dspzoo bench`` itself (a different value after ``--`` is refused)."""
+    ``dspzoo bench`` itself (a different value after ``--`` is refused); and the precision
+    the run takes (``no`` when given nowhere)."""
     extra = args.script_args[1:] if args.script_args[:1] == ["--"] else list(args.script_args)
-    precision = getattr(args, "mixed_precision", None)
-    if precision is None:
-        return extra
-    parsed, _ = _precision_parser().parse_known_args(extra)
-    if parsed.mixed_precision not in (None, precision):
+    given = getattr(args, "mixed_precision", None)
+    after = _precision_parser().parse_known_args(extra)[0].mixed_precision
+    if given is not None and after not in (None, given):
         raise UsageError(
-            f"--mixed-precision {precision} before `--` and --mixed-precision "
-            f"{parsed.mixed_precision} after it: give it once"
+            f"--mixed-precision {given} before `--` and --mixed-precision {after} after it: "
+            "give it once"
         )
-    return extra if parsed.mixed_precision else [*extra, "--mixed-precision", precision]
+    if given is not None and after is None:
+        extra = [*extra, "--mixed-precision", given]
+    return extra, after or given or "no"
 
 
 def _precision_parser() -> argparse.ArgumentParser:
@@ -116,10 +117,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         build_parser().print_help()
         return 0
     try:
-        script_args = script_arguments(args)
+        script_args, precision = script_arguments(args)
         if args.run:  # refused here rather than by every launched process
-            precision = _precision_parser().parse_known_args(script_args)[0].mixed_precision
-            refuse_unsupported(Precision(precision or "no"), torch.cuda.is_available())
+            refuse_unsupported(Precision(precision), torch.cuda.is_available())
     except UsageError as exc:
         parser.error(str(exc))
     cmd = command(args.num_processes, script_args)

@@ -95,15 +95,20 @@ class DeepSpeedUlysses(SeqParallel):
 
 
 class _Counter:
+    """The bytes DeepSpeed's all-to-alls sent, by (phase, dtype name)."""
+
     def __init__(self) -> None:
-        self.bytes = {"forward": 0, "backward": 0}
         self.by_dtype: dict[tuple[str, str], int] = {}  # (phase, dtype name) -> bytes
         self.phase = "forward"
 
+    @property
+    def total(self) -> int:
+        """Every byte counted, both phases, every dtype."""
+        return sum(self.by_dtype.values())
+
     def add(self, tensor: torch.Tensor, n: int) -> None:
         """Count ``n`` bytes of ``tensor``'s all-to-all in the current phase."""
-        self.bytes[self.phase] += n
-        key = (self.phase, str(tensor.dtype).replace("torch.", ""))
+        key = (self.phase, str(tensor.dtype).removeprefix("torch."))
         self.by_dtype[key] = self.by_dtype.get(key, 0) + n
 
 

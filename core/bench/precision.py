@@ -57,7 +57,9 @@ FP32_RTOL = 1e-4
 #: SP-group mean is off by 0.5 of its size, a misplaced shard by ~1) stays well above 8 ε.
 ROUNDINGS = 8
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_LOW_PRECISION = ("bfloat16", "float16")
+#: the tracer's dtype names (``str(dtype)`` without ``torch.``), short, as the report prints them
+DTYPE_SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+_LOW_PRECISION = tuple(str(dtype).removeprefix("torch.") for dtype in _DTYPES.values())
 
 
 @dataclass(frozen=True)

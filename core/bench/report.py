@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from .case import PEER
-from .precision import MAX_RTOL, ROUNDING_MARGIN, ROUNDINGS
+from .precision import DTYPE_SHORT_NAMES, MAX_RTOL, ROUNDING_MARGIN, ROUNDINGS
 
 MiB = 2**20
 
@@ -45,10 +45,6 @@ def time_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-#: the tracer's dtype names, short
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
-
-
 def autocast(result: dict[str, Any]) -> bool:
     """Whether the run's steps ran under autocast (``--mixed-precision`` bf16 or fp16)."""
     return result.get("precision", "no") != "no"
@@ -57,7 +53,7 @@ def autocast(result: dict[str, Any]) -> bool:
 def sent_as(by_dtype: dict[str, int]) -> str:
     """The floating-point dtypes a rank's collectives carried, as shares of its bytes
     (``bf16 33%, fp32 67%``); integer control payloads (the input check's flag) left out."""
-    floats = {_DTYPE_NAMES[k]: v for k, v in by_dtype.items() if k in _DTYPE_NAMES}
+    floats = {DTYPE_SHORT_NAMES[k]: v for k, v in by_dtype.items() if k in DTYPE_SHORT_NAMES}
     total = sum(floats.values())
     if not total:
         return "–"

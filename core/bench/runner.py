@@ -154,7 +154,7 @@ class Runner:
         sent = _sent(tracer.records, peer)
         by_op = _by_op(sent)
         total = sum(r.bytes_sent for r in tracer.records) + (
-            sum(peer.bytes.values()) if peer else 0
+            peer.total if peer else 0
         )
         result: dict[str, Any] = {
             "fwd_bytes": _phase_bytes(by_op, "forward"),
