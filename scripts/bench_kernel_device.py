@@ -2,9 +2,9 @@
 
 One causal attention ``[1, L, H, D]`` over positions ``0 … L−1`` through
 :func:`~dspzoo.core.parallel.methods.kernels.kernel_attention` with ``kernel="fused"`` (on the
-CPU PyTorch's fused CPU attention; on CUDA FlashAttention-2 in half precision, else the
-memory-efficient kernel), ``fused-efficient`` (the fused kernel held to the memory-efficient
-CUDA kernel) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score
+CPU PyTorch's fused CPU attention; on CUDA cuDNN's or FlashAttention-2 in half precision, else
+the memory-efficient kernel), ``fused-cudnn``, ``fused-flash``, ``fused-efficient`` (the fused
+kernel held to one CUDA kernel) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score
 block), beside ``F.scaled_dot_product_attention`` (no log-sum-exp: what a single device would
 run without sequence parallelism). They run interleaved, in a rotated order each repetition;
 the table gives the median time (synchronised on CUDA), the peak memory the call added
@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from dspzoo.core.argparser import CommandParser
 from dspzoo.core.device_memory import CudaPeak
 from dspzoo.core.entry import UsageError, run_entry_point
-from dspzoo.core.parallel.methods.kernels import FusedKernel, kernel_attention
+from dspzoo.core.parallel.methods.kernels import CUDA_BACKENDS, FusedKernel, kernel_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # sdpa: plain SDPA; fused: the methods' default kernel (on CUDA in half precision
 # FlashAttention-2, else the memory-efficient kernel); fused-efficient: the fused kernel held to
 # the memory-efficient CUDA kernel (what ``fused`` ran in half precision before 28 Nov 2026);
 # blockwise: the einsum kernel
-KERNELS = ("sdpa", "fused", "fused-efficient", "blockwise")
+KERNELS = ("sdpa", "fused", *(f"fused-{b}" for b in CUDA_BACKENDS[1:]), "blockwise")
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -52,7 +52,7 @@ def _call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: i
     if name == "sdpa":
         return _sdpa(q, k, v, scale)
     pos = torch.arange(q.shape[1])
-    kernel = {"fused-efficient": FusedKernel("efficient")}.get(name, name)
+    kernel = FusedKernel(name.split("-")[1]) if name.startswith("fused-") else name
     return kernel_attention(q, k, v, pos, pos, True, scale, kernel=kernel, chunk=chunk)
 
 

@@ -43,6 +43,15 @@ failed=0
 
 budget_end=$((SECONDS + ${GPU_CHECKS_BUDGET_S:-780}))
 
+# a misspelt step would make every step return early and the run look green: refuse it
+STEPS="env tests bench_video bench_text bench_video_bf16 bench_video_fp16 kernels_float32 kernels_bfloat16 kernels_float16 protein"
+for asked in ${GPU_CHECKS_STEPS:+${GPU_CHECKS_STEPS//,/ }}; do
+    if [[ " $STEPS " != *" $asked "* ]]; then
+        echo "gpu_checks.sh: GPU_CHECKS_STEPS names '$asked', which is no step; the steps: $STEPS" >&2
+        exit 2
+    fi
+done
+
 # step NAME LIMIT_S COMMAND...: run it within the budget, log everything, print its time
 step() {
     local name=$1 limit=$2
@@ -104,7 +113,7 @@ done
 
 for dtype in float32 bfloat16 float16; do
     kernels=sdpa,fused,blockwise
-    [ "$dtype" = float32 ] || kernels=sdpa,fused,fused-efficient,blockwise
+    [ "$dtype" = float32 ] || kernels=sdpa,fused,fused-cudnn,fused-flash,fused-efficient,blockwise
     step "kernels_$dtype" 120 "$py" scripts/bench_kernel_device.py --device cuda --seq-len 16384 \
         --dtype "$dtype" --reps 5 --kernels "$kernels"
 done

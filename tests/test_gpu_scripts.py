@@ -130,3 +130,14 @@ def test_gpu_checks_stops_at_once_without_cuda(tmp_path):
     assert done.returncode == 2
     assert "sees no CUDA device; nothing run" in done.stderr
     assert "== tests" not in done.stdout  # no step ran
+
+
+def test_gpu_checks_refuses_a_step_it_does_not_have(tmp_path):
+    """A misspelt GPU_CHECKS_STEPS would skip every step and look green: it is refused first."""
+    import os
+
+    env = {**os.environ, "GPU_CHECKS_STEPS": "tests,kernel_bf16"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert done.returncode == 2
+    assert "GPU_CHECKS_STEPS names 'kernel_bf16', which is no step" in done.stderr

@@ -21,12 +21,14 @@ import torch
 from cuda_marks import CUDA, DEVICES
 
 from dspzoo.core.parallel.methods.kernels import (
+    CUDA_BACKEND_ENV,
     KERNEL_ENV,
     BlockwiseKernel,
     FusedKernel,
     LseAccumulator,
     Piece,
     attention_pieces,
+    cuda_refusal,
     kernel_attention,
     position_runs,
     select_kernel,
@@ -304,7 +306,7 @@ def test_half_precision_blockwise_on_cuda(dtype):
 @pytest.mark.parametrize(
     ("dtype", "backend"),
     [(torch.float32, "auto")]
-    + [(t, b) for t in (torch.bfloat16, torch.float16) for b in ("flash", "efficient")],
+    + [(t, b) for t in (torch.bfloat16, torch.float16) for b in ("cudnn", "flash", "efficient")],
 )
 def test_fused_on_cuda_at_ring_sizes(head_dim, dtype, backend):
     """Blocks the size a ring step or an LSS block has (zigzag shards of 1,000 tokens over 4
@@ -317,6 +319,7 @@ def test_fused_on_cuda_at_ring_sizes(head_dim, dtype, backend):
         ref = _block(BlockwiseKernel(), q, k, v, w, q_pos, k_pos, True, head_dim**-0.5)
         on = [t.to("cuda", dtype) for t in (q, k, v, w)]
         assert FusedKernel.supports(on[0])
+        _skip_unless_taken(backend, on[0], head_dim)
         got = _block(FusedKernel(backend), *on, q_pos, k_pos, True, head_dim**-0.5)
         for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
             finite = ~torch.isinf(r)
@@ -325,8 +328,15 @@ def test_fused_on_cuda_at_ring_sizes(head_dim, dtype, backend):
             assert err < limit, f"{name} rank {rank} D {head_dim} {dtype}: {err:.1e}"
 
 
+def _skip_unless_taken(backend: str, q: torch.Tensor, width: int) -> None:
+    """Skip a forced CUDA kernel this GPU or build does not take (cuDNN before Hopper)."""
+    refusal = cuda_refusal(backend, q, width)
+    if refusal is not None:
+        pytest.skip(f"{backend} needs {refusal}")
+
+
 @CUDA
-@pytest.mark.parametrize("backend", ["flash", "efficient"])
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", sorted(POSITIONS))
@@ -336,6 +346,7 @@ def test_half_precision_cuda_backends_match_naive(name, causal, dtype, backend):
     against the blockwise kernel in float64, to the dtype's rounding."""
     q_pos, k_pos = POSITIONS[name]
     q, k, v, w = _tensors(len(q_pos), len(k_pos), 4, 2, 8, 6, torch.float64)
+    _skip_unless_taken(backend, q.to("cuda", dtype), 8)
     ref = _block(BlockwiseKernel(), q, k, v, w, q_pos, k_pos, causal, 0.5)
     got = _block(
         FusedKernel(backend),
@@ -352,29 +363,50 @@ def test_half_precision_cuda_backends_match_naive(name, causal, dtype, backend):
         )
 
 
-def test_cuda_backend_is_checked():
+def test_cuda_backend_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="cuda_backend must be one of"):
         FusedKernel("triton")
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "flash")
+    assert FusedKernel().cuda_backend == "flash" and FusedKernel("auto").cuda_backend == "auto"
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match=r"\$DSPZOO_CUDA_ATTENTION must be one of"):
+        FusedKernel()
+    q = torch.zeros(1, 2, 1, 8)
+    assert FusedKernel("cudnn").cuda_kernel(q, 8) == "cpu"  # the CPU has one fused kernel
+    assert cuda_refusal("efficient", q, 8) is None
+    assert "float16 or bfloat16" in cuda_refusal("flash", q, 8)
 
 
 @CUDA
 def test_cuda_backend_choice(monkeypatch):
-    """``auto`` runs FlashAttention-2 on half precision and the memory-efficient kernel on
-    float32 or heads over 256; ``flash`` refuses what FlashAttention-2 does not take."""
+    """``auto`` runs cuDNN's attention on half precision on Hopper (else FlashAttention-2),
+    FlashAttention-2 on heads cuDNN does not take, the memory-efficient kernel on float32 or
+    heads over 256 and wherever PyTorch's own switch turns the others off; a forced kernel
+    refuses what it does not take, naming why."""
     from dspzoo.core.parallel.methods import kernels
 
     seen = []
     real = kernels._fused_piece
     monkeypatch.setattr(kernels, "_fused_piece", lambda *a: seen.append(a[-1]) or real(*a))
     pos = torch.arange(4)
-    for dtype, head, want in [
-        (torch.bfloat16, 64, True),
-        (torch.float32, 64, False),
-        (torch.float16, 264, False),
-    ]:
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    cases = [
+        (torch.bfloat16, 64, "cudnn" if hopper else "flash"),
+        (torch.float16, 200, "flash"),
+        (torch.float32, 64, "efficient"),
+        (torch.float16, 264, "efficient"),
+    ]
+    for dtype, head, want in cases:
         x = torch.randn(1, 4, 2, head, device="cuda").to(dtype)
         kernel_attention(x, x, x, pos, pos, True, 0.1, kernel=FusedKernel())
-        assert seen[-1] is want, (dtype, head)
-    x = torch.randn(1, 4, 2, 64, device="cuda")
-    with pytest.raises(ValueError, match="cuda_backend='flash' needs float16/bfloat16"):
-        kernel_attention(x, x, x, pos, pos, True, 0.1, kernel=FusedKernel("flash"))
+        assert seen[-1] == want, (dtype, head)
+    x = torch.randn(1, 4, 2, 64, device="cuda").bfloat16()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        kernel_attention(x, x, x, pos, pos, True, 0.1, kernel=FusedKernel())
+    assert seen[-1] == "efficient"  # PyTorch's switches are honoured
+    with pytest.raises(ValueError, match=r"cuda_backend='flash' needs float16 or bfloat16"):
+        kernel_attention(
+            x.float(), x.float(), x.float(), pos, pos, True, 0.1, kernel=FusedKernel("flash")
+        )

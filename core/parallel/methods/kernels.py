@@ -9,16 +9,18 @@ that interface:
 
 * ``"fused"`` (default): PyTorch's fused attention that returns and takes the log-sum-exp and
   never materialises a score matrix (internal tiles only): on the CPU
-  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``; on CUDA, in
-  float16/bfloat16 on compute capability 8.0 or newer with head sizes up to 256, PyTorch's
-  FlashAttention-2 ``aten._scaled_dot_product_flash_attention`` and its ``_backward``, else
-  the memory-efficient kernel ``aten._scaled_dot_product_efficient_attention`` and its
-  ``_backward`` (float32 too; :class:`FusedKernel`'s ``cuda_backend`` forces either). A block
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``. On CUDA, in
+  float16/bfloat16, cuDNN's attention ``aten._scaled_dot_product_cudnn_attention`` (compute
+  capability 9.0+, heads up to 128: what SDPA itself picks on Hopper), else PyTorch's
+  FlashAttention-2 ``aten._scaled_dot_product_flash_attention`` (8.0+, heads up to 256), each
+  with its ``_backward``; in float32, or where neither takes the tensors, the memory-efficient
+  kernel ``aten._scaled_dot_product_efficient_attention`` and its ``_backward``
+  (:class:`FusedKernel`'s ``cuda_backend``, or ``$DSPZOO_CUDA_ATTENTION``, forces one). A block
   is cut into *pieces* by position runs (:func:`position_runs`), and each piece is exact under
   the causal mask: keys wholly before the queries are one fully visible call; the keys from
   the first common position on form a *square* diagonal piece whose queries and keys start at
-  the same position, where SDPA's top-left ``is_causal`` and FlashAttention-2's bottom-right
-  one agree (queries past its last key see all of its keys: a full piece); keys wholly after
+  the same position, where SDPA's top-left ``is_causal`` and the bottom-right one of
+  FlashAttention-2 (and cuDNN) agree (queries past its last key see all of its keys: a full piece); keys wholly after
   every query are skipped. Grouped-query K/V are
   expanded to the query heads per piece (and their gradients summed back); a value head size
   different from the query's is zero-padded (on CUDA also up to a multiple of 8, the kernel's
@@ -58,6 +60,7 @@ __all__ = [
     "KERNELS",
     "KERNEL_ENV",
     "CUDA_BACKENDS",
+    "CUDA_BACKEND_ENV",
     "BlockwiseKernel",
     "FusedKernel",
     "LseAccumulator",
@@ -66,6 +69,7 @@ __all__ = [
     "add_block",
     "add_block_grads",
     "attention_pieces",
+    "cuda_refusal",
     "join_full_pieces",
     "kernel_attention",
     "position_runs",
@@ -306,9 +310,17 @@ def _bhld(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-CUDA_BACKENDS = ("auto", "flash", "efficient")
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_FLASH_MAX_HEAD = 256  # FlashAttention-2's largest head size
+#: the CUDA kernels of the fused path, in ``auto``'s order of preference (module doc)
+CUDA_BACKENDS = ("auto", "cudnn", "flash", "efficient")
+#: the environment variable that picks one when the code does not (default ``auto``)
+CUDA_BACKEND_ENV = "DSPZOO_CUDA_ATTENTION"
+_HALF = (torch.float16, torch.bfloat16)
+_MAX_HEAD = {"cudnn": 128, "flash": 256}  # the largest head size each takes
+_MIN_CAPABILITY = {"cudnn": (9, 0), "flash": (8, 0)}  # cuDNN's only where PyTorch prefers it
+_ENABLED = {  # PyTorch's own switches for its SDPA backends, which these honour
+    "cudnn": "cudnn_sdp_enabled",
+    "flash": "flash_sdp_enabled",
+}
 
 
 @functools.cache
@@ -321,36 +333,62 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _flash_takes(q: torch.Tensor, width: int) -> bool:
-    """Whether PyTorch's FlashAttention-2 takes CUDA tensors like ``q`` at head size ``width``:
-    float16/bfloat16, compute capability 8.0 (Ampere) or newer, a head of at most 256."""
-    return (
-        q.dtype in _FLASH_DTYPES
-        and width <= _FLASH_MAX_HEAD
-        and _cuda_capability(q.device) >= (8, 0)
-    )
+def cuda_refusal(backend: str, q: torch.Tensor, width: int) -> str | None:
+    """Why CUDA kernel ``backend`` does not take tensors like ``q`` at head size ``width``, or
+    ``None`` when it does. ``cudnn`` and ``flash`` need float16/bfloat16, a CUDA (not ROCm)
+    build with the backend enabled (``torch.backends.cuda.enable_{cudnn,flash}_sdp``), compute
+    capability 9.0 (cuDNN) or 8.0 (FlashAttention-2) and a head of at most 128 / 256;
+    ``efficient`` takes every dtype the fused path has on CUDA."""
+    if backend == "efficient":
+        return None
+    if q.dtype not in _HALF:
+        return f"float16 or bfloat16 (got {q.dtype})"
+    if torch.version.hip is not None:
+        return "a CUDA build of torch (this one is ROCm)"
+    enabled = getattr(torch.backends.cuda, _ENABLED[backend], None)
+    if enabled is None or not enabled():
+        return f"torch.backends.cuda.{_ENABLED[backend]}() (it is off)"
+    if backend == "cudnn" and not torch.backends.cudnn.is_available():
+        return "cuDNN (not available)"
+    capability = _cuda_capability(q.device)
+    if capability < _MIN_CAPABILITY[backend]:
+        return f"compute capability {_MIN_CAPABILITY[backend]} or newer (got {capability})"
+    if width > _MAX_HEAD[backend]:
+        return f"a head size of at most {_MAX_HEAD[backend]} (got {width})"
+    return None
 
 
 @functools.cache
-def _flash_no_dropout(device: torch.device) -> tuple[Any, Any, Any, Any]:
-    """``cum_seq_q, cum_seq_k, philox_seed, philox_offset`` as the flash forward returns them
-    for a dense batch without dropout (what its backward is handed back), from one tiny call."""
-    tiny = torch.zeros(1, 1, 1, _CUDA_ALIGN, dtype=torch.float16, device=device)
-    result = torch.ops.aten._scaled_dot_product_flash_attention(tiny, tiny, tiny, 0.0, False)
+def _no_dropout(backend: str, device: torch.device) -> tuple[Any, Any, Any, Any]:
+    """``cum_seq_q, cum_seq_k, philox_seed, philox_offset`` as the ``flash`` or ``cudnn``
+    forward returns them for a dense batch without dropout (what its backward is handed
+    back), from one tiny call."""
+    tiny = torch.zeros(1, 1, 16, 64, dtype=torch.float16, device=device)
+    if backend == "flash":
+        result = torch.ops.aten._scaled_dot_product_flash_attention(tiny, tiny, tiny, 0.0, False)
+    else:
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            tiny, tiny, tiny, None, True, 0.0, False, False
+        )
     return result[2], result[3], result[6], result[7]
 
 
 def _fused_piece(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, flash: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, cuda: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fused call on ``[Bf, H, L, D]`` views → ``out [Bf, H, Lq, D]``, ``lse [Bf, H, Lq]``
-    (float32; float64 for float64 on the CPU). ``flash``: on CUDA, FlashAttention-2 rather
-    than the memory-efficient kernel."""
+    (float32; float64 for float64 on the CPU). ``cuda``: the CUDA kernel (``cudnn``,
+    ``flash`` or ``efficient``; the CPU has one)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
-    if flash:
+    if cuda == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
+        return out, lse[..., 0]  # its statistics are [Bf, H, Lq, 1]
+    if cuda == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
         )[:2]
@@ -363,10 +401,11 @@ def _fused_piece(
 
 def _tokens_before_heads(t: torch.Tensor) -> torch.Tensor:
     """A ``[Bf, H, L, D]`` view whose storage is ``[Bf, L, H, D]``-contiguous, as the queries'
-    are. In half precision the CUDA backward computes ``rowsum(dout · out)`` itself and reads
-    ``out`` with a row stride of ``heads × head size`` whatever its strides say (given
-    ``[Bf, H, L, D]``-contiguous ones it returned wrong ``dq``/``dk`` on an H200, torch 2.11;
-    docs/gpu.md); ``dout`` is laid out the same way for symmetry."""
+    are. In half precision the memory-efficient CUDA backward computes ``rowsum(dout · out)``
+    itself and reads ``out`` with a row stride of ``heads × head size`` whatever its strides
+    say (given ``[Bf, H, L, D]``-contiguous ones it returned wrong ``dq``/``dk`` on an H200,
+    torch 2.11; docs/gpu.md); ``dout`` is laid out the same way for symmetry. The cuDNN and
+    flash backwards are handed the same layout, the one they were checked in on the GPU."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -379,7 +418,7 @@ def _fused_piece_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-    flash: bool,
+    cuda: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (``[Bf, H, L, D]``) of one fused call, given the *final* ``out`` and
     ``lse`` of its query rows (so the piece's exact share of the whole attention's gradient)."""
@@ -387,8 +426,29 @@ def _fused_piece_backward(
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
-    if flash:
-        cum_q, cum_k, seed, offset = _flash_no_dropout(q.device)
+    if cuda == "cudnn":
+        cum_q, cum_k, seed, offset = _no_dropout("cudnn", q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _tokens_before_heads(dout),
+            q,
+            k,
+            v,
+            _tokens_before_heads(out),
+            lse.contiguous().unsqueeze(-1),  # read as a dense [Bf, H, Lq, 1]
+            seed,
+            offset,
+            None,
+            cum_q,
+            cum_k,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return dq, dk, dv
+    if cuda == "flash":
+        cum_q, cum_k, seed, offset = _no_dropout("flash", q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             _tokens_before_heads(dout),
             q,
@@ -435,17 +495,20 @@ class FusedKernel:
     """PyTorch's fused attention with log-sum-exp (CPU or CUDA), one call per exact piece
     (module doc).
 
-    ``cuda_backend``: which CUDA kernel runs, ``"auto"`` (FlashAttention-2 where it takes the
-    tensors, else the memory-efficient kernel), ``"flash"`` (FlashAttention-2; an error where
-    it does not take them) or ``"efficient"``. The CPU has one fused kernel and ignores it.
+    ``cuda_backend``: which CUDA kernel runs (the CPU has one and ignores it): ``"auto"`` (the
+    first of ``cudnn``, ``flash``, ``efficient`` that takes the tensors, :func:`cuda_refusal`),
+    or one of them, an error where it does not take them. ``None``:
+    ``$DSPZOO_CUDA_ATTENTION``, default ``auto``.
     """
 
     name = "fused"
 
-    def __init__(self, cuda_backend: str = "auto") -> None:
-        if cuda_backend not in CUDA_BACKENDS:
-            raise ValueError(f"cuda_backend must be one of {CUDA_BACKENDS}, got {cuda_backend!r}")
-        self.cuda_backend = cuda_backend
+    def __init__(self, cuda_backend: str | None = None) -> None:
+        chosen = os.environ.get(CUDA_BACKEND_ENV, "auto") if cuda_backend is None else cuda_backend
+        if chosen not in CUDA_BACKENDS:
+            source = f"${CUDA_BACKEND_ENV}" if cuda_backend is None else "cuda_backend"
+            raise ValueError(f"{source} must be one of {CUDA_BACKENDS}, got {chosen!r}")
+        self.cuda_backend = chosen
 
     @staticmethod
     def supports(q: torch.Tensor) -> bool:
@@ -465,18 +528,20 @@ class FusedKernel:
             width = -(-width // _CUDA_ALIGN) * _CUDA_ALIGN
         return width
 
-    def _flash(self, q: torch.Tensor, width: int) -> bool:
-        """Whether this call runs FlashAttention-2 (CUDA only; see the class doc)."""
-        if q.device.type != "cuda" or self.cuda_backend == "efficient":
-            return False
-        takes = _flash_takes(q, width)
-        if self.cuda_backend == "flash" and not takes:
+    def cuda_kernel(self, q: torch.Tensor, width: int) -> str:
+        """The CUDA kernel calls on tensors like ``q`` at head size ``width`` run (``cpu`` on
+        the CPU); see the class doc."""
+        if q.device.type != "cuda":
+            return "cpu"
+        if self.cuda_backend == "auto":
+            return next(b for b in CUDA_BACKENDS[1:] if cuda_refusal(b, q, width) is None)
+        refusal = cuda_refusal(self.cuda_backend, q, width)
+        if refusal is not None:
             raise ValueError(
-                f"cuda_backend='flash' needs float16/bfloat16 on compute capability 8.0+ with a "
-                f"head size of at most {_FLASH_MAX_HEAD}; got {q.dtype}, head size {width} on "
-                f"{q.device}: use cuda_backend='auto' or 'efficient'"
+                f"cuda_backend={self.cuda_backend!r} needs {refusal} on {q.device}: use "
+                "'auto' or 'efficient'"
             )
-        return takes
+        return self.cuda_backend
 
     def forward(
         self,
@@ -492,12 +557,12 @@ class FusedKernel:
         """As :meth:`BlockwiseKernel.forward`, piece by piece."""
         heads, dv = q.shape[2], v.shape[-1]
         width = self._width(q, v)
-        flash = self._flash(q, width)
+        cuda = self.cuda_kernel(q, width)
         for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
             qp = _pad_last(q[:, p.q0 : p.q1], width)
             kp = _pad_last(_expand_heads(k[:, p.k0 : p.k1], heads), width)
             vp = _pad_last(_expand_heads(v[:, p.k0 : p.k1], heads), width)
-            o, lse = _fused_piece(_bhld(qp), _bhld(kp), _bhld(vp), p.causal, scale, flash)
+            o, lse = _fused_piece(_bhld(qp), _bhld(kp), _bhld(vp), p.causal, scale, cuda)
             acc.add(p.q0, p.q1, _bhld(o)[..., :dv], lse)
 
     def backward(
@@ -518,7 +583,7 @@ class FusedKernel:
         given the final ``out`` and ``lse``, yields exactly the piece's share)."""
         heads, kv_heads, d, dv = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
         width = self._width(q, v)
-        flash = self._flash(q, width)
+        cuda = self.cuda_kernel(q, width)
         lse = lse.to(stats_dtype(q.dtype))
         for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
@@ -531,7 +596,7 @@ class FusedKernel:
                 lse[:, :, rows],
                 p.causal,
                 scale,
-                flash,
+                cuda,
             )
             grads[0][:, rows] += _bhld(dq)[..., :d]
             grads[1][:, keys] += _sum_heads(_bhld(dk)[..., :d].to(grads[1].dtype), kv_heads)
