@@ -379,19 +379,17 @@ def test_cuda_backend_is_checked(monkeypatch):
 
 @CUDA
 def test_cuda_backend_choice(monkeypatch):
-    """``auto`` runs cuDNN's attention on half precision on Hopper (else FlashAttention-2),
-    FlashAttention-2 on heads cuDNN does not take, the memory-efficient kernel on float32 or
-    heads over 256 and wherever PyTorch's own switch turns the others off; a forced kernel
-    refuses what it does not take, naming why."""
+    """``auto`` runs FlashAttention-2 on half precision (cuDNN only when asked for), the
+    memory-efficient kernel on float32 or heads over 256 and wherever PyTorch's own switch
+    turns FlashAttention-2 off; a forced kernel refuses what it does not take, naming why."""
     from dspzoo.core.parallel.methods import kernels
 
     seen = []
     real = kernels._fused_piece
     monkeypatch.setattr(kernels, "_fused_piece", lambda *a: seen.append(a[-1]) or real(*a))
     pos = torch.arange(4)
-    hopper = torch.cuda.get_device_capability() >= (9, 0)
     cases = [
-        (torch.bfloat16, 64, "cudnn" if hopper else "flash"),
+        (torch.bfloat16, 64, "flash"),
         (torch.float16, 200, "flash"),
         (torch.float32, 64, "efficient"),
         (torch.float16, 264, "efficient"),
