@@ -40,6 +40,7 @@ class Reference:
     rtol: float = FP32_RTOL
     rounding: float = 0.0  # under autocast: its relative error against the step in fp32
     loss_scale: float = 1.0  # under fp16: the loss scale its gradients came from
+    finite: bool = True  # its loss and gradients are finite (False: no loss scale helped)
 
 
 def one_process_reference(case: Any, inputs: dict[str, torch.Tensor]) -> Reference:
@@ -47,10 +48,11 @@ def one_process_reference(case: Any, inputs: dict[str, torch.Tensor]) -> Referen
     the tolerance of the check: under autocast measured against the same step in fp32; under
     fp16 with the largest loss scale that keeps its gradients finite
     (:data:`~dspzoo.core.bench.precision.FP16_LOSS_SCALES`), which the strategies' checked
-    step then uses too."""
+    step then uses too (:func:`~dspzoo.core.bench.precision.sharded_loss_scale`). A loss
+    that overflows in the forward ends the search: no scale helps it."""
     for scale in loss_scales(case.precision):
-        reference, finite = _one_process(case, inputs, scale)
-        if finite:
+        reference, loss_finite = _one_process(case, inputs, scale)
+        if reference.finite or not loss_finite:
             break
     if case.precision.dtype is None:
         return reference
@@ -68,21 +70,23 @@ def _one_process(
     case: Any, inputs: dict[str, torch.Tensor], loss_scale: float
 ) -> tuple[Reference, bool]:
     """``case``'s step on ``inputs`` in this process alone, on a copy of the weights, its
-    backward with ``loss_scale``; and whether its gradients are all finite."""
+    backward with ``loss_scale`` (:attr:`Reference.finite`: loss and gradients finite); and
+    whether its loss is finite."""
     from ..parallel.runtime import SeqParallel
 
     model = copy.deepcopy(case.model)
     sp = SeqParallel()
     model.zero_grad(set_to_none=True)
     loss, out = case.step(model, sp, inputs)
-    finite = scaled_backward(loss, model.parameters(), loss_scale)
+    loss_finite = bool(torch.isfinite(loss.detach()))
+    finite = scaled_backward(loss, model.parameters(), loss_scale) and loss_finite
     with torch.no_grad():
         output = sp.exit(out.with_tensor(out.tensor.detach()))
     grads = {
         name: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
         for name, p in model.named_parameters()
     }
-    return Reference(output, grads, loss_scale=loss_scale), finite
+    return Reference(output, grads, loss_scale=loss_scale, finite=finite), loss_finite
 
 
 @dataclass

@@ -16,9 +16,14 @@ layers and the backward — more in a deeper model. The tolerance (:func:`tolera
 larger of :data:`ROUNDINGS` times the dtype's machine epsilon (:func:`tolerance`: bf16, 8
 significant bits, ε = 2⁻⁷, 6.25e-2; fp16, 11 bits, ε = 2⁻¹⁰, 7.8e-3) and
 :data:`ROUNDING_MARGIN` times the step's own rounding, measured in the run: the one-process
-reference under autocast against the same step in fp32 (``check.one_process_reference``). A
-wrong result the check exists to catch (a missing SP-group mean halves a gradient, a wrong
-shard swaps tokens) is off by O(1) and still fails (``tests/test_benchmark_precision.py``).
+reference under autocast against the same step in fp32 (``check.one_process_reference``), and
+at most :data:`MAX_RTOL`. A wrong result the check exists to catch (a missing SP-group mean
+halves a gradient, a wrong shard swaps tokens) is off by O(1) and still fails
+(``tests/test_benchmark_precision.py``).
+
+**Loss scaling under fp16.** The checked steps scale the loss, as fp16 training does
+(:data:`FP16_LOSS_SCALES`, :func:`scaled_backward`), so that small gradients do not underflow;
+the timed steps do not (a scale changes none of their kernels).
 
 **Bytes.** Under autocast some collectives carry 16-bit tensors (what a linear produced: the
 Q/K/V and outputs of Ulysses' all-to-alls) and others fp32 ones (the residual stream, which
@@ -36,6 +41,7 @@ for the video and text models' strategies (``tests/test_benchmark_precision.py``
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -130,8 +136,8 @@ ROUNDING_MARGIN = 4
 
 #: the check's tolerance never exceeds this: a wrong result it exists to catch (a gradient
 #: missing the SP-group mean is off by 0.5) stays flagged however large the step's rounding.
-#: A reference whose rounding reaches it (``MAX_RTOL / ROUNDING_MARGIN``) is reported as too
-#: rounded to check against by more than its tolerance says.
+#: The report prints the reference's rounding beside the tolerance, so a step rounded close to
+#: it (above ``MAX_RTOL / ROUNDING_MARGIN``) shows why its strategies may be flagged.
 MAX_RTOL = 0.25
 
 #: fp16's loss scales, largest first: the check's steps under fp16 multiply the loss by the
@@ -160,21 +166,37 @@ def loss_scales(precision: Precision) -> tuple[float, ...]:
     return FP16_LOSS_SCALES if precision.name == "fp16" else (1.0,)
 
 
-def scaled_backward(loss: torch.Tensor, params: Iterable[torch.nn.Parameter], scale: float) -> bool:
+def scaled_backward(
+    loss: torch.Tensor, params: Iterable[torch.nn.Parameter], scale: float, sp_size: int = 1
+) -> bool:
     """``loss.backward()`` with the loss multiplied by ``scale`` and the gradients of
     ``params`` divided by it after (loss scaling, so that small fp16 gradients do not
-    underflow); ``scale`` 1: a plain backward. Returns whether every gradient is finite."""
-    if scale == 1.0:
-        loss.backward()
-        return True
-    (loss * scale).backward()
-    finite = True
+    underflow); ``scale`` 1: a plain backward. Returns whether every gradient is finite (one
+    device sync; a DTensor gradient's local shard is read).
+
+    ``sp_size``: the SP group of the step. Under the gradient contract a rank's loss is ``N``
+    times its share, so the sharded region's activation gradients are up to ``N`` times the
+    one-process step's: the scale is divided by ``N`` rounded up to a power of two, which
+    keeps a scale that the one-process reference found finite finite here too."""
+    scale = sharded_loss_scale(scale, sp_size)
+    (loss * scale if scale != 1.0 else loss).backward()
+    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(scale)
-                finite = finite and bool(torch.isfinite(p.grad).all())
-    return finite
+        if scale != 1.0:
+            torch._foreach_div_(grads, scale)
+        if not grads:
+            return True
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
+def sharded_loss_scale(scale: float, sp_size: int) -> float:
+    """The loss scale a step of an SP group of ``sp_size`` uses for the one-process
+    reference's ``scale`` (:func:`scaled_backward`): ``scale / 2^ceil(log2 sp_size)``, at
+    least 1."""
+    if scale == 1.0 or sp_size <= 1:
+        return scale
+    return max(1.0, scale / 2 ** math.ceil(math.log2(sp_size)))
 
 
 def tolerance(dtype: torch.dtype | None) -> float:

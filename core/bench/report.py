@@ -50,6 +50,15 @@ def autocast(result: dict[str, Any]) -> bool:
     return result.get("precision", "no") != "no"
 
 
+def _verdict(row: dict[str, Any]) -> str:
+    """The check's word for a row: ``ok``, ``DIFFERS``, or ``NON-FINITE`` (an inf/NaN loss or
+    gradient, in the strategy's step or the one-process reference's: under fp16 an overflow
+    that the loss scale did not avoid)."""
+    if not row.get("finite_grads", True):
+        return "NON-FINITE"
+    return "ok" if row["agrees"] else "DIFFERS"
+
+
 def sent_as(by_dtype: dict[str, int]) -> str:
     """The floating-point dtypes a rank's collectives carried, as shares of its bytes
     (``bf16 33%, fp32 67%``); integer control payloads (the input check's flag) left out."""
@@ -116,10 +125,7 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
         if on_device:
             line += f" {(r.get('peak_device_bytes') or 0) / MiB:,.0f} |"
         if checked:
-            line += (
-                f" {r['output_error']:.1e} | {r['grad_error']:.1e} | "
-                f"{'ok' if r['agrees'] else 'DIFFERS'} |"
-            )
+            line += f" {r['output_error']:.1e} | {r['grad_error']:.1e} | {_verdict(r)} |"
         lines.append(line)
     return lines
 

@@ -45,6 +45,7 @@ from .precision import (
     fp32_equivalent,
     refuse_unsupported,
     scaled_backward,
+    sharded_loss_scale,
 )
 from .stats import paired_ratios, spread
 
@@ -146,16 +147,16 @@ class Runner:
                     if peer is not None:
                         peer.phase = "backward"
                     scale = 1.0 if reference is None else reference.loss_scale
-                    scaled_backward(loss, self.model.parameters(), scale)
+                    finite = scaled_backward(
+                        loss, self.model.parameters(), scale, self.mesh.sp_size
+                    )
             finally:
                 if peer is not None:
                     peer_ctx.__exit__(None, None, None)
         elapsed = _elapsed(start)
         sent = _sent(tracer.records, peer)
         by_op = _by_op(sent)
-        total = sum(r.bytes_sent for r in tracer.records) + (
-            peer.total if peer else 0
-        )
+        total = sum(r.bytes_sent for r in tracer.records) + (peer.total if peer else 0)
         result: dict[str, Any] = {
             "fwd_bytes": _phase_bytes(by_op, "forward"),
             "bwd_bytes": _phase_bytes(by_op, "backward"),
@@ -179,7 +180,8 @@ class Runner:
             result["agreement"] = agreement.__dict__ | {
                 "ok": agreement.ok,
                 "rounding": reference.rounding,
-                "loss_scale": reference.loss_scale,
+                "loss_scale": sharded_loss_scale(reference.loss_scale, self.mesh.sp_size),
+                "finite": finite and reference.finite,
             }
         self._sync_dp()
         return result
@@ -537,6 +539,7 @@ def summarise(
             row["rtol"] = max(a["rtol"] for a in agree)
             row["reference_rounding"] = max(a["rounding"] for a in agree)
             row["loss_scale"] = min(a.get("loss_scale", 1.0) for a in agree)
+            row["finite_grads"] = all(a.get("finite", True) for a in agree)
         rows.append(row)
     dsp = rows[0]
     for row in rows:
