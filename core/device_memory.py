@@ -67,7 +67,7 @@ class CudaPeak:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        if self.before_bytes is not None:
+        if self.before_bytes is not None and kind is None:  # a CUDA error stays the one raised
             torch.cuda.synchronize(self.device)  # the block's queued work is part of it
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             self.reserved_bytes = torch.cuda.max_memory_reserved(self.device)

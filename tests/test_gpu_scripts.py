@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspzoo.core.entry import UsageError, run_entry_point
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,8 +27,6 @@ def _load_script(name: str):
     spec.loader.exec_module(module)
     return module
 
-
-from dspzoo.core.entry import UsageError, run_entry_point  # noqa: E402
 
 bench_kernel_device = _load_script("bench_kernel_device").main
 

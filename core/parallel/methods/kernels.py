@@ -20,9 +20,8 @@ that interface:
   the causal mask: keys wholly before the queries are one fully visible call; the keys from
   the first common position on form a *square* diagonal piece whose queries and keys start at
   the same position, where SDPA's top-left ``is_causal`` and the bottom-right one of
-  FlashAttention-2 (and cuDNN) agree (queries past its last key see all of its keys: a full piece); keys wholly after
-  every query are skipped. Grouped-query K/V are
-  expanded to the query heads per piece (and their gradients summed back); a value head size
+  FlashAttention-2 (and cuDNN) agree (queries past its last key see all of its keys: a full
+  piece); keys wholly after every query are skipped. Grouped-query K/V are expanded to the query heads per piece (and their gradients summed back); a value head size
   different from the query's is zero-padded (on CUDA also up to a multiple of 8, the kernel's
   alignment).
 * ``"blockwise"``: the einsum kernel of :mod:`.blockwise` (one ``Lq × Lk`` score block per
@@ -732,8 +731,8 @@ def kernel_attention(
     dtype, causal by the int64 positions ``q_pos [Lq]``, ``k_pos [Lk]`` (CPU or any device).
 
     ``kernel``: a kernel's name (:func:`select_kernel`) or a kernel itself (e.g.
-    ``FusedKernel(cuda_backend="efficient")``). Saves only ``q, k, v, out, lse`` for backward, which recomputes. ``chunk`` cuts queries and
-    keys into blocks of that many tokens (the blockwise kernel's memory bound; the fused kernel
+    ``FusedKernel(cuda_backend="efficient")``). Saves only ``q, k, v, out, lse`` for backward,
+    which recomputes. ``chunk`` cuts queries and keys into blocks of that many tokens (the blockwise kernel's memory bound; the fused kernel
     needs none, and blocks with no visible key are skipped). Once differentiable.
     """
     impl = (
