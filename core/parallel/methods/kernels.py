@@ -21,9 +21,9 @@ that interface:
   the first common position on form a *square* diagonal piece whose queries and keys start at
   the same position, where SDPA's top-left ``is_causal`` and the bottom-right one of
   FlashAttention-2 (and cuDNN) agree (queries past its last key see all of its keys: a full
-  piece); keys wholly after every query are skipped. Grouped-query K/V are expanded to the query heads per piece (and their gradients summed back); a value head size
-  different from the query's is zero-padded (on CUDA also up to a multiple of 8, the kernel's
-  alignment).
+  piece); keys wholly after every query are skipped. Grouped-query K/V are expanded to the
+  query heads per piece (and their gradients summed back); a value head size different from
+  the query's is zero-padded (on CUDA also up to a multiple of 8, the kernel's alignment).
 * ``"blockwise"``: the einsum kernel of :mod:`.blockwise` (one ``Lq × Lk`` score block per
   call, float32/float64 statistics); kept for comparison and for tensors the fused kernel does
   not take (float64 on CUDA, other devices, dtypes it lacks).
