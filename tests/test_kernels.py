@@ -408,3 +408,27 @@ def test_cuda_backend_choice(monkeypatch):
         kernel_attention(
             x.float(), x.float(), x.float(), pos, pos, True, 0.1, kernel=FusedKernel("flash")
         )
+
+
+def test_cuda_refusals_name_the_reason(monkeypatch):
+    """Which CUDA kernel takes what (the checks alone, with the device's capability faked):
+    half precision, PyTorch's switch on, the capability and the head size of each."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dspzoo.core.parallel.methods import kernels
+
+    monkeypatch.setattr(kernels, "_cuda_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    half = torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16)
+    assert cuda_refusal("flash", half, 256) is None
+    assert cuda_refusal("flash", half, 264) == "a head size of at most 256 (got 264)"
+    assert cuda_refusal("cudnn", half, 64) == "compute capability (9, 0) or newer (got (8, 0))"
+    monkeypatch.setattr(kernels, "_cuda_capability", lambda device: (9, 0))
+    assert cuda_refusal("cudnn", half, 128) is None
+    assert cuda_refusal("cudnn", half, 136) == "a head size of at most 128 (got 136)"
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        assert "flash_sdp_enabled() (it is off)" in cuda_refusal("flash", half, 64)
+    monkeypatch.setattr(torch.version, "hip", "6.0")
+    assert "ROCm" in cuda_refusal("flash", half, 64)
+    assert cuda_refusal("efficient", half.float(), 512) is None
