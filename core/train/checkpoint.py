@@ -17,10 +17,12 @@ folders, so in a multi-process run one process does it and the others wait at a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +98,8 @@ def save_checkpoint(
         if tmp.exists():  # debris of a save that died
             shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    with _quiet_accelerate_saving():  # its lines name the temporary folder, one per file
+        accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if is_main:
         write_json_durably(tmp / PROGRESS_FILE, {**progress, "step": step})
@@ -110,5 +113,22 @@ def save_checkpoint(
         if keep:
             for stale in complete_checkpoints(ckpt_dir)[:-keep]:
                 shutil.rmtree(stale, ignore_errors=True)
+        logger.info("checkpoint of step %d saved: %s", step, final)
     accelerator.wait_for_everyone()
     return final
+
+
+@contextlib.contextmanager
+def _quiet_accelerate_saving() -> Iterator[None]:
+    """Accelerate's ``save_state`` logs a line per file it writes (at INFO, naming the
+    temporary folder this module renames); hold its logger at WARNING meanwhile, so that a
+    checkpoint is one line (:func:`save_checkpoint`'s) and its warnings still show."""
+    loggers = [logging.getLogger(f"accelerate.{name}") for name in ("checkpointing", "accelerator")]
+    levels = [log.level for log in loggers]
+    for log, level in zip(loggers, levels):
+        log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
