@@ -105,6 +105,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer ≥ 0 (a count that may be zero), else a usage error
+    naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {value}")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """An argparse ``type``: comma-separated integers ≥ 1 (``"1,2,4"``), else a usage error
     naming the bad item."""

@@ -2,9 +2,9 @@
 
 One causal attention ``[1, L, H, D]`` over positions ``0 … L−1`` through
 :func:`~dspzoo.core.parallel.methods.kernels.kernel_attention` with ``kernel="fused"`` (on the
-CPU PyTorch's fused CPU attention; on CUDA cuDNN's or FlashAttention-2 in half precision, else
-the memory-efficient kernel), ``fused-cudnn``, ``fused-flash``, ``fused-efficient`` (the fused
-kernel held to one CUDA kernel) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score
+CPU PyTorch's fused CPU attention; on CUDA FlashAttention-2 in half precision, else the
+memory-efficient kernel), ``fused-cudnn``, ``fused-flash``, ``fused-efficient`` (CUDA only: the
+fused kernel held to one CUDA kernel; cuDNN's is opt-in) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score
 block), beside ``F.scaled_dot_product_attention`` (no log-sum-exp: what a single device would
 run without sequence parallelism). They run interleaved, in a rotated order each repetition;
 the table gives the median time (synchronised on CUDA), the peak memory the call added
@@ -12,6 +12,7 @@ the table gives the median time (synchronised on CUDA), the peak memory the call
 small problem (output and input gradients), and the ratios to SDPA::
 
     python scripts/bench_kernel_device.py --device cuda --seq-len 16384 --dtype bfloat16
+    python scripts/bench_kernel_device.py --device cpu --seq-len 2048 --reps 3   # ~1 min on 2 cores
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from dspzoo.core.argparser import CommandParser
+from dspzoo.core.argparser import CommandParser, non_negative_int, positive_int
 from dspzoo.core.device_memory import CudaPeak
 from dspzoo.core.entry import UsageError, run_entry_point
 from dspzoo.core.parallel.methods.kernels import CUDA_BACKENDS, FusedKernel, kernel_attention
@@ -123,18 +125,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     cuda = torch.cuda.is_available()
     p.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--seq-len", type=int, default=16384, help="tokens L")
-    p.add_argument("--heads", type=int, default=8, help="attention heads H")
-    p.add_argument("--head-dim", type=int, default=64, help="head size D")
+    p.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=16384 if cuda else 2048,
+        help="tokens L (16384 where CUDA is available, else 2048: a CPU takes minutes at 16K)",
+    )
+    p.add_argument("--heads", type=positive_int, default=8, help="attention heads H")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head size D")
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default="bfloat16" if cuda else "float32",
         help="the inputs' dtype: bfloat16 where CUDA is available, else float32",
     )
-    p.add_argument("--chunk", type=int, default=1024, help="blockwise: tokens per score block")
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions of each kernel")
-    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    p.add_argument(
+        "--chunk", type=positive_int, default=1024, help="blockwise: tokens per score block"
+    )
+    p.add_argument("--reps", type=positive_int, default=10, help="timed repetitions of each kernel")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed repetitions first")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     p.add_argument(
         "--kernels", default="sdpa,fused,blockwise", help=f"comma-separated, of {','.join(KERNELS)}"
     )
@@ -144,10 +154,21 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(
             f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}"
         )
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: choose cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available; use --device cpu")
     names = args.kernels.split(",")
+    on_cuda_only = [n for n in names if n.startswith("fused-")]
+    if device.type == "cpu" and on_cuda_only:
+        raise UsageError(
+            f"--kernels {','.join(on_cuda_only)}: these hold the fused kernel to one CUDA kernel; "
+            "the CPU has one fused kernel: use fused"
+        )
     g = torch.Generator().manual_seed(0)
     shape = (1, args.seq_len, args.heads, args.head_dim)
     dtype = DTYPES[args.dtype]
@@ -157,22 +178,26 @@ def main(argv: list[str] | None = None) -> int:
     grad = torch.randn(shape, generator=g).to(device, dtype)
     times: dict[str, list[float]] = {n: [] for n in names}
     peaks: dict[str, int | None] = {}
-    for i in range(args.warmup + args.reps):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            seconds, peak = measure(name, inputs, grad, args.chunk)
-            if i >= args.warmup:
-                times[name].append(seconds)
-                peaks[name] = peak if peak is None else max(peak, peaks.get(name) or 0)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"causal attention forward + backward, L {args.seq_len}, {args.heads} heads × "
         f"{args.head_dim}, {args.dtype}, on {where} (torch {torch.__version__}), "
-        f"{args.reps} interleaved repetitions:\n"
+        f"{args.warmup} warm-up and {args.reps} interleaved repetitions:\n",
+        flush=True,
     )
+    calls = (args.warmup + args.reps) * len(names)
+    with tqdm(total=calls, desc="kernels", unit="call", disable=args.no_progress) as bar:
+        for i in range(args.warmup + args.reps):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                seconds, peak = measure(name, inputs, grad, args.chunk)
+                if i >= args.warmup:
+                    times[name].append(seconds)
+                    peaks[name] = peak if peak is None else max(peak, peaks.get(name) or 0)
+                bar.update()
     first = statistics.median(times[names[0]])
     print(
         f"| kernel | median ms | × {names[0]} | peak added MiB | "
-        "rel. error out / grads (L ≤ 512, vs fp64) |"
+        "rel. error out / grads (own problem of min(L, 512) tokens, vs fp64) |"
     )
     print("|---|---|---|---|---|")
     reference = Float64Reference.build(args)

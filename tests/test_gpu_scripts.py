@@ -54,6 +54,13 @@ def test_bench_kernel_device_cuda_without_cuda(capsys):
     )
     with pytest.raises(UsageError, match="--kernels: unknown flash; choose from sdpa, fused"):
         bench_kernel_device(["--device", "cpu", "--kernels", "sdpa,flash"])
+    with pytest.raises(UsageError, match="--device tpu: choose cpu, cuda or cuda:N"):
+        bench_kernel_device(["--device", "tpu"])
+    with pytest.raises(UsageError, match="--kernels fused-flash: these hold the fused kernel"):
+        bench_kernel_device(["--device", "cpu", "--kernels", "sdpa,fused-flash"])
+    for flag in ("--seq-len", "--reps", "--chunk"):  # sizes and counts of at least 1
+        assert run_entry_point(lambda f=flag: bench_kernel_device([f, "0"]), "b.py") == 2
+        assert f"argument {flag}: expected a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_gpu_checks_script_parses_and_names_what_exists():
