@@ -85,6 +85,31 @@ def test_a_text_model_takes_its_sequence_length(capsys) -> None:
     assert f"  default size: {max_len} bytes (the config's max_len)" in default
 
 
+def test_balanced_layouts_are_compared_by_default_for_causal_attention_models(capsys) -> None:
+    """A causal attention LM's plan shows ring_zigzag and lss_zigzag (the text trainer's
+    default) beside ring and LSS; a video model's and a Mamba hybrid's (whose scans a zigzag
+    layout would gather) do not."""
+
+    def strategies(*args: str) -> list[str]:
+        rows = [line.split()[1] for line in _plan(capsys, *args, "--sp", "4") if line[:3] == "  4"]
+        return [name for row in rows for name in row.split(",")]
+
+    text = strategies("bytelm-tiny", "--seq-len", "256")
+    assert text.index("ring") + 1 == text.index("ring_zigzag")
+    assert text.index("lss") + 1 == text.index("lss_zigzag")
+    for other in (("stdit-tiny",), ("hybridlm-130m", "--seq-len", "4096")):
+        assert not {"ring_zigzag", "lss_zigzag"} & set(strategies(*other)), other
+
+
+def test_an_unknown_strategy_names_every_one_plan_takes(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["bytelm-tiny", "--sp", "2", "--strategies", "ring,ringz"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--strategies: unknown 'ringz'; choose from auto, dsp" in err
+    assert "ring_zigzag" in err and "ulysses_flat" in err
+
+
 def test_a_weather_model_takes_grid_and_history(capsys) -> None:
     lines = _plan(capsys, "weathertx-tiny", "--grid", "64x128", "--history", "2")
     assert "tokens (t=2, y=16, x=32)" in lines[0]  # patch 4

@@ -49,6 +49,7 @@ from typing import Any
 from dspzoo.core.costmodel import (
     CLUSTERS,
     DEFAULT_STRATEGIES,
+    default_strategies,
     format_table,
     make_plan,
     merge_same_plans,
@@ -57,6 +58,7 @@ from dspzoo.core.costmodel import (
     stage_methods,
 )
 from dspzoo.core.costmodel.predict import plan_unsupported
+from dspzoo.core.parallel.strategies import STRATEGIES
 
 from ..core.argparser import CommandParser, positive_int, positive_int_list
 from .registry import (
@@ -138,7 +140,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--strategies",
         type=str,
-        help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)})",
+        help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)}; "
+        "for a causal attention model with one sequence dim also ring_zigzag and lss_zigzag)",
     )
     p.add_argument(
         "--cluster",
@@ -502,9 +505,16 @@ def _run(args: argparse.Namespace) -> int:
         return _protein(name, config, args, sizes, label)
     wl, notes = workload_from_args(name, config, sizing, args)
     strategies = [s.strip() for s in (args.strategies or "").split(",") if s.strip()]
+    known = ("auto", *STRATEGIES, "ulysses_flat")
+    unknown = [s for s in strategies if s not in known]
+    if unknown:
+        raise ValueError(
+            f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from "
+            f"{', '.join(known)} (ulysses_flat: the reference code's Ulysses, predicted only)"
+        )
     rows = predict_table(
         wl,
-        strategies or list(DEFAULT_STRATEGIES),
+        strategies or list(default_strategies(wl)),
         sizes,
         args.cluster,
         dp=args.dp,
@@ -545,7 +555,7 @@ def _run(args: argparse.Namespace) -> int:
     for line in describe_scans(wl):
         print(line)
     print(format_table(rows, recommend(rows)))
-    for line in describe_methods(wl, strategies or list(DEFAULT_STRATEGIES), sizes):
+    for line in describe_methods(wl, strategies or list(default_strategies(wl)), sizes):
         print(line)
     return 0
 

@@ -24,6 +24,7 @@ from .predict import (
     DEFAULT_STRATEGIES,
     Prediction,
     auto_plan,
+    default_strategies,
     format_table,
     merge_same_plans,
     micro_batches,
@@ -38,6 +39,7 @@ from .workload import StageSpec, Workload, register_workload, workload_builder
 __all__ = [
     "CLUSTERS",
     "DEFAULT_STRATEGIES",
+    "default_strategies",
     "FIGURES",
     "PRESETS",
     "Cluster",

@@ -46,6 +46,25 @@ from .formulas import (
 from .workload import Workload
 
 DEFAULT_STRATEGIES = ("dsp", "ulysses", "ulysses_flat", "ring", "lss", "usp", "megatron_sp")
+#: the balanced (zigzag) layouts of ring and LSS, compared by default where they matter
+BALANCED_STRATEGIES = ("ring_zigzag", "lss_zigzag")
+
+
+def default_strategies(workload: Workload) -> tuple[str, ...]:
+    """The strategies ``dspzoo plan`` compares when none are named: :data:`DEFAULT_STRATEGIES`
+    and, for a causal attention model with one sequence dim, the balanced layouts of ring and
+    LSS (:data:`BALANCED_STRATEGIES`; the text trainer's default is ``lss_zigzag``), each
+    after its contiguous one. Not for models with scan stages: a zigzag layout makes their
+    scans gather the sequence whole (``dspzoo plan --strategies`` still shows it)."""
+    scans = any(spec.scan is not None for layer in workload.layers for spec in layer)
+    if not (workload.causal and len(workload.dims) == 1) or scans:
+        return DEFAULT_STRATEGIES
+    names: list[str] = []
+    for name in DEFAULT_STRATEGIES:
+        names += [name, *(b for b in BALANCED_STRATEGIES if b == f"{name}_zigzag")]
+    return tuple(names)
+
+
 GIB = 2**30
 
 
