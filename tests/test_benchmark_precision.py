@@ -281,3 +281,35 @@ def test_the_peer_counter_sums_its_dtype_split() -> None:
     counter.add(torch.zeros(2), 5)
     assert counter.by_dtype == {("forward", "bfloat16"): 10, ("backward", "float32"): 12}
     assert counter.total == 22
+
+
+def _scaled_traced_steps(rank: int, world: int) -> dict:
+    """A worker: each strategy's traced step at SP 2 against a bf16 reference whose loss scale
+    is set to 2^10 (as an fp16 reference's would be), with the gradients it reports."""
+    from dspzoo.core.bench.meshes import MeshCache
+    from dspzoo.core.bench.runner import Runner
+
+    case = build_case(build_parser().parse_args([*TINY, "--mixed-precision", "bf16"]), 1)
+    meshes = MeshCache()
+    found = {}
+    for name in ("dsp", "ring", "megatron_sp"):
+        runner = Runner(name, case, world, meshes)
+        reference = one_process_reference(case, runner.inputs)
+        reference.loss_scale = 2.0**10
+        agreement = runner.traced_step(reference)["agreement"]
+        found[name] = {k: agreement[k] for k in ("ok", "loss_scale", "finite", "grad_error")}
+    return found
+
+
+@pytest.mark.timeout(200)
+def test_the_sharded_traced_step_unscales_its_gradients() -> None:
+    """At SP 2 the traced step takes the reference's loss scale halved (its activation
+    gradients are twice the reference's under the gradient contract) and divides the
+    gradients by it again: DDP-free DSP, ring and Megatron-SP's tensor-parallel path still
+    agree with one process."""
+    from dspzoo.core.testing import run_distributed
+
+    for by_rank in run_distributed(_scaled_traced_steps, 2, timeout=180):
+        for name, got in by_rank.items():
+            assert got["loss_scale"] == 2.0**9 and got["finite"], (name, got)
+            assert got["ok"], (name, got)
