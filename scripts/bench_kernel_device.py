@@ -3,8 +3,9 @@
 One causal attention ``[1, L, H, D]`` over positions ``0 … L−1`` through
 :func:`~dspzoo.core.parallel.methods.kernels.kernel_attention` with ``kernel="fused"`` (on the
 CPU PyTorch's fused CPU attention; on CUDA FlashAttention-2 in half precision, else the
-memory-efficient kernel), ``fused-cudnn``, ``fused-flash``, ``fused-efficient`` (CUDA only: the
-fused kernel held to one CUDA kernel; cuDNN's is opt-in) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score
+memory-efficient kernel), ``fused-cudnn``, ``fused-flash``, ``fused-efficient`` (CUDA only:
+the fused kernel held to one CUDA kernel; cuDNN's is opt-in; one the GPU does not take gets
+a row saying why) and ``kernel="blockwise"`` (the einsum kernel, ``--chunk`` tokens per score
 block), beside ``F.scaled_dot_product_attention`` (no log-sum-exp: what a single device would
 run without sequence parallelism). They run interleaved, in a rotated order each repetition;
 the table gives the median time (synchronised on CUDA), the peak memory the call added
@@ -30,13 +31,18 @@ from tqdm import tqdm
 from dspzoo.core.argparser import CommandParser, non_negative_int, positive_int
 from dspzoo.core.device_memory import CudaPeak
 from dspzoo.core.entry import UsageError, run_entry_point
-from dspzoo.core.parallel.methods.kernels import CUDA_BACKENDS, FusedKernel, kernel_attention
+from dspzoo.core.parallel.methods.kernels import (
+    CUDA_BACKENDS,
+    FusedKernel,
+    cuda_refusal,
+    kernel_attention,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # sdpa: plain SDPA; fused: the methods' default kernel (on CUDA in half precision
-# FlashAttention-2, else the memory-efficient kernel); fused-efficient: the fused kernel held to
-# the memory-efficient CUDA kernel (what ``fused`` ran in half precision before 28 Nov 2026);
-# blockwise: the einsum kernel
+# FlashAttention-2, else the memory-efficient kernel); fused-cudnn, fused-flash,
+# fused-efficient: the fused kernel held to that CUDA kernel (fused-efficient: what ``fused``
+# ran in half precision before 28 Nov 2026); blockwise: the einsum kernel
 KERNELS = ("sdpa", "fused", *(f"fused-{b}" for b in CUDA_BACKENDS[1:]), "blockwise")
 
 
@@ -118,6 +124,17 @@ class Float64Reference:
         return rel(got, self.out), max(rel(m.grad, r) for m, r in zip(mine, self.grads))
 
 
+def _refused(
+    names: list[str], device: torch.device, dtype: torch.dtype, head_dim: int
+) -> dict[str, str]:
+    """The ``fused-<backend>`` kernels of ``names`` this GPU does not take, with why (they get
+    a row saying so instead of a failed run)."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    width = -(-head_dim // 8) * 8  # the fused kernel's CUDA head alignment
+    found = {n: cuda_refusal(n.split("-", 1)[1], probe, width) for n in names}
+    return {n: why for n, why in found.items() if why is not None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = CommandParser(
         description=__doc__.split("\n\n")[0],
@@ -128,16 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--seq-len",
         type=positive_int,
-        default=16384 if cuda else 2048,
-        help="tokens L (16384 where CUDA is available, else 2048: a CPU takes minutes at 16K)",
+        default=None,
+        help="tokens L (default: 16384 on CUDA, 2048 on the CPU, which takes minutes at 16K)",
     )
     p.add_argument("--heads", type=positive_int, default=8, help="attention heads H")
     p.add_argument("--head-dim", type=positive_int, default=64, help="head size D")
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        default="bfloat16" if cuda else "float32",
-        help="the inputs' dtype: bfloat16 where CUDA is available, else float32",
+        default=None,
+        help="the inputs' dtype (default: bfloat16 on CUDA, float32 on the CPU)",
     )
     p.add_argument(
         "--chunk", type=positive_int, default=1024, help="blockwise: tokens per score block"
@@ -162,13 +179,21 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--device {args.device}: choose cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available; use --device cpu")
+    on_cuda = device.type == "cuda"
+    args.seq_len = args.seq_len or (16384 if on_cuda else 2048)
+    args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
     names = args.kernels.split(",")
     on_cuda_only = [n for n in names if n.startswith("fused-")]
-    if device.type == "cpu" and on_cuda_only:
+    if not on_cuda and on_cuda_only:
         raise UsageError(
             f"--kernels {','.join(on_cuda_only)}: these hold the fused kernel to one CUDA kernel; "
             "the CPU has one fused kernel: use fused"
         )
+    refused = _refused(on_cuda_only, device, DTYPES[args.dtype], args.head_dim)
+    names = [n for n in names if n not in refused]
+    if not names:
+        reasons = "; ".join(f"{n} needs {why}" for n, why in refused.items())
+        raise UsageError(f"--kernels: this GPU takes none of them ({reasons})")
     g = torch.Generator().manual_seed(0)
     shape = (1, args.seq_len, args.heads, args.head_dim)
     dtype = DTYPES[args.dtype]
@@ -209,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {med * 1e3:.2f} | {med / first:.2f} | {peak} | "
             f"{err_out:.1e} / {err_grad:.1e} |"
         )
+    for name, why in refused.items():
+        print(f"| {name} | refused: needs {why} | | | |")
     given = sys.argv[1:] if argv is None else argv
     print("\nreproduce: python scripts/bench_kernel_device.py " + " ".join(given))
     return 0

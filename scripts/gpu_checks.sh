@@ -5,7 +5,8 @@
 #      EMA + checkpoint resume on CUDA (tests/test_cuda_resume.py), and evaluation and the
 #      inference commands with the model on CUDA against the CPU (tests/test_cuda_inference.py);
 #   2. the blockwise methods' fused kernel against SDPA and the blockwise kernel at L 16384,
-#      and in half precision FlashAttention-2 against the memory-efficient kernel
+#      and in half precision each of its CUDA kernels (cuDNN's, opt-in; FlashAttention-2; the
+#      memory-efficient one), a row saying why where the GPU refuses one
 #      (scripts/bench_kernel_device.py);
 #   3. `dspzoo bench` at SP 1 on the GPU (scripts/benchmark.py in one process): absolute step
 #      times of the video and the text benchmark models, and the video model under bf16 and
@@ -26,7 +27,8 @@
 # default 780 s: a 15-minute device lease less the machine's start; a step is cut to what is
 # left, and skipped, as failed, when under 20 s is), and a failing step does not stop the others;
 # the exit status is the number of failed or skipped steps. OUTDIR receives gpu_checks.log (every step's
-# output), junit.xml, bench_video.json, bench_text.json and protein_r4096.json.
+# output), junit.xml, bench_video.json, bench_text.json, bench_video_bf16.json,
+# bench_video_fp16.json and protein_r4096.json.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-$root/outputs/gpu}}
@@ -43,22 +45,30 @@ failed=0
 
 budget_end=$((SECONDS + ${GPU_CHECKS_BUDGET_S:-780}))
 
-# a misspelt step would make every step return early and the run look green: refuse it
+# the steps asked for (GPU_CHECKS_STEPS: names separated by commas or spaces; unset: all). A
+# misspelt or empty list would make every step return early and the run look green: refuse it
 STEPS="env tests bench_video bench_text bench_video_bf16 bench_video_fp16 kernels_float32 kernels_bfloat16 kernels_float16 protein"
-for asked in ${GPU_CHECKS_STEPS:+${GPU_CHECKS_STEPS//,/ }}; do
-    if [[ " $STEPS " != *" $asked "* ]]; then
-        echo "gpu_checks.sh: GPU_CHECKS_STEPS names '$asked', which is no step; the steps: $STEPS" >&2
+wanted=" $STEPS "
+if [ -n "${GPU_CHECKS_STEPS+set}" ]; then
+    read -ra asked <<<"${GPU_CHECKS_STEPS//,/ }"
+    if [ "${#asked[@]}" -eq 0 ]; then
+        echo "gpu_checks.sh: GPU_CHECKS_STEPS is set but names no step; the steps: $STEPS" >&2
         exit 2
     fi
-done
+    for name in "${asked[@]}"; do
+        if [[ " $STEPS " != *" $name "* ]]; then
+            echo "gpu_checks.sh: GPU_CHECKS_STEPS names '$name', which is no step; the steps: $STEPS" >&2
+            exit 2
+        fi
+    done
+    wanted=" ${asked[*]} "
+fi
 
 # step NAME LIMIT_S COMMAND...: run it within the budget, log everything, print its time
 step() {
     local name=$1 limit=$2
     shift 2
-    if [ -n "${GPU_CHECKS_STEPS:-}" ] && [[ ",$GPU_CHECKS_STEPS," != *",$name,"* ]]; then
-        return  # not among the steps asked for
-    fi
+    [[ "$wanted" == *" $name "* ]] || return  # not among the steps asked for
     local left=$((budget_end - SECONDS))
     if [ "$left" -lt 20 ]; then
         echo "== $name: skipped, ${left} s of the budget left" | tee -a "$log"
@@ -115,7 +125,7 @@ for dtype in float32 bfloat16 float16; do
     kernels=sdpa,fused,blockwise
     [ "$dtype" = float32 ] || kernels=sdpa,fused,fused-cudnn,fused-flash,fused-efficient,blockwise
     step "kernels_$dtype" 120 "$py" scripts/bench_kernel_device.py --device cuda --seq-len 16384 \
-        --dtype "$dtype" --reps 5 --kernels "$kernels"
+        --dtype "$dtype" --reps 5 --kernels "$kernels" --no-progress
 done
 
 step protein 180 "$py" scripts/protein_memory.py --one-block 4096 --device cuda --msa-depth 8 \

@@ -143,8 +143,14 @@ def test_gpu_checks_refuses_a_step_it_does_not_have(tmp_path):
     """A misspelt GPU_CHECKS_STEPS would skip every step and look green: it is refused first."""
     import os
 
-    env = {**os.environ, "GPU_CHECKS_STEPS": "tests,kernel_bf16"}
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    def run(steps: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "GPU_CHECKS_STEPS": steps}
+        return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(tmp_path)],
+                              capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+
+    done = run("tests, kernel_bf16")
     assert done.returncode == 2
     assert "GPU_CHECKS_STEPS names 'kernel_bf16', which is no step" in done.stderr
+    for empty in (",", " "):
+        done = run(empty)
+        assert done.returncode == 2 and "set but names no step" in done.stderr, empty

@@ -418,15 +418,26 @@ def test_cuda_refusals_name_the_reason(monkeypatch):
     from dspzoo.core.parallel.methods import kernels
 
     monkeypatch.setattr(kernels, "_cuda_capability", lambda device: (8, 0))
-    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     monkeypatch.setattr(torch.version, "hip", None)
     half = torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16)
+    built = torch.backends.cuda
+    monkeypatch.setattr(built, "is_flash_attention_available", lambda: False, raising=False)
+    assert "a torch built with FlashAttention-2" in cuda_refusal("flash", half, 64)
+    monkeypatch.setattr(built, "is_flash_attention_available", lambda: True, raising=False)
     assert cuda_refusal("flash", half, 256) is None
-    assert cuda_refusal("flash", half, 264) == "a head size of at most 256 (got 264)"
+    assert cuda_refusal("flash", half, 264) == (
+        "a head size of at most 256 on compute capability (8, 0) (got 264)"
+    )
     assert cuda_refusal("cudnn", half, 64) == "compute capability (9, 0) or newer (got (8, 0))"
     monkeypatch.setattr(kernels, "_cuda_capability", lambda device: (9, 0))
     assert cuda_refusal("cudnn", half, 128) is None
-    assert cuda_refusal("cudnn", half, 136) == "a head size of at most 128 (got 136)"
+    assert "a head size of at most 128" in cuda_refusal("cudnn", half, 136)
+    monkeypatch.setattr(kernels, "_cuda_capability", lambda device: (8, 9))  # an RTX 40xx
+    assert cuda_refusal("flash", half, 192) is None
+    assert "a head size of at most 192" in cuda_refusal("flash", half, 200)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8902)
+    assert cuda_refusal("cudnn", half, 64) == "cuDNN 9 or newer (got 8902)"
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
         assert "flash_sdp_enabled() (it is off)" in cuda_refusal("flash", half, 64)
     monkeypatch.setattr(torch.version, "hip", "6.0")

@@ -321,6 +321,7 @@ AUTO_CUDA_ORDER = ("flash", "efficient")
 CUDA_BACKEND_ENV = "DSPZOO_CUDA_ATTENTION"
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_HEAD = {"cudnn": 128, "flash": 256}  # the largest head size each takes
+_FLASH_CONSUMER_MAX_HEAD = 192  # FlashAttention-2's backward on sm 8.6, 8.9, 12.x
 _MIN_CAPABILITY = {"cudnn": (9, 0), "flash": (8, 0)}  # cuDNN's only where PyTorch prefers it
 _ENABLED = {  # PyTorch's own switches for its SDPA backends, which these honour
     "cudnn": "cudnn_sdp_enabled",
@@ -341,9 +342,11 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
 def cuda_refusal(backend: str, q: torch.Tensor, width: int) -> str | None:
     """Why CUDA kernel ``backend`` does not take tensors like ``q`` at head size ``width``, or
     ``None`` when it does. ``cudnn`` and ``flash`` need float16/bfloat16, a CUDA (not ROCm)
-    build with the backend enabled (``torch.backends.cuda.enable_{cudnn,flash}_sdp``), compute
-    capability 9.0 (cuDNN) or 8.0 (FlashAttention-2) and a head of at most 128 / 256;
-    ``efficient`` takes every dtype the fused path has on CUDA."""
+    build that has the kernel, enabled (``torch.backends.cuda.enable_{cudnn,flash}_sdp``),
+    compute capability 9.0 (cuDNN 9 or newer) or 8.0 (FlashAttention-2) and a head of at
+    most 128 / 256 (FlashAttention-2's backward: 192 on the consumer chips sm 8.6, 8.9 and
+    12.x, as PyTorch's own check says). ``efficient`` takes every dtype the fused path has on
+    CUDA; it is the fallback, so its switch (``enable_mem_efficient_sdp``) is not read."""
     if backend == "efficient":
         return None
     if q.dtype not in _HALF:
@@ -353,13 +356,19 @@ def cuda_refusal(backend: str, q: torch.Tensor, width: int) -> str | None:
     enabled = getattr(torch.backends.cuda, _ENABLED[backend], None)
     if enabled is None or not enabled():
         return f"torch.backends.cuda.{_ENABLED[backend]}() (it is off)"
-    if backend == "cudnn" and not torch.backends.cudnn.is_available():
-        return "cuDNN (not available)"
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    if backend == "flash" and not built():
+        return "a torch built with FlashAttention-2 (this one is not)"
+    if backend == "cudnn" and (torch.backends.cudnn.version() or 0) < 90000:
+        return f"cuDNN 9 or newer (got {torch.backends.cudnn.version()})"
     capability = _cuda_capability(q.device)
     if capability < _MIN_CAPABILITY[backend]:
         return f"compute capability {_MIN_CAPABILITY[backend]} or newer (got {capability})"
-    if width > _MAX_HEAD[backend]:
-        return f"a head size of at most {_MAX_HEAD[backend]} (got {width})"
+    most = _MAX_HEAD[backend]
+    if backend == "flash" and (capability in ((8, 6), (8, 9)) or capability[0] == 12):
+        most = _FLASH_CONSUMER_MAX_HEAD
+    if width > most:
+        return f"a head size of at most {most} on compute capability {capability} (got {width})"
     return None
 
 
@@ -392,7 +401,7 @@ def _fused_piece(
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale
         )[:2]
-        return out, lse[..., 0]  # its statistics are [Bf, H, Lq, 1]
+        return out, lse.reshape(out.shape[:3])  # its statistics were [Bf, H, Lq, 1] (torch 2.11)
     if cuda == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
