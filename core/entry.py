@@ -106,12 +106,16 @@ def run_entry_point(main: Callable[[], Any], prog: str) -> int:
 
     Bad input (:data:`USER_ERRORS`) prints ``"<prog>: error: <message>"`` once and gives status
     2 (under a multi-rank launch every rank exits with 2 here, see the module docstring). After
-    success the communicators are released before returning.
+    success the communicators are released before returning. A reader that closed the pipe
+    early (``script.py | head``) ends the run quietly, status 0 (:func:`reader_gone`).
     """
     launched = _launched_with_peers()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if launched else None
     try:
         result = main()
+        sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
+    except BrokenPipeError:
+        return reader_gone()
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
@@ -128,6 +132,16 @@ def run_entry_point(main: Callable[[], Any], prog: str) -> int:
             signal.signal(signal.SIGTERM, previous)
     release_communicators()
     return result if isinstance(result, int) else 0
+
+
+def reader_gone() -> int:
+    """Status 0 with stdout pointed at ``os.devnull``: the reader of a pipe left early
+    (``dspzoo list | head``) and had what it wanted; the exit's flush of what is still
+    buffered then cannot raise ``BrokenPipeError`` again (Python's documented recipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0
 
 
 def report_bad_input(prog: str, exc: BaseException) -> int:

@@ -154,3 +154,18 @@ def test_gpu_checks_refuses_a_step_it_does_not_have(tmp_path):
     for empty in (",", " "):
         done = run(empty)
         assert done.returncode == 2 and "set but names no step" in done.stderr, empty
+
+
+def test_a_closed_pipe_ends_a_script_quietly() -> None:
+    """``scripts/bench_kernel_device.py ... | head``: every script's entry point
+    (``run_entry_point``) ends quietly, status 0, when its reader has gone."""
+    import os
+
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_kernel_device.py"), "--device", "cpu",
+            "--seq-len", "32", "--heads", "1", "--head-dim", "8", "--reps", "1", "--no-progress"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before the table prints
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

@@ -16,10 +16,10 @@ family module (a ``dspzoo.families`` entry point or ``DSPZOO_FAMILIES``) that fa
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 from ..core.argparser import CommandParser
+from ..core.entry import reader_gone
 from .families import FamilyImportError, load_builtin_families
 from .registry import (
     _match,
@@ -54,15 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except FamilyImportError as exc:  # a broken plugin: say which, once per launch
         CommandParser(prog="dspzoo").error(str(exc))
     except BrokenPipeError:  # the reader left early (``dspzoo list | head``): it had enough
-        return _reader_gone()
-
-
-def _reader_gone() -> int:
-    """Status 0 with stdout pointed at ``os.devnull``, so that flushing what is still buffered
-    at exit cannot raise ``BrokenPipeError`` again (Python's documented recipe)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    return 0
+        return reader_gone()
 
 
 def _main(argv: list[str] | None) -> int:

@@ -40,7 +40,6 @@ strategy's method.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +60,7 @@ from dspzoo.core.costmodel.predict import plan_unsupported
 from dspzoo.core.parallel.strategies import STRATEGIES
 
 from ..core.argparser import CommandParser, positive_int, positive_int_list
+from ..core.entry import reader_gone
 from .registry import (
     _match,
     count_parameters,
@@ -488,11 +488,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
         return status
     except BrokenPipeError:
-        # stdout is gone: point it at devnull so that the exit's flush does not raise again
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return 0
+        return reader_gone()
 
 
 def _run(args: argparse.Namespace) -> int:
