@@ -46,8 +46,8 @@ from .formulas import (
 from .workload import Workload
 
 DEFAULT_STRATEGIES = ("dsp", "ulysses", "ulysses_flat", "ring", "lss", "usp", "megatron_sp")
-#: the balanced (zigzag) layouts of ring and LSS, compared by default where they matter
-BALANCED_STRATEGIES = ("ring_zigzag", "lss_zigzag")
+#: the balanced (zigzag) layout of ring and of LSS, compared by default where they matter
+BALANCED_STRATEGIES = {"ring": "ring_zigzag", "lss": "lss_zigzag"}
 
 
 def default_strategies(workload: Workload) -> tuple[str, ...]:
@@ -61,7 +61,7 @@ def default_strategies(workload: Workload) -> tuple[str, ...]:
         return DEFAULT_STRATEGIES
     names: list[str] = []
     for name in DEFAULT_STRATEGIES:
-        names += [name, *(b for b in BALANCED_STRATEGIES if b == f"{name}_zigzag")]
+        names += [name] + ([BALANCED_STRATEGIES[name]] if name in BALANCED_STRATEGIES else [])
     return tuple(names)
 
 

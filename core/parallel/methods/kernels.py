@@ -741,8 +741,9 @@ def kernel_attention(
 
     ``kernel``: a kernel's name (:func:`select_kernel`) or a kernel itself (e.g.
     ``FusedKernel(cuda_backend="efficient")``). Saves only ``q, k, v, out, lse`` for backward,
-    which recomputes. ``chunk`` cuts queries and keys into blocks of that many tokens (the blockwise kernel's memory bound; the fused kernel
-    needs none, and blocks with no visible key are skipped). Once differentiable.
+    which recomputes. ``chunk`` cuts queries and keys into blocks of that many tokens (the
+    blockwise kernel's memory bound; the fused kernel needs none, and blocks with no visible
+    key are skipped). Once differentiable.
     """
     impl = (
         kernel if isinstance(kernel, (BlockwiseKernel, FusedKernel)) else select_kernel(q, kernel)
