@@ -166,19 +166,12 @@ def loss_scales(precision: Precision) -> tuple[float, ...]:
     return FP16_LOSS_SCALES if precision.name == "fp16" else (1.0,)
 
 
-def scaled_backward(
-    loss: torch.Tensor, params: Iterable[torch.nn.Parameter], scale: float, sp_size: int = 1
-) -> bool:
+def scaled_backward(loss: torch.Tensor, params: Iterable[torch.nn.Parameter], scale: float) -> bool:
     """``loss.backward()`` with the loss multiplied by ``scale`` and the gradients of
     ``params`` divided by it after (loss scaling, so that small fp16 gradients do not
     underflow); ``scale`` 1: a plain backward. Returns whether every gradient is finite (one
-    device sync; a DTensor gradient's local shard is read).
-
-    ``sp_size``: the SP group of the step. Under the gradient contract a rank's loss is ``N``
-    times its share, so the sharded region's activation gradients are up to ``N`` times the
-    one-process step's: the scale is divided by ``N`` rounded up to a power of two, which
-    keeps a scale that the one-process reference found finite finite here too."""
-    scale = sharded_loss_scale(scale, sp_size)
+    device sync; a DTensor gradient's local shard is read). A step of an SP group takes
+    :func:`sharded_loss_scale` of the one-process reference's scale."""
     (loss * scale if scale != 1.0 else loss).backward()
     grads = [p.grad for p in params if p.grad is not None]
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
@@ -192,8 +185,10 @@ def scaled_backward(
 
 def sharded_loss_scale(scale: float, sp_size: int) -> float:
     """The loss scale a step of an SP group of ``sp_size`` uses for the one-process
-    reference's ``scale`` (:func:`scaled_backward`): ``scale / 2^ceil(log2 sp_size)``, at
-    least 1."""
+    reference's ``scale``: ``scale / 2^ceil(log2 sp_size)``, at least 1. Under the gradient
+    contract a rank's loss is ``N`` times its share, so the sharded region's activation
+    gradients are up to ``N`` times the one-process step's; this keeps a scale the reference
+    found finite finite there too."""
     if scale == 1.0 or sp_size <= 1:
         return scale
     return max(1.0, scale / 2 ** math.ceil(math.log2(sp_size)))

@@ -175,6 +175,7 @@ def markdown(result: dict[str, Any]) -> str:
     )
     rows = result["rows"]
     scale = min((r.get("loss_scale", 1.0) for r in rows), default=1.0)
+    reference_scale = min((r.get("reference_loss_scale", scale) for r in rows), default=scale)
     check = (
         f"the gathered output and every parameter gradient against one process on the same "
         f"samples (relative error, flagged above "
@@ -185,8 +186,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"rounding, {max(r.get('reference_rounding', 0.0) for r in rows):.1e} "
             f"from the same step in fp32, at most {MAX_RTOL}"
             + (
-                f"; the checked steps' loss scaled by 2^{round(math.log2(scale))}"
-                if scale != 1
+                f"; the loss scaled by 2^{round(math.log2(reference_scale))} in the one-process "
+                f"reference, 2^{round(math.log2(scale))} in the SP steps"
+                if reference_scale != 1
                 else ""
             )
             + ")"

@@ -146,10 +146,10 @@ class Runner:
                         loss, out = self.case.step(self.model, self.sp, self.inputs)
                     if peer is not None:
                         peer.phase = "backward"
-                    scale = 1.0 if reference is None else reference.loss_scale
-                    finite = scaled_backward(
-                        loss, self.model.parameters(), scale, self.mesh.sp_size
-                    )
+                    scale = 1.0
+                    if reference is not None:
+                        scale = sharded_loss_scale(reference.loss_scale, self.mesh.sp_size)
+                    finite = scaled_backward(loss, self.model.parameters(), scale)
             finally:
                 if peer is not None:
                     peer_ctx.__exit__(None, None, None)
@@ -180,7 +180,8 @@ class Runner:
             result["agreement"] = agreement.__dict__ | {
                 "ok": agreement.ok,
                 "rounding": reference.rounding,
-                "loss_scale": sharded_loss_scale(reference.loss_scale, self.mesh.sp_size),
+                "loss_scale": scale,
+                "reference_loss_scale": reference.loss_scale,
                 "finite": finite and reference.finite,
             }
         self._sync_dp()
@@ -539,6 +540,7 @@ def summarise(
             row["rtol"] = max(a["rtol"] for a in agree)
             row["reference_rounding"] = max(a["rounding"] for a in agree)
             row["loss_scale"] = min(a.get("loss_scale", 1.0) for a in agree)
+            row["reference_loss_scale"] = min(a.get("reference_loss_scale", 1.0) for a in agree)
             row["finite_grads"] = all(a.get("finite", True) for a in agree)
         rows.append(row)
     dsp = rows[0]
