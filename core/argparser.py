@@ -93,28 +93,28 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(USAGE_STATUS)
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer ≥ 1 (a size or a count), else a usage error naming
-    the value."""
+def _int_at_least(text: str, least: int, expected: str) -> int:
+    """``text`` as an integer ≥ ``least``, else an ``ArgumentTypeError`` saying
+    ``expected <expected>, got <the value>``."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer ≥ 1 (a size or a count), else a usage error naming
+    the value."""
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """An argparse ``type``: an integer ≥ 0 (a count that may be zero), else a usage error
     naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {value}")
-    return value
+    return _int_at_least(text, 0, "an integer ≥ 0")
 
 
 def positive_int_list(text: str) -> list[int]:
