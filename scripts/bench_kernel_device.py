@@ -129,8 +129,8 @@ def _refused(
 ) -> dict[str, str]:
     """The ``fused-<backend>`` kernels of ``names`` this GPU does not take, with why (they get
     a row saying so instead of a failed run)."""
-    probe = torch.empty(0, device=device, dtype=dtype)
-    width = -(-head_dim // 8) * 8  # the fused kernel's CUDA head alignment
+    probe = torch.empty(0, 0, 0, head_dim, device=device, dtype=dtype)
+    width = FusedKernel.head_width(probe, probe)  # as the kernel pads it
     found = {n: cuda_refusal(n.split("-", 1)[1], probe, width) for n in names}
     return {n: why for n, why in found.items() if why is not None}
 

@@ -535,7 +535,7 @@ class FusedKernel:
         return True
 
     @staticmethod
-    def _width(q: torch.Tensor, v: torch.Tensor) -> int:
+    def head_width(q: torch.Tensor, v: torch.Tensor) -> int:
         """The common head size the calls run at: ``max(D, Dv)``, aligned on CUDA."""
         width = max(q.shape[-1], v.shape[-1])
         if q.device.type == "cuda":
@@ -570,7 +570,7 @@ class FusedKernel:
     ) -> None:
         """As :meth:`BlockwiseKernel.forward`, piece by piece."""
         heads, dv = q.shape[2], v.shape[-1]
-        width = self._width(q, v)
+        width = self.head_width(q, v)
         cuda = self.cuda_kernel(q, width)
         for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
             qp = _pad_last(q[:, p.q0 : p.q1], width)
@@ -596,7 +596,7 @@ class FusedKernel:
         """As :meth:`BlockwiseKernel.backward`, piece by piece (the kernel's own backward,
         given the final ``out`` and ``lse``, yields exactly the piece's share)."""
         heads, kv_heads, d, dv = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
-        width = self._width(q, v)
+        width = self.head_width(q, v)
         cuda = self.cuda_kernel(q, width)
         lse = lse.to(stats_dtype(q.dtype))
         for p in attention_pieces(position_runs(q_pos), position_runs(k_pos), causal):
