@@ -151,6 +151,33 @@ def test_chunked_attention_saves_only_inputs_and_output():
     assert meter.bytes <= saved + 2 * 64 * 8  # + positions
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8])
+def test_balanced_schedule_covers_every_pair_once_and_balances_the_work(n):
+    from dspzoo.core.parallel.layout import shard_sizes
+    from dspzoo.core.parallel.methods.balanced import balanced_schedule
+
+    for lengths in (shard_sizes(8 * n, n), shard_sizes(8 * n + n - 1, n), [0, *[4] * (n - 1)]):
+        steps = balanced_schedule(lengths)
+        assert len(steps) == n // 2
+        covered = {}  # (query rank, query row, key rank) -> times computed
+        work = [0] * n  # (query, key) pairs each rank computes beyond its own diagonal
+        for d, step in enumerate(steps, start=1):
+            for at, t in step.items():
+                assert t.at == at and at in (t.query, t.key) and t.key < t.query
+                assert {t.query, t.key} == {at, (at - d) % n}  # the pair of the step's shift
+                work[at] += (t.row1 - t.row0) * lengths[t.key]
+                for row in range(t.row0, t.row1):
+                    covered[(t.query, row, t.key)] = covered.get((t.query, row, t.key), 0) + 1
+        wanted = {
+            (i, row, j) for i in range(n) for j in range(i) if lengths[j] for row in range(lengths[i])
+        }
+        assert set(covered) == wanted and set(covered.values()) <= {1}, (n, lengths)
+        if len(set(lengths)) == 1:  # equal blocks: every rank the same number of pairs
+            assert max(work) == min(work), (n, work)
+        elif 0 not in lengths:  # blocks uneven by a token: each pair by at most a block's row
+            assert max(work) - min(work) <= (n // 2 + 1) * max(lengths), (n, lengths, work)
+
+
 # --------------------------------------------------------------------------------------------
 # distributed: one 4-process spawn for every case
 
@@ -209,6 +236,54 @@ def _check_ring_case(group, lengths, layout, causal, dtype, seed, kernel=None):
     assert tracer.total_bytes("p2p", "forward") == kv, what
     assert tracer.total_bytes("p2p", "backward") == kv + dkv, what
     assert tracer.count("p2p", "forward") == 2 * (n - 1), what
+    assert tracer.count() == tracer.count("p2p"), what
+    dist.barrier(group)
+    return 1
+
+
+def _check_balanced_case(group, lengths, causal, dtype, seed, kernel=None):
+    """The balanced ring on this rank's contiguous shard equals its rows of single-process
+    attention (forward, dq, dk, dv), saves what ring saves, and sends its formula's bytes."""
+    import torch.distributed as dist
+
+    from dspzoo.core.parallel.comm.group import group_rank, group_size
+    from dspzoo.core.parallel.methods.balanced import balanced_ring_attention
+    from dspzoo.core.parallel.methods.registry import AttentionShape, CommCount, get_method
+    from dspzoo.core.parallel.methods.ring import ring_positions
+    from dspzoo.core.parallel.trace import SavedTensorMeter, trace_comm
+
+    n, r = group_size(group), group_rank(group)
+    length = sum(lengths)
+    q, k, v, w = _full(length, dtype, seed)
+    exact = [t.double() for t in (q, k, v, w)]
+    ref = _grads(lambda a, b, c: naive_attention(a, b, c, causal=causal), *exact)
+    pos = ring_positions(lengths, r)
+    loc = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
+    with trace_comm() as tracer:
+        with SavedTensorMeter() as meter:
+            out = balanced_ring_attention(
+                *loc, group=group, seq_lengths=lengths, causal=causal, kernel=kernel
+            )
+        (out * w[:, pos]).sum().backward()
+    stat = 8 if dtype == torch.float64 else 4
+    saved = sum(t.numel() * t.element_size() for t in (*loc, out)) + B * H * len(pos) * stat
+    assert meter.bytes == saved, (meter.bytes, saved)
+    tol = {
+        torch.float64: dict(rtol=1e-10, atol=1e-12),
+        torch.float32: dict(rtol=1e-5, atol=1e-5),
+    }[dtype]
+    what = f"balanced n={n} lengths={lengths} causal={causal} {dtype} kernel={kernel}"
+    for name, got, want in zip("out dq dk dv".split(), [out.detach()] + [t.grad for t in loc], ref):
+        assert got.dtype == dtype, what
+        torch.testing.assert_close(
+            got.double(), want[:, pos], **tol, msg=lambda m, nm=name: f"{what} {nm}: {m}"
+        )
+    want = CommCount()
+    shape = AttentionShape(tuple(lengths), B, H, HKV, D, torch.finfo(dtype).bits // 8, 1, causal)
+    get_method("ring_balanced").attention_bytes(want, shape, r)
+    for phase in ("forward", "backward"):
+        assert tracer.total_bytes("p2p", phase) == want.bytes("p2p", phase), (what, phase)
+        assert tracer.count("p2p", phase) == want.count("p2p", phase), (what, phase)
     assert tracer.count() == tracer.count("p2p"), what
     dist.barrier(group)
     return 1
@@ -322,10 +397,17 @@ def _distributed_all(rank, world):
                         group, lengths, layout, causal, torch.float64, length
                     )
         checks += _check_ring_case(group, custom[n], "contiguous", True, torch.float64, 3)
+        for lengths in (shard_sizes(11, n), shard_sizes(n - 1, n), custom[n]):
+            checks += _check_balanced_case(group, lengths, True, torch.float64, 7)
+        checks += _check_balanced_case(group, shard_sizes(7, n), False, torch.float64, 8)
     for dtype in (torch.float32, torch.bfloat16):
         checks += _check_ring_case(
             dist.group.WORLD, zigzag_lengths(13, 4), "zigzag", True, dtype, 5
         )
+    checks += _check_balanced_case(dist.group.WORLD, shard_sizes(13, 4), True, torch.float32, 9)
+    checks += _check_balanced_case(
+        dist.group.WORLD, custom[4], True, torch.float64, 10, kernel="blockwise"
+    )
     for layout, lengths in (("zigzag", zigzag_lengths(11, 4)), ("contiguous", custom[4])):
         checks += _check_ring_case(
             dist.group.WORLD, lengths, layout, True, torch.float64, 6, kernel="blockwise"

@@ -177,6 +177,7 @@ def attention_bytes(
         workload.head_dim,
         workload.itemsize,
         ulysses_size,
+        workload.causal,
     )
     get_method(method).attention_bytes(out, shape, rank)
 

@@ -62,6 +62,7 @@ PRIMITIVES = (
     "usp_attention",
     "check_consistent",
     "selective_scan",
+    "ring_balanced",
 )
 _CODES = {name: 7_000 + i for i, name in enumerate(PRIMITIVES)}
 

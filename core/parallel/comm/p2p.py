@@ -4,6 +4,8 @@
 shift, which routes each gradient back to the rank that sent the value). :class:`RingTransfer`
 is the non-autograd building block of ring attention: several tensors in one
 ``batch_isend_irecv``, started early and waited later so that compute overlaps the transfer.
+:class:`PeerTransfer`, which it specialises, sends to and receives from any ranks (the balanced
+ring's schedule).
 
 Receive shapes may differ per rank (uneven shards); the receiver names them (``recv_shape``),
 since it knows the sender's shard size from the layout. Tensors with no elements are not put on
@@ -29,21 +31,91 @@ from .group import group_rank, group_size, record
 from .shm import start_exchange, transfer_channel
 
 
-def _peers(group: Any, shift: int) -> tuple[int, int]:
-    """Global ranks of ``(destination, source)`` for a ring shift inside ``group``."""
-    n, r = group_size(group), group_rank(group)
-    dst, src = (r + shift) % n, (r - shift) % n
+def _global(group: Any, rank: int) -> int:
+    """The global rank of group rank ``rank``."""
     if group is None or group is dist.group.WORLD:
-        return dst, src
-    return dist.get_global_rank(group, dst), dist.get_global_rank(group, src)
+        return rank
+    return dist.get_global_rank(group, rank)
 
 
-class RingTransfer:
+class PeerTransfer:
+    """Send tensors to some ranks of ``group`` and receive tensors from others, all at once.
+
+    ``sends``: ``(group rank, tensor)`` pairs; ``receives``: ``(group rank, shape, dtype)``
+    triples. Between two ranks the tensors travel in list order: the sender lists what it sends
+    to a peer in the order the peer lists what it receives from it (shapes and dtypes alike).
+    A send to this rank itself is copied into this rank's receives from itself, in order. The
+    transfer starts at construction; :meth:`wait` returns the received tensors in the order of
+    ``receives``. No autograd; sent tensors must stay unmodified until :meth:`wait`. Every rank
+    of the group names the same ``device`` (it picks the transport: shared memory between the
+    processes of one host on gloo, else ``batch_isend_irecv``). Traced as one ``"p2p"`` record
+    per tensor sent to another rank. ``tag`` separates transfers in flight together on the
+    ``batch_isend_irecv`` path (tensor ``i`` of a peer's list goes with tag ``tag + i``).
+    """
+
+    def __init__(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        receives: Sequence[tuple[int, Sequence[int], torch.dtype]],
+        group: Any,
+        device: torch.device | str,
+        phase: str = "forward",
+        region: str | None = None,
+        tag: int = 0,
+    ) -> None:
+        n, r = group_size(group), group_rank(group)
+        self.received = [
+            torch.empty(tuple(shape), dtype=dt, device=device) for _, shape, dt in receives
+        ]
+        self._works: list[Any] = []
+        self._where = (group, region, phase)
+        own = [t for peer, t in sends if peer % n == r]
+        own_bufs = [b for (peer, _, _), b in zip(receives, self.received) if peer % n == r]
+        if len(own) != len(own_bufs):
+            raise ValueError(f"{len(own)} tensors sent to this rank but {len(own_bufs)} received")
+        for buf, t in zip(own_bufs, own):
+            if buf.shape != t.shape:
+                raise ValueError(f"to itself: recv shape {tuple(buf.shape)} != {tuple(t.shape)}")
+            buf.copy_(t)
+        out = [(peer % n, t.contiguous()) for peer, t in sends if peer % n != r]
+        into = [(peer % n, b) for (peer, _, _), b in zip(receives, self.received) if peer % n != r]
+        self._send = [t for _, t in out]  # kept alive until wait()
+        if n == 1:
+            return
+        for _, t in out:
+            record("p2p", t.numel() * t.element_size(), group, t, phase, region)
+        channel = transfer_channel(group, device)
+        if channel is not None:
+            with guard(f"ring transfer ({phase})", group, region):
+                self._works = [start_exchange(channel, out, into, "ring transfer")]
+            return
+        ops = []
+        for where, pairs in ((dist.isend, out), (dist.irecv, into)):
+            index: dict[int, int] = {}
+            for peer, t in pairs:
+                i = index[peer] = index.get(peer, -1) + 1
+                if t.numel():
+                    ops.append(dist.P2POp(where, t, _global(group, peer), group, tag=tag + i))
+        if ops:
+            with guard(f"ring transfer ({phase})", group, region):
+                self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until the transfer is complete; the received tensors."""
+        group, region, phase = self._where
+        with guard(f"ring transfer ({phase})", group, region):
+            for w in self._works:
+                w.wait()
+        self._works = []
+        self._send = []
+        return self.received
+
+
+class RingTransfer(PeerTransfer):
     """Send ``tensors`` to ``rank + shift`` and receive tensors of ``recv_shapes`` from ``rank − shift``.
 
-    The transfer starts at construction; :meth:`wait` returns the received tensors. No
-    autograd. ``tensors`` must stay unmodified until :meth:`wait`. ``dtypes`` defaults to the
-    sent tensors' dtypes (position by position). Traced as one ``"p2p"`` record per tensor.
+    A :class:`PeerTransfer` of one peer each way. ``dtypes`` defaults to the sent tensors'
+    dtypes (position by position).
     """
 
     def __init__(
@@ -60,51 +132,17 @@ class RingTransfer:
         if len(tensors) != len(recv_shapes):
             raise ValueError(f"{len(tensors)} tensors to send but {len(recv_shapes)} recv shapes")
         dtypes = [t.dtype for t in tensors] if dtypes is None else list(dtypes)
-        self._send = [t.contiguous() for t in tensors]
-        self.received = [
-            torch.empty(tuple(s), dtype=dt, device=t.device)
-            for s, dt, t in zip(recv_shapes, dtypes, tensors)
-        ]
-        self._works: list[Any] = []
-        self._where = (group, region, phase)
-        if group_size(group) == 1 or shift % group_size(group) == 0:
-            for buf, t in zip(self.received, self._send):
-                if buf.shape != t.shape:
-                    raise ValueError(f"shift 0: recv shape {tuple(buf.shape)} != {tuple(t.shape)}")
-                buf.copy_(t)
-            return
-        channel = transfer_channel(group, self.received[0].device) if self.received else None
-        if channel is not None:
-            for t in self._send:
-                record("p2p", t.numel() * t.element_size(), group, t, phase, region)
-            n, r = group_size(group), group_rank(group)
-            sends = [((r + shift) % n, t) for t in self._send]
-            receives = [((r - shift) % n, t) for t in self.received]
-            with guard(f"ring transfer ({phase})", group, region):
-                self._works = [start_exchange(channel, sends, receives, "ring transfer")]
-            return
-        dst, src = _peers(group, shift)
-        ops = []
-        for i, t in enumerate(self._send):
-            if t.numel():
-                ops.append(dist.P2POp(dist.isend, t, dst, group, tag=tag + i))
-            record("p2p", t.numel() * t.element_size(), group, t, phase, region)
-        for i, buf in enumerate(self.received):
-            if buf.numel():
-                ops.append(dist.P2POp(dist.irecv, buf, src, group, tag=tag + i))
-        if ops:
-            with guard(f"ring transfer ({phase})", group, region):
-                self._works = dist.batch_isend_irecv(ops)
-
-    def wait(self) -> list[torch.Tensor]:
-        """Block until the transfer is complete; the received tensors."""
-        group, region, phase = self._where
-        with guard(f"ring transfer ({phase})", group, region):
-            for w in self._works:
-                w.wait()
-        self._works = []
-        self._send = []
-        return self.received
+        n, r = group_size(group), group_rank(group)
+        device = tensors[0].device if tensors else "cpu"
+        super().__init__(
+            [((r + shift) % n, t) for t in tensors],
+            [((r - shift) % n, s, dt) for s, dt in zip(recv_shapes, dtypes)],
+            group,
+            device,
+            phase,
+            region,
+            tag,
+        )
 
 
 def ring_exchange(

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..layout import shard_sizes
+from .balanced import balanced_ring_attention, balanced_ring_bytes
 from .lss import lss_attention
 from .ring import ring_attention
 from .scan import (
@@ -145,6 +146,7 @@ class AttentionShape:
     head_dim: int
     itemsize: int
     ulysses: int = 1
+    causal: bool = False
 
 
 def switch_bytes(out: CommCount, src: list[int], dst: list[int], rank: int, other: int) -> None:
@@ -428,6 +430,46 @@ class RingZigzag(Ring):
     name = "ring_zigzag"
     hybrid = False
     layout = "zigzag"
+
+
+@register_method
+class RingBalanced(Ring):
+    """Ring attention on the contiguous layout with balanced causal work: each (query block,
+    earlier key block) pair is computed where the queries live or where the keys live, so every
+    rank computes the same share, in ``⌊N/2⌋`` steps (:mod:`.balanced`). Non-causal attention
+    runs the plain ring (balanced already). The contiguous layout keeps DSP's switches and
+    scans possible, which a zigzag layout rules out."""
+
+    name = "ring_balanced"
+    blockwise_causal = False
+    hybrid = False
+    formula = (
+        "causal: per step d ≤ N/2 K,V (2·M_kv/N) or query rows, partial out/lse back; bwd "
+        "K,V or q,dO,out,lse, dK/dV or dQ back; non-causal: ring"
+    )
+
+    def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
+        if not shape.causal:
+            super().attention_bytes(out, shape, rank)
+            return
+        balanced_ring_bytes(
+            out,
+            list(shape.seq),
+            rank,
+            shape.bf,
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.itemsize,
+            stats_itemsize(shape.itemsize),
+        )
+
+    def attention(self, sp, q, k, v, seq_lengths, causal, scale, layout="contiguous"):
+        if layout != "contiguous":
+            raise ValueError(f"ring_balanced runs on the contiguous layout, not {layout!r}")
+        return balanced_ring_attention(
+            q, k, v, group=sp.group, seq_lengths=seq_lengths, causal=causal, scale=scale
+        )
 
 
 @register_method

@@ -160,7 +160,7 @@ def ring_signature(
     return sig
 
 
-def _check_ring_args(
+def check_ring_args(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -211,7 +211,7 @@ def ring_attention(
     sig = ring_signature(q, k, v, seq_lengths, causal, scale, layout, "ring_attention")
     positions: list[torch.Tensor] = []
     try:
-        positions = _check_ring_args(q, k, v, seq_lengths, n, r, layout)
+        positions = check_ring_args(q, k, v, seq_lengths, n, r, layout)
     except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agree(sig, group, q.device)
