@@ -141,8 +141,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--strategies",
         type=str,
         help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)}; "
-        "for a causal attention model with one sequence dim and no scans also ring_zigzag and "
-        "lss_zigzag)",
+        "for a causal attention model with one sequence dim also ring_zigzag, ring_balanced and "
+        "lss_zigzag; with scans only ring_balanced)",
     )
     p.add_argument(
         "--cluster",

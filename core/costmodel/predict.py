@@ -46,22 +46,28 @@ from .formulas import (
 from .workload import Workload
 
 DEFAULT_STRATEGIES = ("dsp", "ulysses", "ulysses_flat", "ring", "lss", "usp", "megatron_sp")
-#: the balanced (zigzag) layout of ring and of LSS, compared by default where they matter
-BALANCED_STRATEGIES = {"ring": "ring_zigzag", "lss": "lss_zigzag"}
+#: the balanced variants of ring and of LSS (zigzag layouts; ring's balanced schedule on the
+#: contiguous layout), compared by default where they matter
+BALANCED_STRATEGIES = {"ring": ("ring_zigzag", "ring_balanced"), "lss": ("lss_zigzag",)}
 
 
 def default_strategies(workload: Workload) -> tuple[str, ...]:
     """The strategies ``dspzoo plan`` compares when none are named: :data:`DEFAULT_STRATEGIES`
-    and, for a causal attention model with one sequence dim, the balanced layouts of ring and
-    LSS (:data:`BALANCED_STRATEGIES`; the text trainer's default is ``lss_zigzag``), each
-    after its contiguous one. Not for models with scan stages: a zigzag layout makes their
-    scans gather the sequence whole (``dspzoo plan --strategies`` still shows it)."""
-    scans = any(spec.scan is not None for layer in workload.layers for spec in layer)
-    if not (workload.causal and len(workload.dims) == 1) or scans:
+    and, for a model with causal attention over one sequence dim, the balanced variants of ring
+    and LSS (:data:`BALANCED_STRATEGIES`; the text trainer's default is ``lss_zigzag``), each
+    after its contiguous one. For models with scan stages only those on the contiguous layout
+    (``ring_balanced``): a zigzag layout makes their scans gather the sequence whole
+    (``dspzoo plan --strategies`` still shows it)."""
+    specs = [spec for layer in workload.layers for spec in layer]
+    if not (workload.causal and len(workload.dims) == 1 and any(s.attention for s in specs)):
         return DEFAULT_STRATEGIES
+    scans = any(spec.scan is not None for spec in specs)
     names: list[str] = []
     for name in DEFAULT_STRATEGIES:
-        names += [name] + ([BALANCED_STRATEGIES[name]] if name in BALANCED_STRATEGIES else [])
+        names.append(name)
+        for variant in BALANCED_STRATEGIES.get(name, ()):
+            if not scans or get_method(variant).layout == "contiguous":
+                names.append(variant)
     return tuple(names)
 
 

@@ -9,6 +9,8 @@ A strategy is a planning policy; the runtime executes any plan the same way.
 ``ring``       one dim sharded; attention over it: K/V blocks passed around a ring
 ``ring_zigzag``  ring with the dim cut in 2N chunks, rank r holding r and 2N−1−r (causal
                load balancing)
+``ring_balanced``  ring on the contiguous layout, causal work balanced by computing each pair
+               where its queries or its keys live (switches and scans stay possible)
 ``lss``        one dim sharded; attention over it: one fused all-gather of K and V
 ``lss_zigzag``  LSS with the dim cut in 2N chunks as ring_zigzag (causal load balancing)
 ``usp``        one dim sharded; Ulysses inside ring groups (``build_mesh(ulysses_size=…)``)
@@ -31,6 +33,7 @@ STRATEGIES: dict[str, str] = {
     "ulysses": "DeepSpeed-Ulysses (sequence ↔ head all-to-all around attention)",
     "ring": "Ring attention (K/V blocks around the ring, online softmax)",
     "ring_zigzag": "Ring attention on a zigzag layout (balanced causal work)",
+    "ring_balanced": "Ring attention on the contiguous layout, causal work balanced by schedule",
     "lss": "Long-Short-Sequence distributed attention (one fused K/V all-gather)",
     "lss_zigzag": "LSS on a zigzag layout (balanced causal work)",
     "usp": "Unified SP: Ulysses inside, ring across (2-D SP sub-mesh)",
