@@ -204,15 +204,16 @@ class HarnessReport:
         rows: dict[tuple[int, str], list[Check]] = {k: [] for k in self.not_runnable}
         for c in self.checks:
             rows.setdefault((c.sp, c.strategy), []).append(c)
+        w = max([12, *(len(s) for _, s in rows)])  # the strategy column
         lines = [
-            f"{'SP':>3} {'strategy':<12} {'output err':>10} {'grad err':>9} "
+            f"{'SP':>3} {'strategy':<{w}} {'output err':>10} {'grad err':>9} "
             f"{'bytes/rank0':>12} {'plan':>12}  result"
         ]
         for (n, strategy), checks in sorted(rows.items()):
             if not checks:
                 dash = "-"
                 lines.append(
-                    f"{n:>3} {strategy:<12} {dash:>10} {dash:>9} {dash:>12} {dash:>12}  "
+                    f"{n:>3} {strategy:<{w}} {dash:>10} {dash:>9} {dash:>12} {dash:>12}  "
                     f"not runnable: {self.not_runnable[(n, strategy)]}"
                 )
                 continue
@@ -220,7 +221,7 @@ class HarnessReport:
             plan = "-" if first.plan_bytes is None else str(first.plan_bytes)
             ok = "ok" if not any(c.failures for c in checks) else "FAIL"
             lines.append(
-                f"{n:>3} {strategy:<12} {max(c.output_error for c in checks):>10.1e} "
+                f"{n:>3} {strategy:<{w}} {max(c.output_error for c in checks):>10.1e} "
                 f"{max(c.grad_error for c in checks):>9.1e} {first.traced_bytes:>12} "
                 f"{plan:>12}  {ok}"
             )

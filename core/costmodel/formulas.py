@@ -177,7 +177,7 @@ def attention_bytes(
         workload.head_dim,
         workload.itemsize,
         ulysses_size,
-        workload.causal,
+        workload.causal if spec.causal is None else spec.causal,
     )
     get_method(method).attention_bytes(out, shape, rank)
 

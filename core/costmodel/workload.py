@@ -93,6 +93,8 @@ class StageSpec:
     Attributes:
         stage: the planner's :class:`Stage` (its ``name`` is what ``sp.to_stage`` is called with).
         attention: the dims its self-attention attends over (``()``: no self-attention).
+        causal: its self-attention is causal (``None``: as the workload's ``causal``; a causal
+            stage of a model that is not, such as attention along time in a video model).
         tp_pairs: Megatron linear pairs (column → row) it runs under ``megatron_sp``.
         cross: it holds a cross-attention to replicated conditioning tokens.
         mlp: it holds the token-wise MLP.
@@ -113,6 +115,7 @@ class StageSpec:
 
     stage: Stage
     attention: tuple[str, ...] = ()
+    causal: bool | None = None
     tp_pairs: int = 0
     cross: bool = False
     mlp: bool = False
