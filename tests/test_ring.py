@@ -169,7 +169,11 @@ def test_balanced_schedule_covers_every_pair_once_and_balances_the_work(n):
                 for row in range(t.row0, t.row1):
                     covered[(t.query, row, t.key)] = covered.get((t.query, row, t.key), 0) + 1
         wanted = {
-            (i, row, j) for i in range(n) for j in range(i) if lengths[j] for row in range(lengths[i])
+            (i, row, j)
+            for i in range(n)
+            for j in range(i)
+            if lengths[j]
+            for row in range(lengths[i])
         }
         assert set(covered) == wanted and set(covered.values()) <= {1}, (n, lengths)
         if len(set(lengths)) == 1:  # equal blocks: every rank the same number of pairs

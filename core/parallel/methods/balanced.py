@@ -308,9 +308,9 @@ class _BalancedRing(torch.autograd.Function):
                 sends = [(out_task.at, k), (out_task.at, v)]
             elif out_task is not None:
                 rows = slice(out_task.row0, out_task.row1)
-                sends = [
-                    (out_task.at, t) for t in (q[:, rows], dout[:, rows], out[:, rows])
-                ] + [(out_task.at, lse[:, :, rows])]
+                sends = [(out_task.at, t) for t in (q[:, rows], dout[:, rows], out[:, rows])] + [
+                    (out_task.at, lse[:, :, rows])
+                ]
             task = step.get(r)
             if task is not None and task.keys_travel:
                 lk = seq_lengths[task.key]
