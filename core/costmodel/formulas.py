@@ -177,7 +177,7 @@ def attention_bytes(
         workload.head_dim,
         workload.itemsize,
         ulysses_size,
-        workload.causal if spec.causal is None else spec.causal,
+        workload.stage_causal(spec),
     )
     get_method(method).attention_bytes(out, shape, rank)
 
@@ -254,7 +254,7 @@ def stage_flops(workload: Workload, spec: StageSpec) -> Flops:
         linear += 2.0 * bt * c * (c + kv_width) + 2.0 * bt * c * c
         length = math.prod(lengths[d] for d in spec.attention)
         attn = 4.0 * bt * length * c
-        attention += attn / 2 if wl.causal else attn
+        attention += attn / 2 if wl.stage_causal(spec) else attn
     if spec.cross and wl.context:
         linear += 2.0 * bt * c * c * 2 + 2.0 * b * wl.context * c * 2 * c
         attention += 4.0 * bt * wl.context * c
@@ -280,6 +280,18 @@ def forward_flops(workload: Workload) -> Flops:
             f = stage_flops(workload, spec)
             linear, attention = linear + f.linear, attention + f.attention
     return Flops(linear, attention)
+
+
+def causal_attention_share(workload: Workload) -> float:
+    """The share of the forward's self-attention FLOPs in causal stages (0 … 1)."""
+    causal = total = 0.0
+    for layer in workload.layers:
+        for spec in layer:
+            if spec.attention:
+                f = stage_flops(workload, spec).attention
+                total += f
+                causal += f if workload.stage_causal(spec) else 0.0
+    return causal / total if total else 0.0
 
 
 def _share(workload: Workload, plan: Plan, dim: str) -> float:

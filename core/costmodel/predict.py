@@ -32,6 +32,7 @@ from .cluster import Cluster, get_cluster
 from .formulas import (
     CommCount,
     activation_bytes,
+    causal_attention_share,
     comm_bytes,
     elementwise_bytes,
     exit_gather_bytes,
@@ -59,7 +60,8 @@ def default_strategies(workload: Workload) -> tuple[str, ...]:
     (``ring_balanced``): a zigzag layout makes their scans gather the sequence whole
     (``dspzoo plan --strategies`` still shows it)."""
     specs = [spec for layer in workload.layers for spec in layer]
-    if not (workload.causal and len(workload.dims) == 1 and any(s.attention for s in specs)):
+    attends_causally = any(s.attention and workload.stage_causal(s) for s in specs)
+    if not (attends_causally and len(workload.dims) == 1):
         return DEFAULT_STRATEGIES
     scans = any(spec.scan is not None for spec in specs)
     names: list[str] = []
@@ -233,8 +235,9 @@ def predict(
     # causal attention on a contiguous layout (ring, LSS, USP's ring, and DSP where its plan
     # runs one of them) is unbalanced: the last rank attends to every block before its own,
     # (2N − 1)/N of the average (the zigzag layouts balance it); the plan's methods say
-    if workload.causal and plan is not None:
-        attention *= causal_work_factor(plan, ulysses_size or 1)
+    if plan is not None:
+        causal = causal_attention_share(workload)  # the causal stages' part of it
+        attention *= 1 - causal + causal * causal_work_factor(plan, ulysses_size or 1)
     flops = linear + attention
     nbytes, collectives = busiest.bytes(), busiest.count()
     # the attention at its own rate where it was measured apart (this-cpu), else the matmuls'

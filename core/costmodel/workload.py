@@ -199,6 +199,11 @@ class Workload:
     def depth(self) -> int:
         return len(self.layers)
 
+    def stage_causal(self, spec: StageSpec) -> bool:
+        """Whether stage ``spec``'s self-attention is causal (its own ``causal``, else the
+        workload's)."""
+        return self.causal if spec.causal is None else spec.causal
+
     def length(self, dim: str) -> int:
         return self.lengths[self.dims.index(dim)]
 

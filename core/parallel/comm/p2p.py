@@ -42,15 +42,20 @@ class PeerTransfer:
     """Send tensors to some ranks of ``group`` and receive tensors from others, all at once.
 
     ``sends``: ``(group rank, tensor)`` pairs; ``receives``: ``(group rank, shape, dtype)``
-    triples. Between two ranks the tensors travel in list order: the sender lists what it sends
-    to a peer in the order the peer lists what it receives from it (shapes and dtypes alike).
-    A send to this rank itself is copied into this rank's receives from itself, in order. The
-    transfer starts at construction; :meth:`wait` returns the received tensors in the order of
-    ``receives``. No autograd; sent tensors must stay unmodified until :meth:`wait`. Every rank
-    of the group names the same ``device`` (it picks the transport: shared memory between the
-    processes of one host on gloo, else ``batch_isend_irecv``). Traced as one ``"p2p"`` record
-    per tensor sent to another rank. ``tag`` separates transfers in flight together on the
-    ``batch_isend_irecv`` path (tensor ``i`` of a peer's list goes with tag ``tag + i``).
+    triples, received on ``device``. A send to this rank itself is copied into this rank's
+    receives from itself, in order. The transfer starts at construction; :meth:`wait` returns
+    the received tensors in the order of ``receives``. No autograd; sent tensors must stay
+    unmodified until :meth:`wait`. Traced as one ``"p2p"`` record per tensor sent to another
+    rank.
+
+    Every rank of the group constructs it, even with nothing to send or receive (the first
+    transfer on a group sets up its shared-memory channel, a collective), with the same
+    ``device`` (it picks the transport: shared memory between the processes of one host on
+    gloo, else ``batch_isend_irecv``). Between two ranks messages are matched in order: the
+    sender lists what it sends to a peer in the order the peer lists what it receives from it
+    (shapes and dtypes alike), and transfers in flight together between the same two ranks are
+    started in the same order on both (the shared-memory channel ignores tags). On the
+    ``batch_isend_irecv`` path tensor ``i`` of a peer's list travels with tag ``tag + i``.
     """
 
     def __init__(
@@ -133,6 +138,14 @@ class RingTransfer(PeerTransfer):
             raise ValueError(f"{len(tensors)} tensors to send but {len(recv_shapes)} recv shapes")
         dtypes = [t.dtype for t in tensors] if dtypes is None else list(dtypes)
         n, r = group_size(group), group_rank(group)
+        if n == 1 or shift % n == 0:  # to itself: a copy, nothing on the wire or traced
+            self._works, self._send, self._where = [], [], (group, region, phase)
+            self.received = []
+            for s, dt, t in zip(recv_shapes, dtypes, tensors):
+                if tuple(s) != tuple(t.shape):
+                    raise ValueError(f"shift 0: recv shape {tuple(s)} != {tuple(t.shape)}")
+                self.received.append(t.to(dtype=dt, copy=True))
+            return
         device = tensors[0].device if tensors else "cpu"
         super().__init__(
             [((r + shift) % n, t) for t in tensors],

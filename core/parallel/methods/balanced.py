@@ -41,26 +41,35 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..comm.agreement import agree
 from ..comm.group import group_rank, group_size
 from ..comm.p2p import PeerTransfer
 from ..trace import current_region
 from .blockwise import stats_dtype
 from .kernels import BlockwiseKernel, FusedKernel, LseAccumulator, select_kernel
-from .ring import check_ring_args, ring_attention_agreed, ring_signature
+from .ring import agree_ring_args, ring_attention_agreed
 
-__all__ = ["Task", "balanced_ring_attention", "balanced_ring_bytes", "balanced_schedule"]
+if TYPE_CHECKING:
+    from .registry import CommCount
 
-_TAGS_PER_STEP = 8  # p2p tags of step d: 8·d + i for the step's message, 8·d + 4 + i for returns
+__all__ = [
+    "BalancedTask",
+    "balanced_ring_attention",
+    "balanced_ring_bytes",
+    "balanced_schedule",
+]
+
+# p2p tags of step d: 8·d + i for tensor i of the step's message, 8·d + 4 + i for the partial
+# results coming back (at most 4 tensors each: q, dO, out, lse)
+_TAGS_PER_STEP, _MAX_TENSORS = 8, 4
 
 
 @dataclass(frozen=True)
-class Task:
+class BalancedTask:
     """Rows ``[row0, row1)`` of rank ``query``'s queries on rank ``key``'s block (``key <
     query``: all of it visible), computed on rank ``at`` (``query`` or ``key``)."""
 
@@ -76,9 +85,9 @@ class Task:
         return self.at == self.query
 
 
-def balanced_schedule(seq_lengths: list[int]) -> list[dict[int, Task]]:
+def balanced_schedule(seq_lengths: list[int]) -> list[dict[int, BalancedTask]]:
     """The balanced schedule of a contiguous causal ring over ``seq_lengths``: per step
-    ``d = 1 … ⌊N/2⌋``, the task of each rank that has one (``{at: Task}``; pairs with no
+    ``d = 1 … ⌊N/2⌋``, the task of each rank that has one (``{at: BalancedTask}``; pairs with no
     query row or no key are dropped). Every pair ``(query block, earlier key block)`` appears
     once (split in two halves of its query rows at ``d = N/2``)."""
     n = len(seq_lengths)
@@ -92,32 +101,32 @@ def balanced_schedule(seq_lengths: list[int]) -> list[dict[int, Task]]:
                 half = seq_lengths[query] // 2
                 row0, row1 = (0, half) if x == query else (half, seq_lengths[query])
             if row1 > row0 and seq_lengths[key] > 0:
-                step[x] = Task(query, row0, row1, key, x)
+                step[x] = BalancedTask(query, row0, row1, key, x)
         steps.append(step)
     return steps
 
 
-def _outgoing(step: dict[int, Task], d: int, n: int, r: int) -> Task | None:
+def _outgoing(step: dict[int, BalancedTask], d: int, n: int, r: int) -> BalancedTask | None:
     """The task of step ``d`` that needs this rank's block (computed by rank ``r + d``)."""
     task = step.get((r + d) % n)
     return task if task is not None and r in (task.query, task.key) and task.at != r else None
 
 
 def balanced_ring_bytes(
-    out: Any,
+    out: CommCount,
     seq: list[int],
     r: int,
     bf: int,
     heads: int,
     kv_heads: int,
-    d: int,
+    head_dim: int,
     isz: int,
     stat: int,
 ) -> None:
-    """Add the bytes rank ``r`` sends (module doc) to ``out`` (a
-    :class:`~dspzoo.core.parallel.methods.registry.CommCount`): ``seq`` tokens per rank,
-    ``bf`` folded lines, ``heads``/``kv_heads`` of size ``d``, items of ``isz`` bytes,
-    statistics of ``stat`` bytes."""
+    """Add the bytes rank ``r`` sends (module doc) to ``out``: ``seq`` tokens per rank, ``bf``
+    folded lines, ``heads``/``kv_heads`` of ``head_dim``, items of ``isz`` bytes, statistics
+    of ``stat`` bytes."""
+    d = head_dim
     n = len(seq)
     for step_index, step in enumerate(balanced_schedule(list(seq))):
         shift = step_index + 1
@@ -161,16 +170,11 @@ def balanced_ring_attention(
     agree on the arguments first: a wrong shard or ``seq_lengths`` on any rank raises the same
     error on every rank.
     """
-    n, r = group_size(group), group_rank(group)
     seq_lengths = [int(s) for s in seq_lengths]
-    sig = ring_signature(q, k, v, seq_lengths, causal, scale, "contiguous", "ring_balanced")
-    positions: list[torch.Tensor] = []
-    try:
-        positions = check_ring_args(q, k, v, seq_lengths, n, r, "contiguous")
-    except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
-        sig.error = exc
-    agree(sig, group, q.device)
-    if not causal or n == 1:
+    positions = agree_ring_args(
+        q, k, v, group, seq_lengths, causal, scale, "contiguous", "ring_balanced"
+    )
+    if not causal or group_size(group) == 1:
         return ring_attention_agreed(q, k, v, group, positions, causal, scale, kernel)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = select_kernel(q, kernel)
@@ -179,22 +183,17 @@ def balanced_ring_attention(
     )
 
 
-class _Exchange:
-    """One step's messages for this rank: what it sends to ``r + d`` and receives from ``r − d``
-    (and the reverse shift for the partial results)."""
-
-    def __init__(self, group: Any, device: torch.device, phase: str, region: str) -> None:
-        self.group, self.device, self.phase, self.region = group, device, phase, region
-
-    def start(
-        self,
-        sends: list[tuple[int, torch.Tensor]],
-        receives: list[tuple[int, tuple[int, ...], torch.dtype]],
-        tag: int,
-    ) -> PeerTransfer:
-        return PeerTransfer(
-            sends, receives, self.group, self.device, self.phase, self.region, tag=tag
-        )
+def _start(
+    sends: list[tuple[int, torch.Tensor]],
+    receives: list[tuple[int, tuple[int, ...], torch.dtype]],
+    tag: int,
+    where: tuple[Any, torch.device, str, str],
+) -> PeerTransfer:
+    """One message of a step (``tag``: the step's, or its returns'), on ``where = (group,
+    device, phase, region)``."""
+    assert len(sends) <= _MAX_TENSORS and len(receives) <= _MAX_TENSORS  # the tag budget
+    group, device, phase, region = where
+    return PeerTransfer(sends, receives, group, device, phase, region, tag=tag)
 
 
 class _BalancedRing(torch.autograd.Function):
@@ -215,7 +214,7 @@ class _BalancedRing(torch.autograd.Function):
         bf, _, h, dv = *q.shape[:3], v.shape[-1]
         steps = balanced_schedule(seq_lengths)
         kd, vd = k.detach(), v.detach()
-        wire = _Exchange(group, q.device, "forward", region)
+        where = (group, q.device, "forward", region)
 
         def start(d: int) -> PeerTransfer:
             step, sends, receives = steps[d - 1], [], []
@@ -233,15 +232,25 @@ class _BalancedRing(torch.autograd.Function):
                     (task.key, (bf, lk, *v.shape[2:]), v.dtype),
                 ]
             elif task is not None:
-                rows = task.row1 - task.row0
-                receives = [(task.query, (bf, rows, *q.shape[2:]), q.dtype)]
-            return wire.start(sends, receives, _TAGS_PER_STEP * d)
+                n_rows = task.row1 - task.row0
+                receives = [(task.query, (bf, n_rows, *q.shape[2:]), q.dtype)]
+            return _start(sends, receives, _TAGS_PER_STEP * d, where)
 
         acc = LseAccumulator(bf, q.shape[1], h, dv, q.dtype, q.device)
         transfer = start(1) if steps else None
         if q.shape[1]:  # the own diagonal block, while the first message travels
             impl.forward(acc, q, kd, vd, positions[r], positions[r], True, scale)
-        returns: list[tuple[PeerTransfer, Task | None]] = []
+        pending: tuple[PeerTransfer, BalancedTask | None] | None = None  # last step's returns
+
+        def merge_returns() -> None:
+            """Finish the previous step's returns: merge the partial results of this rank's
+            queries that travelled (one step late, so they overlap a step's compute and at most
+            one step's partials are held)."""
+            if pending is not None:
+                got, back = pending[0].wait(), pending[1]
+                if back is not None:
+                    acc.add(back.row0, back.row1, got[0], got[1])
+
         for d in range(1, len(steps) + 1):
             assert transfer is not None
             got = transfer.wait()
@@ -267,18 +276,17 @@ class _BalancedRing(torch.autograd.Function):
             back = _outgoing(steps[d - 1], d, n, r)
             receives = []
             if back is not None and not back.keys_travel:
-                rows = back.row1 - back.row0
+                n_rows = back.row1 - back.row0
                 receives = [
-                    (back.at, (bf, rows, h, dv), acc.dtype),
-                    (back.at, (bf, h, rows), acc.dtype),
+                    (back.at, (bf, n_rows, h, dv), acc.dtype),
+                    (back.at, (bf, h, n_rows), acc.dtype),
                 ]
             else:
                 back = None
-            returns.append((wire.start(sends, receives, _TAGS_PER_STEP * d + 4), back))
-        for ret, back in returns:
-            got = ret.wait()
-            if back is not None:
-                acc.add(back.row0, back.row1, got[0], got[1])
+            returned = _start(sends, receives, _TAGS_PER_STEP * d + 4, where)
+            merge_returns()
+            pending = (returned, back)
+        merge_returns()
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.group, ctx.positions, ctx.seq_lengths = group, positions, seq_lengths
@@ -296,7 +304,7 @@ class _BalancedRing(torch.autograd.Function):
         dt = stats_dtype(q.dtype)
         dout = dout.contiguous()
         steps = balanced_schedule(seq_lengths)
-        wire = _Exchange(group, q.device, "backward", ctx.region)
+        where = (group, q.device, "backward", ctx.region)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         dk = torch.zeros(k.shape, dtype=dt, device=q.device)
         dv = torch.zeros(v.shape, dtype=dt, device=q.device)
@@ -326,13 +334,25 @@ class _BalancedRing(torch.autograd.Function):
                     (src, (bf, rows_n, *out.shape[2:]), out.dtype),
                     (src, (bf, lse.shape[1], rows_n), lse.dtype),
                 ]
-            return wire.start(sends, receives, _TAGS_PER_STEP * d)
+            return _start(sends, receives, _TAGS_PER_STEP * d, where)
 
         transfer = start(1) if steps else None
         if q.shape[1]:
             own = positions[r]
             impl.backward((dq, dk, dv), q, k, v, out, lse, dout, own, own, True, scale)
-        returns: list[tuple[PeerTransfer, Task | None]] = []
+        pending: tuple[PeerTransfer, BalancedTask | None] | None = None  # last step's returns
+
+        def add_returns() -> None:
+            """Finish the previous step's returns: add the gradient shares computed elsewhere
+            (one step late, as in forward)."""
+            if pending is not None:
+                got, back = pending[0].wait(), pending[1]
+                if back is not None and back.keys_travel:
+                    dk.add_(got[0])
+                    dv.add_(got[1])
+                elif back is not None:
+                    dq[:, back.row0 : back.row1] += got[0]
+
         for d in range(1, len(steps) + 1):
             assert transfer is not None
             got = transfer.wait()
@@ -380,12 +400,8 @@ class _BalancedRing(torch.autograd.Function):
                 receives = [(back.at, tuple(k.shape), dt), (back.at, tuple(v.shape), dt)]
             elif back is not None:
                 receives = [(back.at, (bf, back.row1 - back.row0, *q.shape[2:]), dt)]
-            returns.append((wire.start(sends, receives, _TAGS_PER_STEP * d + 4), back))
-        for ret, back in returns:
-            got = ret.wait()
-            if back is not None and back.keys_travel:
-                dk += got[0]
-                dv += got[1]
-            elif back is not None:
-                dq[:, back.row0 : back.row1] += got[0]
+            returned = _start(sends, receives, _TAGS_PER_STEP * d + 4, where)
+            add_returns()
+            pending = (returned, back)
+        add_returns()
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6

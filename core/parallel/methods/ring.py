@@ -206,16 +206,36 @@ def ring_attention(
     ``"fused"``, ``"blockwise"``, ``None`` for ``$DSPZOO_ATTENTION_KERNEL``). Once differentiable. The ranks agree on the arguments first (one tiny all-gather): a wrong
     shard, dtype, head count or ``seq_lengths`` on any rank raises the same error on every rank.
     """
+    positions = agree_ring_args(
+        q, k, v, group, seq_lengths, causal, scale, layout, "ring_attention"
+    )
+    return ring_attention_agreed(q, k, v, group, positions, causal, scale, kernel)
+
+
+def agree_ring_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Any,
+    seq_lengths: list[int],
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    primitive: str,
+) -> list[torch.Tensor]:
+    """Check a ring call's arguments on this rank and agree on them with every rank (one tiny
+    all-gather; a problem on any rank raises the same error on all); the global positions of
+    every rank's tokens."""
     n, r = group_size(group), group_rank(group)
     seq_lengths = [int(s) for s in seq_lengths]
-    sig = ring_signature(q, k, v, seq_lengths, causal, scale, layout, "ring_attention")
+    sig = ring_signature(q, k, v, seq_lengths, causal, scale, layout, primitive)
     positions: list[torch.Tensor] = []
     try:
         positions = check_ring_args(q, k, v, seq_lengths, n, r, layout)
     except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     agree(sig, group, q.device)
-    return ring_attention_agreed(q, k, v, group, positions, causal, scale, kernel)
+    return positions
 
 
 def ring_attention_agreed(
