@@ -23,7 +23,8 @@ from dspzoo.core.parallel.validate import validate_collectively
 from dspzoo.zoo import register_config, register_family
 
 SEQ_DIMS = ("t", "h", "w")
-STAGES = (Stage("time", ("t",)), Stage("height", ("h",)), Stage("width", ("w",)), Stage("mlp"))
+TIME = Stage("time", ("t",), causal=True)  # attends to earlier frames only
+STAGES = (TIME, Stage("height", ("h",)), Stage("width", ("w",)), Stage("mlp"))
 
 
 @dataclass(frozen=True)

@@ -671,10 +671,11 @@ def test_contiguous_causal_lss_is_priced_unbalanced_like_ring() -> None:
 
 
 def test_causal_imbalance_follows_the_plans_methods_not_the_strategys_name() -> None:
-    """DSP's plan for a causal 1-D model with fewer heads than ranks runs ring on the contiguous
-    layout, so it is priced as ring is (it was priced balanced: 6.50 against ring's 11.92 TF per
-    rank for the LSS paper's model at SP 16); USP's imbalance is its ring's over the ``R = N/U``
-    slots, ``(2R − 1)/R``, not ``(2N − 1)/N``."""
+    """DSP's plan for a causal 1-D model with fewer heads than ranks runs ``ring_balanced``
+    (the cheapest hybrid method under a causal mask), so it is priced balanced, as
+    ``ring_zigzag``, and the contiguous ``ring`` with its imbalance; a plan that ran ``ring``
+    would be priced as ring (the methods decide, not the strategy's name). USP's imbalance is
+    its ring's over the ``R = N/U`` slots, ``(2R − 1)/R``, not ``(2N − 1)/N``."""
     from dspzoo.core.costmodel.cluster import PRESETS
     from dspzoo.core.costmodel.formulas import forward_flops, make_plan
 
@@ -682,9 +683,10 @@ def test_causal_imbalance_follows_the_plans_methods_not_the_strategys_name() -> 
     h100, n = PRESETS["h100-nvlink-ib"], 16
     dsp, ring = predict(wl, "dsp", n, h100), predict(wl, "ring", n, h100)
     zigzag = predict(wl, "ring_zigzag", n, h100)
-    assert make_plan(wl, "dsp", n).steps[0].method == "ring"
-    assert (dsp.flops, dsp.compute_s) == (ring.flops, ring.compute_s)
-    assert dsp.flops > zigzag.flops
+    balanced = predict(wl, "ring_balanced", n, h100)
+    assert make_plan(wl, "dsp", n).steps[0].method == "ring_balanced"
+    assert (dsp.flops, dsp.compute_s) == (balanced.flops, balanced.compute_s)
+    assert dsp.flops == zigzag.flops < ring.flops
     parts = forward_flops(wl)
     share = parts.attention / parts.forward
     u = 4  # the default grid at N = 16: Ulysses 4 × ring 4

@@ -171,8 +171,8 @@ def test_the_cases_mix_methods_per_stage() -> None:
 
 def test_dsp_plans_a_scan_method_and_an_attention_method() -> None:
     """DSP's plan of the hybrid: state passing for the scans (its bytes do not grow with the
-    sequence), Ulysses for the attention while there are at least as many heads as ranks, Ring
-    when there are fewer; the MLP local; no switch (one dim)."""
+    sequence), Ulysses for the attention while there are at least as many heads as ranks, the
+    balanced ring (causal attention) when there are fewer; the MLP local; no switch (one dim)."""
     for n in (2, 3, 4):
         plan = plan_stages(SEQ_DIMS, (4096,), hybrid_stages(MAMBA2), n)
         assert plan.methods == {"scan": "state_passing", "attn": "ulysses", "mlp": "local"}
@@ -180,7 +180,7 @@ def test_dsp_plans_a_scan_method_and_an_attention_method() -> None:
     two_heads = replace(MAMBA2, num_attention_heads=2, num_key_value_heads=None)
     for n in (3, 4):
         plan = plan_stages(SEQ_DIMS, (4096,), hybrid_stages(two_heads), n)
-        assert plan.methods == {"scan": "state_passing", "attn": "ring", "mlp": "local"}
+        assert plan.methods == {"scan": "state_passing", "attn": "ring_balanced", "mlp": "local"}
     # a forced scan method on a Mamba-2 with fewer heads than ranks is refused by the planner
     few = replace(MAMBA2, scan_method="head_a2a")
     stages = hybrid_stages(few)

@@ -160,7 +160,11 @@ def test_the_registry_is_complete_and_consistent() -> None:
             assert method.plan_cost(4, 8, 2) > 0 and method.formula
     # attention runs under every embedded method; a generic op only by getting it whole
     assert {m.name for m in methods_for("generic")} == {"gather"}
-    assert {m.name for m in methods_for("attention", hybrid=True)} == {"ulysses", "ring"}
+    assert {m.name for m in methods_for("attention", hybrid=True)} == {
+        "ulysses",
+        "ring",
+        "ring_balanced",
+    }
     assert get_method("ulysses").unsupported(4, heads=2) and not get_method("ring").unsupported(
         4, 2
     )

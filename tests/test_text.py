@@ -73,9 +73,11 @@ def test_configs_and_parameter_counts() -> None:
 
 def test_dsp_plans_an_embedded_method_for_the_attention_stage() -> None:
     """A 1-D model has nothing to switch to: DSP's hybrid plan keeps ``l`` sharded and runs
-    attention with an embedded method, Ulysses unless there are fewer heads than ranks."""
+    attention with an embedded method, Ulysses unless there are fewer heads than ranks, then the
+    ring that balances the causal work (the stage declares ``causal=True``)."""
     model = create_model("bytelm-small", device="meta")  # 4 heads
-    for size, method in ((2, "ulysses"), (4, "ulysses"), (8, "ring")):
+    assert model.stages[0].causal
+    for size, method in ((2, "ulysses"), (4, "ulysses"), (8, "ring_balanced")):
         plan = plan_stages(("l",), (4096,), model.stages, size)
         assert plan.switches_per_period == 0 and plan.entry == "l"
         assert [(step.sharded, step.method) for step in plan.steps] == [

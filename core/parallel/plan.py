@@ -50,6 +50,8 @@ class Stage:
     run through ``sp.attention``), ``"generic"`` (a convolution, pooling, an FFT, a custom
     mixer: it always gets its dims whole, by a switch or a gather, under every strategy) or a
     registered kind (:func:`~dspzoo.core.parallel.methods.registry.register_op_kind`).
+    ``causal``: the stage's attention is causal, so the planner prices a method by what it
+    sends under a causal mask (``ring_balanced`` sends about half of ring's there).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Stage:
     heads: int | None = None
     embed_if_underfilled: bool = False
     op: str = "attention"
+    causal: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.mixes, str):
@@ -82,6 +85,7 @@ class Stage:
             method=self.method,
             heads=self.heads,
             embed_if_underfilled=self.embed_if_underfilled,
+            causal=self.causal,
         )
 
 

@@ -9,8 +9,8 @@ single-activation model (:func:`dspzoo.core.parallel.plan.plan_stages`) is the o
 A *policy* (:class:`Policy`, built by a strategy) says which options each stage has:
 
 * ``dsp``: local on any dim the stage does not mix; a stage that mixes every dim runs with the
-  cheapest *hybrid* method of its op kind (Ulysses or Ring for attention) or, for an op kind
-  without one (generic), with ``gather`` (the activation whole on every rank for the stage);
+  cheapest *hybrid* method of its op kind (for attention Ulysses, or Ring, or the balanced ring
+  where the stage is causal) or, for an op kind without one (generic), with ``gather`` (the activation whole on every rank for the stage);
 * ``fixed`` (Ulysses, Ring, LSS, USP, Megatron-SP): one dim stays sharded; a stage that mixes
   it runs with the policy's method *if the method runs the stage's op kind*, otherwise the
   stage gets its dims whole the DSP way (a switch to a free dim, or ``gather``) — exact under
@@ -110,7 +110,8 @@ class MultiStage:
     every dim; ``heads`` lets the planner rule out methods that need more heads than ranks;
     ``embed_if_underfilled`` lets a stage whose free dims are all shorter than the SP size run
     a mixed dim with a method instead. ``aligned`` lists activations whose sharded dims must
-    be the same axis; ``gathers`` the operands it all-gathers for local use.
+    be the same axis; ``gathers`` the operands it all-gathers for local use. ``causal``: its
+    attention is causal (methods are priced by what they send under the mask).
     """
 
     name: str
@@ -121,6 +122,7 @@ class MultiStage:
     method: str | None = None
     heads: int | None = None
     embed_if_underfilled: bool = False
+    causal: bool = False
 
     def __post_init__(self) -> None:
         items = self.mixes.items() if isinstance(self.mixes, Mapping) else self.mixes
@@ -368,7 +370,7 @@ def _hybrid_method(stage: MultiStage, n: int, policy: Policy) -> str | None:
         if (names is None or m.name in names) and m.unsupported(n, stage.heads) is None
     ]
     if candidates:
-        return min(candidates, key=lambda m: m.plan_cost(n, stage.heads)).name
+        return min(candidates, key=lambda m: m.plan_cost(n, stage.heads, causal=stage.causal)).name
     return "gather" if get_method("gather").runs(stage.op) else None
 
 
@@ -490,7 +492,9 @@ class PlanProblem:
             cost += self.pricing.compute_weight * self.excess(a, d)
             if m != "local":
                 cost += (
-                    get_method(m).plan_cost(self.sp_size, st.heads, self.policy.ulysses)
+                    get_method(m).plan_cost(
+                        self.sp_size, st.heads, self.policy.ulysses, causal=st.causal
+                    )
                     * (self.unit[a])
                 )
         return cost

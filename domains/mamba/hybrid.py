@@ -123,7 +123,13 @@ def hybrid_stages(config: HybridLMConfig) -> tuple[Stage, ...]:
     scan = replace(
         scan_stage("scan", "axial(l)"), method=config.scan_method, heads=config.scan_heads
     )
-    attn = Stage("attn", SEQ_DIMS, method=config.attention_method, heads=config.num_attention_heads)
+    attn = Stage(
+        "attn",
+        SEQ_DIMS,
+        method=config.attention_method,
+        heads=config.num_attention_heads,
+        causal=True,
+    )
     stages = (scan,) if len(config.attention_layers) < config.num_hidden_layers else ()
     return stages + ((attn, Stage("mlp")) if config.attention_layers else ())
 

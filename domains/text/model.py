@@ -34,7 +34,7 @@ from dspzoo.core.layers.attention import attend
 from dspzoo.core.parallel.validate import validate_collectively
 
 SEQ_DIMS = ("l",)
-STAGES = (Stage("attn", ("l",)), Stage("mlp"))  # ByteLM.stages adds the attention's head count
+STAGES = (Stage("attn", ("l",), causal=True), Stage("mlp"))  # ByteLM.stages adds the head count
 POSITIONS = ("rope", "learned")
 
 

@@ -203,8 +203,12 @@ class Method:
         """Whether this method can run op kind ``op`` over a sharded dim."""
         return op in self.ops
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
-        """Forward + backward bytes per rank of one stage, in switch units (module doc)."""
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
+        """Forward + backward bytes per rank of one stage, in switch units (module doc);
+        ``causal``: under a causal mask (only a method whose schedule follows the mask sends
+        differently)."""
         return 0.0
 
     def unsupported(self, sp_size: int, heads: int | None = None) -> str | None:
@@ -311,7 +315,9 @@ class Switch(Method):
     name = "switch"
     formula = "(M/N)·(N−1)/N per switch, each way"
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
         return 2.0
 
 
@@ -325,7 +331,9 @@ class Gather(Method):
     ops = frozenset({"generic"})
     formula = "all-gather (N−1)·M/N forward, reduce-scatter backward"
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
         return 2.0 * sp_size
 
 
@@ -333,7 +341,9 @@ class HeadSharded(Method):
     """A method that all-to-alls the sequence to heads: runnable with at least as many heads as
     ranks, priced as two switches each way."""
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
         return float("inf") if self.unsupported(sp_size, heads) else 8.0
 
     def unsupported(self, sp_size: int, heads: int | None = None) -> str | None:
@@ -401,7 +411,9 @@ class Ring(Method):
     entry = "sp.attention"
     formula = "fwd 2·(N−1)·M_kv/N (K,V passed N−1 times); bwd same + 2·M_kv·stats dK/dV"
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
         return 6.0 * sp_size
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
@@ -442,11 +454,19 @@ class RingBalanced(Ring):
 
     name = "ring_balanced"
     blockwise_causal = False
-    hybrid = False
     formula = (
         "causal: per step d ≤ N/2 K,V (2·M_kv/N) or query rows, partial out/lse back; bwd "
         "K,V or q,dO,out,lse, dK/dV or dQ back; non-causal: ring"
     )
+
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
+        # causal: ⌊N/2⌋ steps of about 2 blocks forward and 4 backward per rank, ≈ 3(N + 1)
+        # units (the exact bytes: attention_bytes); else Ring's
+        if causal and sp_size > 1:
+            return 3.0 * (sp_size + 1)
+        return super().plan_cost(sp_size, heads, ulysses)
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         if not shape.causal:
@@ -483,7 +503,9 @@ class LSS(Method):
     entry = "sp.attention"
     formula = "fwd all-gather (N−1)·M_kv·2/N of [K|V]; bwd reduce-scatter, same"
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
         return 4.0 * sp_size
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
@@ -522,7 +544,9 @@ class StatePassing(Method):
     entry = "sp.scan"
     formula = "all-gather (N−1)·B·(decay+state) fwd, reduce-scatter bwd; conv halo B·C·(K−1) p2p"
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
         return 0.25
 
     def scan_bytes(self, out: CommCount, shape: ScanShape, rank: int) -> None:
@@ -598,7 +622,9 @@ class USP(Method):
         # after the Ulysses switch each of the R = N/U slots holds a contiguous segment
         return sp_size // max(ulysses, 1)
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
         ring = self.ring_size(sp_size, ulysses)
         return (8.0 if ulysses > 1 else 0.0) + (6.0 * ring if ring > 1 else 0.0)
 
@@ -654,7 +680,9 @@ class MegatronSP(Method):
     entry = "sp.tp_enter"
     formula = "2·(N−1)·M/N per linear pair each way (all-gather + reduce-scatter)"
 
-    def plan_cost(self, sp_size: int, heads: int | None = None, ulysses: int = 1) -> float:
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
         return 4.0 * sp_size  # per linear pair: all-gather + reduce-scatter, both directions
 
     def unsupported(self, sp_size: int, heads: int | None = None) -> str | None:
