@@ -143,10 +143,7 @@ def workload(
     h, w = (spatial, spatial) if isinstance(spatial, int) else spatial
     p, width = config.patch, config.channels * config.patch**2
     layer = (
-        *(
-            StageSpec(s, attention=s.mixes, causal=s.mixes == ("t",), tp_pairs=1, adaln=False)
-            for s in STAGES[:3]
-        ),
+        *(StageSpec(s, attention=s.mixes, tp_pairs=1, adaln=False) for s in STAGES[:3]),
         StageSpec(STAGES[3], mlp=True, tp_pairs=1, adaln=False),
     )
     return Workload(name, "axial3d", batch, SEQ_DIMS, (frames, h // p, w // p), config.hidden,

@@ -242,8 +242,12 @@ def test_auto_picks_what_the_cost_model_says(distributed) -> None:
         for kv in (None, 1):
             got = distributed[0]["auto"][(f"text kv={kv}", size)]
             assert got == auto_plan(text.dims, text.lengths, text.period, size).methods
-    # heads < N: Ulysses would idle ranks; LSS (4N) is cheaper than Ring (6N)
-    assert auto_plan(("l",), (64,), text.period, 8).methods["attn"] == "lss"
+    # heads < N: Ulysses would idle ranks; under the causal mask the balanced ring (3(N+1)) is
+    # cheaper than LSS (4N) and Ring (6N); without it LSS is
+    assert text.period[0].causal
+    assert auto_plan(("l",), (64,), text.period, 8).methods["attn"] == "ring_balanced"
+    acausal = tuple(dataclasses.replace(s, causal=False) for s in text.period)
+    assert auto_plan(("l",), (64,), acausal, 8).methods["attn"] == "lss"
     # the auto plan's bytes are the least of the candidates the rule compares
     for size in (2, 3):
         auto = comm_bytes(video, auto_plan(video.dims, video.lengths, video.period, size), size)
@@ -664,7 +668,9 @@ def test_contiguous_causal_lss_is_priced_unbalanced_like_ring() -> None:
     share = parts.attention / parts.forward
     lss, zigzag = predict(wl, "lss", n, h100), predict(wl, "lss_zigzag", n, h100)
     assert lss.compute_s == pytest.approx(zigzag.compute_s * (1 + share * ((2 * n - 1) / n - 1)))
-    plain = wl.with_(causal=False)
+    # not causal: the workload, and each stage (a stage's own flag outranks its planner stage's)
+    layers = tuple(tuple(dataclasses.replace(s, causal=False) for s in x) for x in wl.layers)
+    plain = wl.with_(causal=False, layers=layers)
     assert (
         predict(plain, "lss", n, h100).compute_s == predict(plain, "lss_zigzag", n, h100).compute_s
     )

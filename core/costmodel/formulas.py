@@ -282,18 +282,6 @@ def forward_flops(workload: Workload) -> Flops:
     return Flops(linear, attention)
 
 
-def causal_attention_share(workload: Workload) -> float:
-    """The share of the forward's self-attention FLOPs in causal stages (0 … 1)."""
-    causal = total = 0.0
-    for layer in workload.layers:
-        for spec in layer:
-            if spec.attention:
-                f = stage_flops(workload, spec).attention
-                total += f
-                causal += f if workload.stage_causal(spec) else 0.0
-    return causal / total if total else 0.0
-
-
 def _share(workload: Workload, plan: Plan, dim: str) -> float:
     """The busiest rank's share of ``dim`` (``1/N`` when balanced, ``1`` at most)."""
     length = workload.length(dim)

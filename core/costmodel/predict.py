@@ -32,7 +32,6 @@ from .cluster import Cluster, get_cluster
 from .formulas import (
     CommCount,
     activation_bytes,
-    causal_attention_share,
     comm_bytes,
     elementwise_bytes,
     exit_gather_bytes,
@@ -41,6 +40,7 @@ from .formulas import (
     layout_copy_bytes,
     make_plan,
     model_state_bytes,
+    stage_flops,
     ulysses_flat_bytes,
     unfused_score_bytes,
 )
@@ -138,18 +138,25 @@ def _with_recomputation(counts: CommCount, exit_gather: int = 0) -> CommCount:
     return out
 
 
-def causal_work_factor(plan: Plan, ulysses: int = 1) -> float:
-    """The busiest rank's causal attention work over the average under ``plan``: the largest
-    factor of its methods on its layout (:meth:`Method.causal_work_factor`; 1 when balanced).
-    Applied to all of the plan's attention FLOPs, it is exact for a plan whose attention
-    stages all run one method (every 1-D model) and an upper bound for a mixed one."""
-    return max(
-        (
-            get_method(step.method).causal_work_factor(plan.sp_size, plan.layout, ulysses)
-            for step in plan.steps
-        ),
-        default=1.0,
-    )
+def causal_work_factor(workload: Workload, plan: Plan, ulysses: int = 1) -> float:
+    """The busiest rank's attention work over the average under ``plan``: each attention
+    stage's FLOPs weighted by the factor of the method the plan runs it with on its layout
+    when the stage is causal (:meth:`Method.causal_work_factor`; 1 when balanced, local or not
+    causal). Exact where one method runs every causal stage (every 1-D model), an upper bound
+    otherwise (the busiest ranks of two stages may differ)."""
+    methods = {step.stage: step.method for step in plan.steps}
+    total = weighted = 0.0
+    for layer in workload.layers:
+        for spec in layer:
+            if not spec.attention:
+                continue
+            work = stage_flops(workload, spec).attention
+            factor = 1.0
+            if workload.stage_causal(spec) and spec.name in methods:
+                method = get_method(methods[spec.name])
+                factor = method.causal_work_factor(plan.sp_size, plan.layout, ulysses)
+            total, weighted = total + work, weighted + work * factor
+    return weighted / total if total else 1.0
 
 
 def predict(
@@ -236,8 +243,7 @@ def predict(
     # runs one of them) is unbalanced: the last rank attends to every block before its own,
     # (2N − 1)/N of the average (the zigzag layouts balance it); the plan's methods say
     if plan is not None:
-        causal = causal_attention_share(workload)  # the causal stages' part of it
-        attention *= 1 - causal + causal * causal_work_factor(plan, ulysses_size or 1)
+        attention *= causal_work_factor(workload, plan, ulysses_size or 1)
     flops = linear + attention
     nbytes, collectives = busiest.bytes(), busiest.count()
     # the attention at its own rate where it was measured apart (this-cpu), else the matmuls'

@@ -93,8 +93,8 @@ class StageSpec:
     Attributes:
         stage: the planner's :class:`Stage` (its ``name`` is what ``sp.to_stage`` is called with).
         attention: the dims its self-attention attends over (``()``: no self-attention).
-        causal: its self-attention is causal (``None``: as the workload's ``causal``; a causal
-            stage of a model that is not, such as attention along time in a video model).
+        causal: its self-attention is causal (``None``: as its ``stage`` declares, or the
+            workload's ``causal``; see :meth:`Workload.stage_causal`).
         tp_pairs: Megatron linear pairs (column → row) it runs under ``megatron_sp``.
         cross: it holds a cross-attention to replicated conditioning tokens.
         mlp: it holds the token-wise MLP.
@@ -200,9 +200,12 @@ class Workload:
         return len(self.layers)
 
     def stage_causal(self, spec: StageSpec) -> bool:
-        """Whether stage ``spec``'s self-attention is causal (its own ``causal``, else the
-        workload's)."""
-        return self.causal if spec.causal is None else spec.causal
+        """Whether stage ``spec``'s self-attention is causal: its own ``causal``, else its
+        planner stage's (``Stage.causal``, what the planner prices with), else the
+        workload's."""
+        if spec.causal is not None:
+            return spec.causal
+        return spec.stage.causal or self.causal
 
     def length(self, dim: str) -> int:
         return self.lengths[self.dims.index(dim)]

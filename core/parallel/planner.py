@@ -10,7 +10,8 @@ A *policy* (:class:`Policy`, built by a strategy) says which options each stage 
 
 * ``dsp``: local on any dim the stage does not mix; a stage that mixes every dim runs with the
   cheapest *hybrid* method of its op kind (for attention Ulysses, or Ring, or the balanced ring
-  where the stage is causal) or, for an op kind without one (generic), with ``gather`` (the activation whole on every rank for the stage);
+  where the stage is causal) or, for an op kind without one (generic), with ``gather`` (the
+  activation whole on every rank for the stage);
 * ``fixed`` (Ulysses, Ring, LSS, USP, Megatron-SP): one dim stays sharded; a stage that mixes
   it runs with the policy's method *if the method runs the stage's op kind*, otherwise the
   stage gets its dims whole the DSP way (a switch to a free dim, or ``gather``) — exact under

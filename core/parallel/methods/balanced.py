@@ -39,6 +39,7 @@ plain ring (:func:`~dspzoo.core.parallel.methods.ring.ring_attention_agreed`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -89,7 +90,13 @@ def balanced_schedule(seq_lengths: list[int]) -> list[dict[int, BalancedTask]]:
     """The balanced schedule of a contiguous causal ring over ``seq_lengths``: per step
     ``d = 1 … ⌊N/2⌋``, the task of each rank that has one (``{at: BalancedTask}``; pairs with no
     query row or no key are dropped). Every pair ``(query block, earlier key block)`` appears
-    once (split in two halves of its query rows at ``d = N/2``)."""
+    once (split in two halves of its query rows at ``d = N/2``). Built once per length split
+    (the cost model asks for it per rank and layer); the result is shared: do not modify it."""
+    return _schedule(tuple(int(s) for s in seq_lengths))
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(seq_lengths: tuple[int, ...]) -> list[dict[int, BalancedTask]]:
     n = len(seq_lengths)
     steps = []
     for d in range(1, n // 2 + 1):

@@ -1,30 +1,34 @@
 """``strategy="auto"``: the candidate plan that sends least, priced from the method registry.
 
 Candidates: DSP's plan (switches between stages; on a stage that mixes every dim the cheapest
-of Ulysses, Ring and LSS) and every fixed-dim plan of Ulysses, Ring and LSS on each dim long
+of Ulysses, Ring, the balanced ring and LSS) and every fixed-dim plan of those on each dim long
 enough to feed every rank. Cost of a plan, in switch units forward + backward: 2 per switch
-plus each stage's method cost (:meth:`Method.plan_cost`; Ulysses is out where a stage has
-fewer heads than ranks). Ties keep the earlier candidate (DSP first). Every candidate has the
+plus each stage's method cost (:meth:`Method.plan_cost`, under the stage's causal mask or not;
+Ulysses is out where a stage has fewer heads than ranks). Ties keep the earlier candidate (DSP first). Every candidate has the
 same FLOPs, so on any cluster the cheapest here is the byte ranking of the cost model
 (latency terms aside).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..methods.registry import get_method
 from ..plan import Plan, Stage, plan_fixed, plan_stages
 from .base import Strategy
 
-CANDIDATES = ("ulysses", "ring", "lss")
+CANDIDATES = ("ulysses", "ring", "ring_balanced", "lss")
 
 
 def plan_units(plan: Plan, stages: tuple[Stage, ...]) -> float:
     """Forward + backward switch units of one period of ``plan``."""
-    heads = {s.name: s.heads for s in stages}
+    by_name = {s.name: s for s in stages}
     cost = 2.0 * plan.switches_per_period
     for step in plan.steps:
         if step.method != "local":
-            cost += get_method(step.method).plan_cost(plan.sp_size, heads[step.stage])
+            stage = by_name[step.stage]
+            method = get_method(step.method)
+            cost += method.plan_cost(plan.sp_size, stage.heads, causal=stage.causal)
     return cost
 
 
@@ -37,14 +41,16 @@ def auto_plan(
 
     def cheapest(stage: Stage) -> str:
         runnable = [m for m in CANDIDATES if get_method(m).runs(stage.op)]
-        return min(runnable, key=lambda m: get_method(m).plan_cost(n, stage.heads))
+        return min(
+            runnable, key=lambda m: get_method(m).plan_cost(n, stage.heads, causal=stage.causal)
+        )
 
     forced = tuple(
         s
         if s.method is not None
         or any(d not in s.mixes for d in dims)
         or not any(get_method(m).runs(s.op) for m in CANDIDATES)
-        else Stage(s.name, s.mixes, cheapest(s), s.heads, s.embed_if_underfilled, s.op)
+        else replace(s, method=cheapest(s))
         for s in stages
     )
     candidates = [plan_stages(dims, lengths, forced, n)]
