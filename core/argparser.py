@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
+import re
 import signal
 import sys
 import time
@@ -84,6 +86,7 @@ class CommandParser(argparse.ArgumentParser):
             self.prog = typed
 
     def error(self, message: str) -> NoReturn:
+        message += did_you_mean(message)
         if first_of_launch():
             line = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
             self._print_message(line, sys.stderr)
@@ -91,6 +94,19 @@ class CommandParser(argparse.ArgumentParser):
             signal.signal(signal.SIGTERM, lambda *_: os._exit(USAGE_STATUS))
             time.sleep(PEER_WAIT_S)
         self.exit(USAGE_STATUS)
+
+
+def did_you_mean(message: str) -> str:
+    """For argparse's "invalid choice: 'x' (choose from 'a', 'b', ...)", the closest choice
+    as ``"; did you mean 'a'?"`` (a misspelt or miscased strategy, cluster, ...); else ``""``."""
+    found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if found is None:
+        return ""
+    choices = re.findall(r"'([^']*)'", found.group(2))
+    typed = found.group(1)
+    by_case = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(typed.lower(), list(by_case), n=1, cutoff=0.6)
+    return f"; did you mean {by_case[close[0]]!r}?" if close else ""
 
 
 def _int_at_least(text: str, least: int, expected: str) -> int:

@@ -106,6 +106,23 @@ def test_argument_errors_are_one_line_from_the_first_rank_only(capsys) -> None:
     assert isinstance(sub.add_parser("info"), CommandParser)
 
 
+def test_a_misspelt_choice_names_the_closest_one(capsys, monkeypatch) -> None:
+    from dspzoo.core.argparser import did_you_mean
+
+    monkeypatch.delenv("RANK", raising=False)
+    parser = CommandParser(prog="train")
+    parser.add_argument("--sp-strategy", choices=["ring", "ring_zigzag", "ring_balanced"])
+    for typed in ("ring_balance", "Ring_Balanced"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--sp-strategy", typed])
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "; did you mean 'ring_balanced'? (see train" in err, err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sp-strategy", "xyz"])
+    assert "did you mean" not in capsys.readouterr().err  # nothing close: no guess
+    assert did_you_mean("argument --steps: invalid int value: 'x'") == ""
+
+
 @pytest.mark.parametrize(
     ("argv", "flags", "example"),
     [
