@@ -108,6 +108,9 @@ def test_an_unknown_strategy_names_every_one_plan_takes(capsys) -> None:
     err = capsys.readouterr().err
     assert "--strategies: unknown 'ringz'; choose from auto, dsp" in err
     assert "ring_zigzag" in err and "ulysses_flat" in err
+    with pytest.raises(SystemExit):
+        main(["bytelm-tiny", "--sp", "2", "--strategies", "ring_balance"])
+    assert "did you mean 'ring_balance' → 'ring_balanced'?" in capsys.readouterr().err
 
 
 def test_a_weather_model_takes_grid_and_history(capsys) -> None:

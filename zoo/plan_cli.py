@@ -40,6 +40,7 @@ strategy's method.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -505,9 +506,12 @@ def _run(args: argparse.Namespace) -> int:
     known = ("auto", *STRATEGIES, "ulysses_flat")
     unknown = [s for s in strategies if s not in known]
     if unknown:
+        close = [difflib.get_close_matches(s.lower(), known, n=1, cutoff=0.6) for s in unknown]
+        hints = [f"{s!r} → {c[0]!r}" for s, c in zip(unknown, close) if c]
         raise ValueError(
             f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from "
             f"{', '.join(known)} (ulysses_flat: the reference code's Ulysses, predicted only)"
+            + (f"; did you mean {', '.join(hints)}?" if hints else "")
         )
     rows = predict_table(
         wl,
