@@ -143,7 +143,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=str,
         help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)}; "
         "for a causal attention model with one sequence dim also ring_zigzag, ring_balanced and "
-        "lss_zigzag; with scans only ring_balanced)",
+        "lss_zigzag; with scans only ring_balanced; ulysses_flat only for a model with several "
+        "sequence dims, where it differs from ulysses)",
     )
     p.add_argument(
         "--cluster",
