@@ -699,3 +699,20 @@ def test_causal_imbalance_follows_the_plans_methods_not_the_strategys_name() -> 
     usp = predict(wl, "usp", n, h100, ulysses_size=u)
     r = n // u
     assert usp.flops == pytest.approx(zigzag.flops * (1 + share * ((2 * r - 1) / r - 1)))
+
+
+def test_the_causal_imbalance_is_charged_to_the_causal_stage_that_runs_the_method() -> None:
+    """axial3d attends causally along time only. Ring on ``h`` (a short time dim) leaves the
+    causal time stage local: ring, ring_balanced and ring_zigzag are priced alike. Ring on
+    ``t`` runs the causal stage unbalanced: it is priced above the balanced two, which agree."""
+    from dspzoo.core.costmodel.cluster import PRESETS
+    from dspzoo.core.costmodel.formulas import make_plan
+
+    h100, names = PRESETS["h100-nvlink-ib"], ("ring", "ring_balanced", "ring_zigzag")
+    short = workload_for("axial3d-mini", frames=4, spatial=(32, 32))  # t = 4: ring shards h
+    assert make_plan(short, "ring", 4).methods["time"] == "local"
+    assert len({predict(short, s, 4, h100).flops for s in names}) == 1
+    long = workload_for("axial3d-mini", frames=64, spatial=(32, 32))
+    ring, balanced, zigzag = (predict(long, s, 4, h100).flops for s in names)
+    assert make_plan(long, "ring", 4).methods["time"] == "ring"
+    assert balanced == zigzag < ring
