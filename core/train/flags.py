@@ -157,7 +157,8 @@ class TrainingCLI:
         result = self.train(self.parse_args(argv))
         if result["is_main"] and result["losses"]:
             logging.getLogger(self.logger_name).info(
-                "session %s: first %.4f, last %.4f; output in %s",
+                "session %s: first step %.4f, last step %.4f (one step each; the progress "
+                "bar's avg50 is a mean); output in %s",
                 self.loss_name,
                 result["losses"][0],
                 result["losses"][-1],
