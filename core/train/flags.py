@@ -158,7 +158,7 @@ class TrainingCLI:
         if result["is_main"] and result["losses"]:
             logging.getLogger(self.logger_name).info(
                 "session %s: first step %.4f, last step %.4f (one step each; the progress "
-                "bar's avg50 is a mean); output in %s",
+                "bar shows a running mean); output in %s",
                 self.loss_name,
                 result["losses"][0],
                 result["losses"][-1],
