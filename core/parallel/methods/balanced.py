@@ -203,6 +203,43 @@ def _start(
     return PeerTransfer(sends, receives, group, device, phase, region, tag=tag)
 
 
+def _start_step(
+    steps: list[dict[int, BalancedTask]],
+    d: int,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    rows: list[tuple[torch.Tensor, int]],
+    seq_lengths: list[int],
+    where: tuple[Any, torch.device, str, str],
+) -> PeerTransfer:
+    """Start step ``d``'s message (forward and backward alike): this rank's block goes to the
+    rank computing the pair it is in, as ``kv`` (its K and V, when the keys travel) or as the
+    pair's query rows of each ``(tensor, row axis)`` of ``rows``; the pair this rank computes
+    arrives the same way from the other rank, shaped like this rank's own tensors."""
+    group = where[0]
+    n, r = group_size(group), group_rank(group)
+    step, sends, receives = steps[d - 1], [], []
+    out_task = _outgoing(step, d, n, r)
+    if out_task is not None and out_task.keys_travel:
+        sends = [(out_task.at, t) for t in kv]
+    elif out_task is not None:
+        count = out_task.row1 - out_task.row0
+        sends = [(out_task.at, t.narrow(axis, out_task.row0, count)) for t, axis in rows]
+    task = step.get(r)
+    if task is not None and task.keys_travel:
+        receives = [(task.key, _resized(t, 1, seq_lengths[task.key]), t.dtype) for t in kv]
+    elif task is not None:
+        count = task.row1 - task.row0
+        receives = [(task.query, _resized(t, axis, count), t.dtype) for t, axis in rows]
+    return _start(sends, receives, _TAGS_PER_STEP * d, where)
+
+
+def _resized(t: torch.Tensor, axis: int, length: int) -> tuple[int, ...]:
+    """``t``'s shape with ``length`` rows along ``axis``."""
+    shape = list(t.shape)
+    shape[axis] = length
+    return tuple(shape)
+
+
 class _BalancedRing(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -223,25 +260,8 @@ class _BalancedRing(torch.autograd.Function):
         kd, vd = k.detach(), v.detach()
         where = (group, q.device, "forward", region)
 
-        def start(d: int) -> PeerTransfer:
-            step, sends, receives = steps[d - 1], [], []
-            out_task = _outgoing(step, d, n, r)
-            if out_task is not None:
-                if out_task.keys_travel:
-                    sends = [(out_task.at, kd), (out_task.at, vd)]
-                else:
-                    sends = [(out_task.at, q.detach()[:, out_task.row0 : out_task.row1])]
-            task = step.get(r)
-            if task is not None and task.keys_travel:
-                lk = seq_lengths[task.key]
-                receives = [
-                    (task.key, (bf, lk, *k.shape[2:]), k.dtype),
-                    (task.key, (bf, lk, *v.shape[2:]), v.dtype),
-                ]
-            elif task is not None:
-                n_rows = task.row1 - task.row0
-                receives = [(task.query, (bf, n_rows, *q.shape[2:]), q.dtype)]
-            return _start(sends, receives, _TAGS_PER_STEP * d, where)
+        def start(d: int) -> PeerTransfer:  # K, V or the query rows
+            return _start_step(steps, d, (kd, vd), [(q.detach(), 1)], seq_lengths, where)
 
         acc = LseAccumulator(bf, q.shape[1], h, dv, q.dtype, q.device)
         transfer = start(1) if steps else None
@@ -316,32 +336,9 @@ class _BalancedRing(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=dt, device=q.device)
         dv = torch.zeros(v.shape, dtype=dt, device=q.device)
 
-        def start(d: int) -> PeerTransfer:
-            step, sends, receives = steps[d - 1], [], []
-            out_task = _outgoing(step, d, n, r)
-            if out_task is not None and out_task.keys_travel:
-                sends = [(out_task.at, k), (out_task.at, v)]
-            elif out_task is not None:
-                rows = slice(out_task.row0, out_task.row1)
-                sends = [(out_task.at, t) for t in (q[:, rows], dout[:, rows], out[:, rows])] + [
-                    (out_task.at, lse[:, :, rows])
-                ]
-            task = step.get(r)
-            if task is not None and task.keys_travel:
-                lk = seq_lengths[task.key]
-                receives = [
-                    (task.key, (bf, lk, *k.shape[2:]), k.dtype),
-                    (task.key, (bf, lk, *v.shape[2:]), v.dtype),
-                ]
-            elif task is not None:
-                rows_n, src = task.row1 - task.row0, task.query
-                receives = [
-                    (src, (bf, rows_n, *q.shape[2:]), q.dtype),
-                    (src, (bf, rows_n, *dout.shape[2:]), dout.dtype),
-                    (src, (bf, rows_n, *out.shape[2:]), out.dtype),
-                    (src, (bf, lse.shape[1], rows_n), lse.dtype),
-                ]
-            return _start(sends, receives, _TAGS_PER_STEP * d, where)
+        def start(d: int) -> PeerTransfer:  # K, V or the query rows with dO, out and lse
+            rows = [(q, 1), (dout, 1), (out, 1), (lse, 2)]
+            return _start_step(steps, d, (k, v), rows, seq_lengths, where)
 
         transfer = start(1) if steps else None
         if q.shape[1]:
