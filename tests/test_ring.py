@@ -194,49 +194,68 @@ def _full(length, dtype, seed, h=H, hkv=HKV):
     return q, k, v, w
 
 
+def _run_against_one_process(attend, lengths, pos, causal, dtype, seed, what):
+    """Run ``attend(q, k, v)`` on this rank's rows ``pos`` of a sequence over ``lengths``
+    under the tracer; check the output and dq, dk, dv against single-process attention (fp64
+    reference on the same values) and that only the local q, k, v, out and the statistics-dtype
+    lse are saved (memory O(L/N)). Returns the tracer."""
+    from dspzoo.core.parallel.trace import SavedTensorMeter, trace_comm
+
+    q, k, v, w = _full(sum(lengths), dtype, seed)
+    exact = [t.double() for t in (q, k, v, w)]  # the reference in fp64 on the same values
+    ref = _grads(lambda a, b, c: naive_attention(a, b, c, causal=causal), *exact)
+    loc = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
+    with trace_comm() as tracer:
+        with SavedTensorMeter() as meter:
+            out = attend(*loc)
+        (out * w[:, pos]).sum().backward()
+    saved = sum(t.numel() * t.element_size() for t in (*loc, out)) + B * H * len(pos) * _stat(dtype)
+    assert meter.bytes == saved, (what, meter.bytes, saved)
+    tol = {
+        torch.float64: dict(rtol=1e-10, atol=1e-12),
+        torch.float32: dict(rtol=1e-5, atol=1e-5),
+        torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    }[dtype]
+    for name, got, want in zip("out dq dk dv".split(), [out.detach()] + [t.grad for t in loc], ref):
+        assert got.dtype == dtype, what
+        torch.testing.assert_close(
+            got.double(), want[:, pos], **tol, msg=lambda m, nm=name: f"{what} {nm}: {m}"
+        )
+    return tracer
+
+
+def _stat(dtype):
+    """Bytes of the softmax statistics for inputs of ``dtype`` (fp64 stays, else fp32)."""
+    return 8 if dtype == torch.float64 else 4
+
+
 def _check_ring_case(group, lengths, layout, causal, dtype, seed, kernel=None):
     """Ring attention on this rank's shard equals its rows of single-process attention."""
     import torch.distributed as dist
 
     from dspzoo.core.parallel.comm.group import group_rank, group_size
     from dspzoo.core.parallel.methods.ring import ring_attention, ring_positions
-    from dspzoo.core.parallel.trace import SavedTensorMeter, trace_comm
 
     n, r = group_size(group), group_rank(group)
-    length = sum(lengths)
-    q, k, v, w = _full(length, dtype, seed)
-    exact = [t.double() for t in (q, k, v, w)]  # the reference in fp64 on the same values
-    ref = _grads(lambda a, b, c: naive_attention(a, b, c, causal=causal), *exact)
-    pos = ring_positions(lengths, r, layout)
-    loc = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
-    with trace_comm() as tracer:
-        with SavedTensorMeter() as meter:
-            out = ring_attention(
-                *loc, group=group, seq_lengths=lengths, causal=causal, layout=layout, kernel=kernel
-            )
-        (out * w[:, pos]).sum().backward()
-    # memory O(L/N): only the local q, k, v, out and the fp32/fp64 lse are saved
-    stat = 8 if dtype == torch.float64 else 4
-    saved = sum(t.numel() * t.element_size() for t in (*loc, out)) + B * H * len(pos) * stat
-    assert meter.bytes == saved, (meter.bytes, saved)
-    tol = {
-        torch.float64: dict(rtol=1e-10, atol=1e-12),
-        torch.float32: dict(rtol=1e-5, atol=1e-5),
-        torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-    }[dtype]
     what = f"n={n} lengths={lengths} {layout} causal={causal} {dtype} kernel={kernel}"
-    for name, got, want in zip("out dq dk dv".split(), [out.detach()] + [t.grad for t in loc], ref):
-        assert got.dtype == dtype, what
-        torch.testing.assert_close(
-            got.double(), want[:, pos], **tol, msg=lambda m, nm=name: f"{what} {nm}: {m}"
-        )
+    tracer = _run_against_one_process(
+        lambda q, k, v: ring_attention(
+            q, k, v, group=group, seq_lengths=lengths, causal=causal, layout=layout, kernel=kernel
+        ),
+        lengths,
+        ring_positions(lengths, r, layout),
+        causal,
+        dtype,
+        seed,
+        what,
+    )
     # bytes sent: K and V of the blocks of ranks r, r−1, …, r−N+2 (forward and again in
     # backward) and the dK/dV accumulators of the blocks of ranks r, …, r−N+1 (backward)
     per_token = B * HKV * D * 2  # elements of K and V per token
     kv = (
         sum(lengths[(r - s) % n] for s in range(n - 1)) * per_token * (torch.finfo(dtype).bits // 8)
     )
-    dkv = sum(lengths) * per_token * stat  # accumulators in the statistics dtype
+    dkv = sum(lengths) * per_token * _stat(dtype)  # accumulators in the statistics dtype
     assert tracer.total_bytes("p2p", "forward") == kv, what
     assert tracer.total_bytes("p2p", "backward") == kv + dkv, what
     assert tracer.count("p2p", "forward") == 2 * (n - 1), what
@@ -254,35 +273,20 @@ def _check_balanced_case(group, lengths, causal, dtype, seed, kernel=None):
     from dspzoo.core.parallel.methods.balanced import balanced_ring_attention
     from dspzoo.core.parallel.methods.registry import AttentionShape, CommCount, get_method
     from dspzoo.core.parallel.methods.ring import ring_positions
-    from dspzoo.core.parallel.trace import SavedTensorMeter, trace_comm
 
     n, r = group_size(group), group_rank(group)
-    length = sum(lengths)
-    q, k, v, w = _full(length, dtype, seed)
-    exact = [t.double() for t in (q, k, v, w)]
-    ref = _grads(lambda a, b, c: naive_attention(a, b, c, causal=causal), *exact)
-    pos = ring_positions(lengths, r)
-    loc = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
-    with trace_comm() as tracer:
-        with SavedTensorMeter() as meter:
-            out = balanced_ring_attention(
-                *loc, group=group, seq_lengths=lengths, causal=causal, kernel=kernel
-            )
-        (out * w[:, pos]).sum().backward()
-    stat = 8 if dtype == torch.float64 else 4
-    saved = sum(t.numel() * t.element_size() for t in (*loc, out)) + B * H * len(pos) * stat
-    assert meter.bytes == saved, (meter.bytes, saved)
-    tol = {
-        torch.float64: dict(rtol=1e-10, atol=1e-12),
-        torch.float32: dict(rtol=1e-5, atol=1e-5),
-        torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-    }[dtype]
     what = f"balanced n={n} lengths={lengths} causal={causal} {dtype} kernel={kernel}"
-    for name, got, want in zip("out dq dk dv".split(), [out.detach()] + [t.grad for t in loc], ref):
-        assert got.dtype == dtype, what
-        torch.testing.assert_close(
-            got.double(), want[:, pos], **tol, msg=lambda m, nm=name: f"{what} {nm}: {m}"
-        )
+    tracer = _run_against_one_process(
+        lambda q, k, v: balanced_ring_attention(
+            q, k, v, group=group, seq_lengths=lengths, causal=causal, kernel=kernel
+        ),
+        lengths,
+        ring_positions(lengths, r),
+        causal,
+        dtype,
+        seed,
+        what,
+    )
     want = CommCount()
     shape = AttentionShape(tuple(lengths), B, H, HKV, D, torch.finfo(dtype).bits // 8, 1, causal)
     get_method("ring_balanced").attention_bytes(want, shape, r)
