@@ -51,7 +51,7 @@ class Stage:
     mixer: it always gets its dims whole, by a switch or a gather, under every strategy) or a
     registered kind (:func:`~dspzoo.core.parallel.methods.registry.register_op_kind`).
     ``causal``: the stage's attention is causal, so the planner prices a method by what it
-    sends under a causal mask (``ring_balanced`` sends about half of ring's there).
+    sends under a causal mask (``ring_balanced``'s busiest rank sends 0.51–0.63× ring's there).
     """
 
     name: str
