@@ -298,6 +298,21 @@ def _check_balanced_case(group, lengths, causal, dtype, seed, kernel=None):
     return 1
 
 
+def _check_balanced_refuses_a_wrong_shard_on_every_rank(rank):
+    """Rank 0 passes one token too many: every rank raises the same error (none waits)."""
+    import torch.distributed as dist
+
+    from dspzoo.core import comm
+    from dspzoo.core.parallel.layout import shard_sizes
+    from dspzoo.core.parallel.methods.balanced import balanced_ring_attention
+
+    lengths, world = shard_sizes(9, 4), dist.group.WORLD
+    q, k, v = _qkv(B, lengths[rank] + (rank == 0), lengths[rank] + (rank == 0), H, HKV, D)
+    with pytest.raises(comm.CollectiveInputError, match="rank 0 should hold 3 tokens"):
+        balanced_ring_attention(q, k, v, group=world, seq_lengths=lengths, causal=True)
+    return 1
+
+
 def _check_exchange_and_zigzag(group):
     import torch.distributed as dist
 
@@ -431,6 +446,7 @@ def _distributed_all(rank, world):
             dist.group.WORLD, lengths, layout, True, torch.float64, 6, kernel="blockwise"
         )
     checks += _check_usp(pairs[rank // 2], rings[rank % 2], rank)
+    checks += _check_balanced_refuses_a_wrong_shard_on_every_rank(rank)
     return checks
 
 
