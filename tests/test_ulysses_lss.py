@@ -19,9 +19,10 @@ from dspzoo.core.parallel import comm
 from dspzoo.core.parallel.comm import shm
 from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.methods import lss, lss_attention, ulysses_attention
+from dspzoo.core.parallel.methods.lss_offload import lss_offloads, visible_keys
 from dspzoo.core.parallel.methods.ring import ring_positions, zigzag_lengths
 from dspzoo.core.parallel.methods.ulysses import kv_heads_aligned
-from dspzoo.core.parallel.trace import trace_comm
+from dspzoo.core.parallel.trace import CommTracer, trace_comm
 from dspzoo.core.testing import run_distributed
 
 B, D = 2, 4
@@ -103,8 +104,16 @@ def _run_case(method, group, n, r, lengths, shape, causal, dtype, scale, seed, *
     return tracer
 
 
-def _check_bytes(tracer, method, n, r, lengths, shape, itemsize):
+def _check_bytes(tracer, method, n, r, lengths, shape, itemsize, causal=False):
     length, heads, kv_heads = shape
+    if method == "lss_balanced":  # LSS's collectives plus the lent rows: q, out; dO, dQ
+        loan = [x for x in lss_offloads(lengths) if r in (x.owner, x.helper)] if causal else []
+        row_bytes = loan[0].rows * B * heads * D * itemsize if loan else 0
+        for phase in ("forward", "backward"):
+            assert tracer.count(op="p2p", phase=phase) == (1 if loan else 0), (phase, lengths)
+            assert tracer.total_bytes(op="p2p", phase=phase) == row_bytes, (phase, lengths)
+        tracer = CommTracer([x for x in tracer.records if x.op != "p2p"])
+        method = "lss"
     fwd, bwd = tracer.total_bytes(phase="forward"), tracer.total_bytes(phase="backward")
     if method == "ulysses":
         # fused: [q|k|v] and the output, or q, [k|v] and the output for KV-aligned GQA
@@ -164,6 +173,16 @@ def _lss_zigzag_fallback(q, k, v, **kw):
 for _fn in (_lss_zigzag, _lss_zigzag_blockwise, _lss_zigzag_fallback):
     _fn.layout = "zigzag"
 
+
+def _lss_balanced(q, k, v, **kw):
+    """LSS on the contiguous layout, the later rank of each pair lending query rows."""
+    return lss_attention(q, k, v, balanced=True, **kw)
+
+
+def _lss_balanced_blockwise(q, k, v, **kw):
+    return lss_attention(q, k, v, balanced=True, kernel="blockwise", chunk=2, **kw)
+
+
 METHODS = {
     "ulysses": ulysses_attention,
     "lss": lss_attention,
@@ -172,12 +191,15 @@ METHODS = {
     "lss_zigzag": _lss_zigzag,
     "lss_zigzag_blockwise": _lss_zigzag_blockwise,
     "lss_zigzag_fallback": _lss_zigzag_fallback,
+    "lss_balanced": _lss_balanced,
+    "lss_balanced_blockwise": _lss_balanced_blockwise,
 }
 ZIGZAG = ("lss_zigzag", "lss_zigzag_blockwise", "lss_zigzag_fallback")
+BALANCED = ("lss_balanced", "lss_balanced_blockwise")
 
 
 def _check_group(group, n, r, seed):
-    checks = 0
+    checks = lent = 0
     runs = [(list(shard_sizes(s[0], n)), s, torch.float64, None) for s in CASES]
     runs += [(split, (sum(split), 4, 2), torch.float64, None) for split in ODD_SPLITS[n]]
     runs += [(shard_sizes(9, n), (9, 5, 5), torch.float32, None)]  # fp32, 1e-5
@@ -185,7 +207,7 @@ def _check_group(group, n, r, seed):
     for lengths, shape, dtype, scale in runs:
         for causal in (False, True):
             for name, method in METHODS.items():
-                if name in ("lss_chunk3", "lss_fallback", *ZIGZAG[1:]) and not causal:
+                if name in ("lss_chunk3", "lss_fallback", *ZIGZAG[1:], *BALANCED) and not causal:
                     continue  # their non-causal paths are the single-call ones already covered
                 run_lengths = lengths
                 if name in ZIGZAG:
@@ -200,12 +222,14 @@ def _check_group(group, n, r, seed):
                 # between processes of one host every collective goes through shared memory
                 assert shm.exchanges_started() > before, f"{name}: no shared-memory exchange"
                 kind = "ulysses" if name == "ulysses" else "lss"
-                _check_bytes(tracer, kind, n, r, run_lengths, shape, dtype.itemsize)
+                kind = "lss_balanced" if name in BALANCED else kind
+                _check_bytes(tracer, kind, n, r, run_lengths, shape, dtype.itemsize, causal)
                 checks += 1
+                lent += tracer.count(op="p2p") > 0
     # ... and over gloo when shared memory is off: the same results and bytes
     lengths, shape = list(shard_sizes(CASES[0][0], n)), CASES[0]
     with comm.SETTINGS.changed(shm_slot_bytes=None):
-        for name in ("lss", "lss_zigzag"):
+        for name in ("lss", "lss_zigzag", "lss_balanced"):
             run_lengths = zigzag_lengths(sum(lengths), n) if name in ZIGZAG else lengths
             seed += 1
             before = shm.exchanges_started()
@@ -213,8 +237,11 @@ def _check_group(group, n, r, seed):
                 METHODS[name], group, n, r, run_lengths, shape, True, torch.float64, None, seed
             )
             assert shm.exchanges_started() == before, f"{name}: shared memory although off"
-            _check_bytes(tracer, "lss", n, r, run_lengths, shape, 8)
+            kind = "lss_balanced" if name in BALANCED else "lss"
+            _check_bytes(tracer, kind, n, r, run_lengths, shape, 8, True)
             checks += 1
+    # every rank of SP 2 and 4 is in a pair, and most cases lend rows (1 of 3 ranks at SP 3)
+    assert lent > 0 or (n == 3 and r == 1), f"lss_balanced lent no rows at n={n} rank {r}"
     return checks
 
 
@@ -287,3 +314,27 @@ def test_lss_saves_no_score_matrix(fallback, causal):
     out.sum().backward()
     assert meter.bytes < length * length * heads * 4 / 16
     assert q.grad is not None and k.grad is not None
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_lss_offloads_balance_the_causal_work(n):
+    """After the loans every rank's visible (query, key) pairs are within one row's keys of the
+    best split, for equal and uneven shards; the lent rows are the owner's tail."""
+    for total in (n * 64, n * 64 + n // 2, 7 * n + 1):
+        lengths = shard_sizes(total, n)
+        offsets = [sum(lengths[:j]) for j in range(n)]
+        work = [visible_keys(o, o + s) for o, s in zip(offsets, lengths)]
+        loans = lss_offloads(lengths)
+        assert {loan.helper for loan in loans} <= set(range(n // 2))
+        for loan in loans:
+            assert (
+                loan.owner == n - 1 - loan.helper and loan.row0 + loan.rows == lengths[loan.owner]
+            )
+            end = offsets[loan.owner] + lengths[loan.owner]
+            moved = visible_keys(end - loan.rows, end)
+            work[loan.owner] -= moved
+            work[loan.helper] += moved
+            assert abs(work[loan.owner] - work[loan.helper]) <= end, (lengths, loan)
+        if total >= 64 * n:  # equal blocks: every rank within 2 % of the mean (before: 2N−1)/N
+            mean = sum(work) / n
+            assert max(work) / mean < 1.02, (lengths, work)

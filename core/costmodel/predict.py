@@ -47,9 +47,12 @@ from .formulas import (
 from .workload import Workload
 
 DEFAULT_STRATEGIES = ("dsp", "ulysses", "ulysses_flat", "ring", "lss", "usp", "megatron_sp")
-#: the balanced variants of ring and of LSS (zigzag layouts; ring's balanced schedule on the
-#: contiguous layout), compared by default where they matter
-BALANCED_STRATEGIES = {"ring": ("ring_zigzag", "ring_balanced"), "lss": ("lss_zigzag",)}
+#: the balanced variants of ring and of LSS (zigzag layouts; ring's balanced schedule and
+#: LSS's lent query rows on the contiguous layout), compared by default where they matter
+BALANCED_STRATEGIES = {
+    "ring": ("ring_zigzag", "ring_balanced"),
+    "lss": ("lss_zigzag", "lss_balanced"),
+}
 
 
 def default_strategies(workload: Workload) -> tuple[str, ...]:
@@ -57,8 +60,8 @@ def default_strategies(workload: Workload) -> tuple[str, ...]:
     and, for a model with causal attention over one sequence dim, the balanced variants of ring
     and LSS (:data:`BALANCED_STRATEGIES`; the text trainer's default is ``lss_zigzag``), each
     after its contiguous one. For models with scan stages only those on the contiguous layout
-    (``ring_balanced``): a zigzag layout makes their scans gather the sequence whole
-    (``dspzoo plan --strategies`` still shows it)."""
+    (``ring_balanced``, ``lss_balanced``): a zigzag layout makes their scans gather the
+    sequence whole (``dspzoo plan --strategies`` still shows it)."""
     specs = [spec for layer in workload.layers for spec in layer]
     attends_causally = any(s.attention and workload.stage_causal(s) for s in specs)
     if not (attends_causally and len(workload.dims) == 1):

@@ -23,7 +23,10 @@ Layouts: ``"contiguous"`` (rank ``r`` holds ``[o_r, o_r + seq_r)``) leaves the c
 unbalanced — the last rank attends to the whole sequence, the first to its own segment only.
 ``"zigzag"`` (the ``lss_zigzag`` method; rank ``r`` holds chunks ``r`` and ``2N−1−r`` of
 ``2N``, as :mod:`.ring`'s zigzag) gives every rank the same number of causal (query, key)
-pairs, for the same bytes.
+pairs, for the same bytes. ``balanced=True`` on the contiguous layout (the ``lss_balanced``
+method) balances the work without moving tokens: the later rank of each pair ``(x, N−1−x)``
+lends the tail of its query rows to the earlier one, which computes them on the gathered K/V
+and sends the finished rows back (:mod:`.lss_offload`; a few more bytes, point to point).
 
 Memory: the kernel is the shared one of :mod:`.kernels` (used when
 :func:`dspzoo.core.parallel.methods.blockwise.chunked_attention` is importable): by default
@@ -61,6 +64,7 @@ from ...layers.attention import attend
 from ..comm import group_rank, group_size
 from ..comm.agreement import guard
 from ..comm.group import all_gather_single, record, reduce_scatter_single
+from ..comm.p2p import PeerTransfer
 from ..comm.replicate import gather_for_local_use_agreed
 from ..comm.shm import ShmReduceScatter, start_blocks, transfer_channel
 from ..layout import shard_sizes
@@ -74,6 +78,7 @@ from .kernels import (
     add_block_grads,
     select_kernel,
 )
+from .lss_offload import LssOffload, lss_offloads
 from .ring import ring_positions
 from .ulysses import agree_attention_args, scaled
 
@@ -172,6 +177,7 @@ def lss_attention(
     chunk: int = DEFAULT_CHUNK,
     layout: str = "contiguous",
     kernel: str | None = None,
+    balanced: bool = False,
 ) -> torch.Tensor:
     """LSS distributed self-attention over a sequence sharded on ``group``.
 
@@ -189,6 +195,9 @@ def lss_attention(
             must be :func:`~dspzoo.core.parallel.methods.ring.zigzag_lengths`), which gives
             every rank the same causal work.
         kernel: ``"fused"`` or ``"blockwise"`` (``None``: ``$DSPZOO_ATTENTION_KERNEL``, fused).
+        balanced: with ``causal`` on the contiguous layout, balance the causal work by lending
+            query rows (:mod:`.lss_offload`); the same outputs and gradients. Ignored when not
+            causal (balanced already) and by the fallback without the shared kernel.
 
     Returns:
         this rank's output ``[B, seq_lengths[r], H, D]``. Every rank must backpropagate
@@ -205,17 +214,26 @@ def lss_attention(
     def check_local() -> None:
         if chunk < 1:
             raise ValueError(f"lss_attention: chunk must be >= 1, got {chunk}")
+        if balanced and layout != "contiguous":
+            raise ValueError(
+                f"lss_attention: balanced=True balances the contiguous layout; the {layout!r} "
+                "layout is balanced by its own cut: pass balanced=False"
+            )
         if len(lengths) == n:  # a wrong count is reported by the agreement itself
             positions.extend(ring_positions(lengths, j, layout) for j in range(n))
 
-    agree_attention_args(q, k, v, seq_lengths, group, "lss_attention", causal, scale, check_local)
+    agree_attention_args(
+        q, k, v, seq_lengths, group, "lss_attention", causal, scale, check_local,
+        {"layout": layout == "zigzag", "balanced": bool(balanced)},
+    )  # fmt: skip
     if _blockwise_kernel() is not None:  # the shared log-sum-exp kernel; handles GQA itself
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         with comm_region("lss"):
             region = current_region()
         impl = select_kernel(q, kernel)
+        loans = lss_offloads(lengths) if balanced and causal and n > 1 else []
         return _LssAttention.apply(
-            q, k, v, group, positions, bool(causal), scale, impl, chunk, region
+            q, k, v, group, positions, bool(causal), scale, impl, chunk, region, loans
         )
     # fallback: fold each KV group's query heads into the query rows, then attend
     d, heads, kv_heads = q.shape[3], q.shape[2], k.shape[2]
@@ -330,6 +348,35 @@ def _start_kv_reduce_scatter(
     )
 
 
+# p2p tags of the row loans (the gloo path; the shared-memory channel matches in order)
+_LOAN_TAG = 64
+
+
+def _lend(
+    loans: list[LssOffload],
+    r: int,
+    outgoing: torch.Tensor | None,
+    incoming: tuple[tuple[int, ...], torch.dtype] | None,
+    toward_helper: bool,
+    where: tuple[Any, torch.device, str, str],
+    tag: int,
+) -> PeerTransfer:
+    """One message of this rank's loans (every rank constructs it, with nothing to move when it
+    has no loan): toward the helper, the owner sends ``outgoing`` rows and the helper receives
+    rows shaped ``incoming``; back toward the owner the other way round."""
+    group, device, phase, region = where
+    give = next((loan for loan in loans if loan.owner == r), None)
+    take = next((loan for loan in loans if loan.helper == r), None)
+    sender, receiver = (give, take) if toward_helper else (take, give)
+    sends, receives = [], []
+    if sender is not None and outgoing is not None:
+        sends = [(sender.helper if toward_helper else sender.owner, outgoing)]
+    if receiver is not None and incoming is not None:
+        peer = receiver.owner if toward_helper else receiver.helper
+        receives = [(peer, incoming[0], incoming[1])]
+    return PeerTransfer(sends, receives, group, device, phase, region, tag=tag)
+
+
 class _LssAttention(torch.autograd.Function):
     """LSS with the shared kernel: this rank's queries on every rank's K/V block.
 
@@ -338,7 +385,13 @@ class _LssAttention(torch.autograd.Function):
     global positions: no reordering into position order, whatever the layout). Backward
     computes the other blocks' ``dK``/``dV`` first, starts their reduce-scatter (this rank's
     own slot left zero) and computes the own block's share while it is in flight, then adds
-    what arrived. Saves ``q, k, v``, the gathered blocks, ``out`` and ``lse``.
+    what arrived. Saves ``q``, the gathered blocks, ``out`` and ``lse``.
+
+    With row loans (``loans``, :mod:`.lss_offload`) the owner computes only its rows before
+    ``row0``; the lent rows travel first (both ranks wait for them, so the shared-memory
+    channel moves them at once) and the helper computes them after its own, on every block,
+    and sends them back finished. Backward sends their ``dO`` first; the helper adds their
+    ``dK``/``dV`` before its reduce-scatter starts and sends their ``dQ`` back at the end.
     """
 
     @staticmethod
@@ -354,63 +407,106 @@ class _LssAttention(torch.autograd.Function):
         impl: BlockwiseKernel | FusedKernel,
         chunk: int,
         region: str,
+        loans: list[LssOffload],
     ) -> torch.Tensor:
         n, r = group_size(group), group_rank(group)
         lengths = [p.numel() for p in positions]
         d = k.shape[-1]
-        pending = _start_kv_gather(torch.cat([k, v], dim=-1), max(lengths), group, region)
         bf, lq, h, _ = q.shape
-        acc = LseAccumulator(bf, lq, h, v.shape[-1], q.dtype, q.device)
-        add_block(impl, acc, q, k, v, positions[r], positions[r], causal, scale, chunk)
+        dv = v.shape[-1]
+        give = next((loan for loan in loans if loan.owner == r), None)
+        take = next((loan for loan in loans if loan.helper == r), None)
+        where = (group, q.device, "forward", region)
+        keep = give.row0 if give is not None else lq
+        lent = None
+        if loans:  # the lent query rows, before anything else is in flight
+            incoming = ((bf, take.rows, h, q.shape[-1]), q.dtype) if take is not None else None
+            lent = _lend(loans, r, q[:, keep:], incoming, True, where, _LOAN_TAG).wait()
+        pending = _start_kv_gather(torch.cat([k, v], dim=-1), max(lengths), group, region)
+        acc = LseAccumulator(bf, keep, h, dv, q.dtype, q.device)
+        q_own, pos_own = q[:, :keep], positions[r][:keep]
+        add_block(impl, acc, q_own, k, v, pos_own, positions[r], causal, scale, chunk)
         blocks = pending.wait()
         for j in range(n):
             if j != r:
                 kv_j = blocks[j, :, : lengths[j]]
-                pos = positions[j]
-                add_block(impl, acc, q, kv_j[..., :d], kv_j[..., d:], positions[r], pos, causal,
-                          scale, chunk)  # fmt: skip
+                add_block(impl, acc, q_own, kv_j[..., :d], kv_j[..., d:], pos_own, positions[j],
+                          causal, scale, chunk)  # fmt: skip
         out = acc.out.to(q.dtype)
+        guest: tuple[torch.Tensor, ...] = (None, None, None)  # q, out, lse of borrowed rows
+        if take is not None:
+            assert lent is not None
+            q_in = lent[0]
+            pos_in = positions[take.owner][take.row0 :]
+            acc_in = LseAccumulator(bf, take.rows, h, dv, q.dtype, q.device)
+            for j in range(n):
+                kv_j = blocks[j, :, : lengths[j]]
+                add_block(impl, acc_in, q_in, kv_j[..., :d], kv_j[..., d:], pos_in,
+                          positions[j], causal, scale, chunk)  # fmt: skip
+            guest = (q_in, acc_in.out.to(q.dtype), acc_in.lse)
+        if loans:  # the borrowed rows go back finished
+            incoming = ((bf, give.rows, h, dv), q.dtype) if give is not None else None
+            back = _lend(loans, r, guest[1], incoming, False, where, _LOAN_TAG + 1).wait()
+            if give is not None:
+                out = torch.cat([out, back[0]], dim=1)
         # the own block is read back from its slot of the gathered buffer: k and v are not kept
-        ctx.save_for_backward(q, blocks, out, acc.lse)
-        ctx.args = (group, positions, causal, scale, impl, chunk, region, k.dtype, v.dtype)
+        ctx.save_for_backward(q, blocks, out, acc.lse, *guest)
+        ctx.args = (group, positions, causal, scale, impl, chunk, region, k.dtype, v.dtype, loans)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, blocks, out, lse = ctx.saved_tensors
-        group, positions, causal, scale, impl, chunk, region, k_dtype, v_dtype = ctx.args
+        q, blocks, out, lse, q_in, out_in, lse_in = ctx.saved_tensors
+        group, positions, causal, scale, impl, chunk, region, k_dtype, v_dtype, loans = ctx.args
         n, r = group_size(group), group_rank(group)
         lengths, d = [p.numel() for p in positions], q.shape[-1]
+        give = next((loan for loan in loans if loan.owner == r), None)
+        take = next((loan for loan in loans if loan.helper == r), None)
+        where = (group, q.device, "backward", region)
+        keep = give.row0 if give is not None else q.shape[1]
+        dout = dout.contiguous()
+        dout_in = None
+        if loans:  # the borrowed rows' dO, first
+            incoming = (tuple(out_in.shape), dout.dtype) if take is not None else None
+            got = _lend(loans, r, dout[:, keep:], incoming, True, where, _LOAN_TAG + 2).wait()
+            dout_in = got[0] if take is not None else None
+        q_own, out_own, dout_own, pos_own = (
+            q[:, :keep],
+            out[:, :keep],
+            dout[:, :keep],
+            positions[r][:keep],
+        )
         own = blocks[r, :, : lengths[r]]
         k, v = own[..., :d], own[..., d:]
         dt = stats_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+        dq = torch.zeros(q_own.shape, dtype=dt, device=q.device)
+        dq_in = torch.zeros(q_in.shape, dtype=dt, device=q.device) if take is not None else None
         dblocks = torch.zeros(blocks.shape, dtype=dt, device=q.device)  # own slot stays 0
-        for j in range(n):
-            if j != r:
-                kv_j, g_j = blocks[j, :, : lengths[j]], dblocks[j, :, : lengths[j]]
-                add_block_grads(
-                    impl,
-                    (dq, g_j[..., :d], g_j[..., d:]),
-                    q,
-                    kv_j[..., :d],
-                    kv_j[..., d:],
-                    out,
-                    lse,
-                    dout,
-                    positions[r],
-                    positions[j],
-                    causal,
-                    scale,
-                    chunk,
-                )
+        rows = [(q_own, out_own, lse, dout_own, pos_own, dq)]
+        if take is not None:
+            rows.append((q_in, out_in, lse_in, dout_in, positions[take.owner][take.row0 :], dq_in))
+        for q_x, out_x, lse_x, dout_x, pos_x, dq_x in rows:
+            for j in range(n):
+                if j != r:
+                    kv_j, g_j = blocks[j, :, : lengths[j]], dblocks[j, :, : lengths[j]]
+                    add_block_grads(impl, (dq_x, g_j[..., :d], g_j[..., d:]), q_x, kv_j[..., :d],
+                                    kv_j[..., d:], out_x, lse_x, dout_x, pos_x, positions[j],
+                                    causal, scale, chunk)  # fmt: skip
         pending = _start_kv_reduce_scatter(dblocks, k_dtype, group, region)
         dk = torch.zeros(k.shape, dtype=dt, device=q.device)
         dv = torch.zeros(v.shape, dtype=dt, device=q.device)
-        add_block_grads(impl, (dq, dk, dv), q, k, v, out, lse, dout, positions[r], positions[r],
-                        causal, scale, chunk)  # fmt: skip
+        for q_x, out_x, lse_x, dout_x, pos_x, dq_x in rows:
+            add_block_grads(impl, (dq_x, dk, dv), q_x, k, v, out_x, lse_x, dout_x, pos_x,
+                            positions[r], causal, scale, chunk)  # fmt: skip
         mine = pending.wait()[:, : lengths[r]]
         dk += mine[..., :d]
         dv += mine[..., d:]
-        return (dq.to(q.dtype), dk.to(k_dtype), dv.to(v_dtype)) + (None,) * 7
+        dq = dq.to(q.dtype)
+        if loans:  # the borrowed rows' dQ go back
+            incoming = ((*q.shape[:1], give.rows, *q.shape[2:]), q.dtype) if give else None
+            sent = dq_in.to(q.dtype) if dq_in is not None else None
+            back = _lend(loans, r, sent, incoming, False, where, _LOAN_TAG + 3).wait()
+            if give is not None:
+                dq = torch.cat([dq, back[0]], dim=1)
+        return (dq, dk.to(k_dtype), dv.to(v_dtype)) + (None,) * 8

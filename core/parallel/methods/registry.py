@@ -31,6 +31,7 @@ import torch
 from ..layout import shard_sizes
 from .balanced import balanced_ring_attention, balanced_ring_bytes
 from .lss import lss_attention
+from .lss_offload import lss_offload_bytes
 from .ring import ring_attention
 from .scan import (
     ScanOp,
@@ -599,6 +600,48 @@ class LSSZigzag(LSS):
 
     name = "lss_zigzag"
     layout = "zigzag"
+
+
+@register_method
+class LSSBalanced(LSS):
+    """LSS on the contiguous layout with balanced causal work: the later rank of each pair
+    ``(x, N−1−x)`` lends the tail of its query rows to the earlier one, which computes them on
+    the gathered K/V and sends them back finished (:mod:`.lss_offload`). LSS's bytes plus those
+    rows point to point (q and out forward, dO and dQ backward); non-causal it is LSS. The
+    contiguous layout keeps DSP's switches and scans possible, which a zigzag layout rules
+    out."""
+
+    name = "lss_balanced"
+    blockwise_causal = False
+    formula = "LSS's all-gather / reduce-scatter + causal: lent query rows q, out fwd; dO, dQ bwd"
+
+    def plan_cost(
+        self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
+    ) -> float:
+        # causal: at most half a shard of rows each way per direction (the pair (0, N−1) lends
+        # (N−1)/(2N) of its block), ≈ one more unit; the exact bytes: attention_bytes
+        return super().plan_cost(sp_size, heads, ulysses) + (1.0 if causal and sp_size > 1 else 0)
+
+    def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
+        super().attention_bytes(out, shape, rank)
+        if shape.causal:
+            lss_offload_bytes(
+                out, list(shape.seq), rank, shape.bf, shape.heads, shape.head_dim, shape.itemsize
+            )
+
+    def attention(self, sp, q, k, v, seq_lengths, causal, scale, layout="contiguous"):
+        if layout != "contiguous":
+            raise ValueError(f"lss_balanced runs on the contiguous layout, not {layout!r}")
+        return lss_attention(
+            q,
+            k,
+            v,
+            group=sp.group,
+            seq_lengths=seq_lengths,
+            causal=causal,
+            scale=scale,
+            balanced=True,
+        )
 
 
 def usp_split(seq_lengths: list[int], ulysses: int, sp_rank: int) -> tuple[list[int], list[int]]:

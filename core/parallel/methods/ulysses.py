@@ -39,7 +39,7 @@ of this rank's local q:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -108,17 +108,21 @@ def agree_attention_args(
     causal: bool,
     scale: float | None,
     more_checks: Callable[[], None] | None = None,
+    more_args: Mapping[str, int] | None = None,
 ) -> None:
     """:func:`check_attention_args` on every rank plus a cross-rank agreement (one tiny all-gather).
 
     Raises the same error on every rank of ``group`` if any rank's own check fails or the ranks
     disagree on ``seq_lengths``, ``causal``, ``scale``, or q/k/v's dtype, device, batch, heads or
-    head dim. ``more_checks`` (raising ``ValueError``) adds a method's own local checks.
+    head dim. ``more_checks`` (raising ``ValueError``) adds a method's own local checks;
+    ``more_args`` names a method's own integer arguments every rank must pass alike.
     Afterwards the method's inner collectives cannot disagree and skip their own.
     """
     n, r = group_size(group), group_rank(group)
     sig = Signature(what).sizes("seq_lengths", seq_lengths).arg("causal", int(causal))
     sig.number("scale", scale)
+    for name, value in (more_args or {}).items():
+        sig.arg(name, int(value))
     for name, t in (("q", q), ("k", k), ("v", v)):
         sig.tensor(name, t, sharded=(1,) if t.dim() > 1 else ())
     try:

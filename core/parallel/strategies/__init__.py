@@ -13,6 +13,8 @@ A strategy is a planning policy; the runtime executes any plan the same way.
                where its queries or its keys live (switches and scans stay possible)
 ``lss``        one dim sharded; attention over it: one fused all-gather of K and V
 ``lss_zigzag``  LSS with the dim cut in 2N chunks as ring_zigzag (causal load balancing)
+``lss_balanced``  LSS on the contiguous layout, causal work balanced by lending query rows
+               from the later rank of each pair to the earlier (switches and scans stay possible)
 ``usp``        one dim sharded; Ulysses inside ring groups (``build_mesh(ulysses_size=…)``)
 ``megatron_sp`` Megatron-LM tensor parallelism + sequence parallelism over the SP group:
                needs ``parallelize_megatron(model, group)`` (:mod:`dspzoo.core.parallel.methods.megatron`)
@@ -36,6 +38,7 @@ STRATEGIES: dict[str, str] = {
     "ring_balanced": "Ring attention on the contiguous layout, causal work balanced by schedule",
     "lss": "Long-Short-Sequence distributed attention (one fused K/V all-gather)",
     "lss_zigzag": "LSS on a zigzag layout (balanced causal work)",
+    "lss_balanced": "LSS on the contiguous layout, causal work balanced by lending query rows",
     "usp": "Unified SP: Ulysses inside, ring across (2-D SP sub-mesh)",
     "megatron_sp": "Megatron-LM tensor parallelism with sequence parallelism (heads/hidden sharded)",
 }

@@ -15,8 +15,8 @@ class Embedded(Strategy):
 
     Args:
         method: a registered method with an attention entry (``"ulysses"``, ``"ring"``,
-            ``"ring_zigzag"``, ``"ring_balanced"``, ``"lss"``, ``"lss_zigzag"``, ``"usp"``,
-            ``"megatron_sp"``).
+            ``"ring_zigzag"``, ``"ring_balanced"``, ``"lss"``, ``"lss_zigzag"``,
+            ``"lss_balanced"``, ``"usp"``, ``"megatron_sp"``).
         dim: the sharded sequence dim (default: the longest).
         layout: ``"contiguous"``, or ``"zigzag"`` for ring (the ``ring_zigzag`` method); a
             method registered with the zigzag layout (``ring_zigzag``, ``lss_zigzag``) uses it.
