@@ -716,3 +716,7 @@ def test_the_causal_imbalance_is_charged_to_the_causal_stage_that_runs_the_metho
     ring, balanced, zigzag = (predict(long, s, 4, h100).flops for s in names)
     assert make_plan(long, "ring", 4).methods["time"] == "ring"
     assert balanced == zigzag < ring
+    lss, lss_balanced, lss_zigzag = (
+        predict(long, s, 4, h100).flops for s in ("lss", "lss_balanced", "lss_zigzag")
+    )
+    assert lss_balanced == lss_zigzag < lss

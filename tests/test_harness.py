@@ -93,6 +93,7 @@ def test_axial3d_equals_one_process_under_every_strategy_at_sp_2_3_4() -> None:
         "ring_balanced",
         "lss",
         "lss_zigzag",
+        "lss_balanced",
         "usp",
         "megatron_sp",
     )

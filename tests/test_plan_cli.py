@@ -400,7 +400,7 @@ def test_each_distinct_plan_is_one_row(capsys, argv) -> None:
         named = [s for name in mine for s in name.split(",")]
         expected = {"dsp", "ulysses", "ring", "lss", "usp", "megatron_sp"}
         if argv[0] == "hybridlm-tiny":  # causal attention beside scans: the contiguous balance
-            expected.add("ring_balanced")
+            expected |= {"ring_balanced", "lss_balanced"}
         assert sorted(named) == sorted(expected | ({"ulysses_flat"} & set(named))), mine
         figures = [tuple(cells) for cells in mine.values()]
         assert len(set(figures)) == len(figures), mine
@@ -417,7 +417,7 @@ def test_a_scan_only_model_prints_its_one_plan_once(capsys) -> None:
     assert rows[("2", "dsp,ulysses,ring,lss,usp")][-2:] == ["1.00x", "yes"]
     hybrid = _rows(_plan(capsys, "hybridlm-tiny", "--seq-len", "4096"))
     assert {name for sp, name in hybrid if sp == "4"} == {
-        "dsp,ulysses", "ring", "ring_balanced", "lss", "usp", "megatron_sp"
+        "dsp,ulysses", "ring", "ring_balanced", "lss", "lss_balanced", "usp", "megatron_sp"
     }  # fmt: skip
     lines = _plan(capsys, "mambalm-130m", "--seq-len", "65536")
     assert any(

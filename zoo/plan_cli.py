@@ -142,8 +142,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--strategies",
         type=str,
         help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)}; "
-        "for a causal attention model with one sequence dim also ring_zigzag, ring_balanced and "
-        "lss_zigzag; with scans only ring_balanced; ulysses_flat only for a model with several "
+        "for a causal attention model with one sequence dim also ring_zigzag, ring_balanced, "
+        "lss_zigzag and lss_balanced; with scans only ring_balanced and lss_balanced; "
+        "ulysses_flat only for a model with several "
         "sequence dims, where it differs from ulysses)",
     )
     p.add_argument(
