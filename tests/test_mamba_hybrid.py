@@ -50,6 +50,7 @@ CASES = (
     (MAMBA2, "ring", None, None),
     (MAMBA2, "ring", "head_a2a", None),  # scans by the head all-to-all, attention by Ring
     (MAMBA2, "ring_balanced", None, None),  # causal work balanced on the scans' contiguous shards
+    (MAMBA2, "lss_balanced", None, None),  # the same, by lending query rows
     (MAMBA2, "dsp", "head_a2a", "lss"),
     (MAMBA1, "dsp", None, None),  # Mamba-1: 32 channels for the head all-to-all
     (MAMBA1, "ulysses", "head_a2a", None),
@@ -163,7 +164,7 @@ def test_the_cases_mix_methods_per_stage() -> None:
             methods = _plan_methods(config, strategy, n, LENGTHS[n])
             assert methods["mlp"] == "local"
             assert methods["scan"] in ("state_passing", "head_a2a")
-            assert methods["attn"] in ("ulysses", "ring", "ring_balanced", "lss"), methods
+            assert methods["attn"] in ("ulysses", "ring", "ring_balanced", "lss", "lss_balanced")
             seen.add((methods["scan"], methods["attn"]))
     assert {("state_passing", a) for a in ("ulysses", "ring", "lss")} <= seen
     assert {("head_a2a", "ring"), ("head_a2a", "lss"), ("head_a2a", "ulysses")} <= seen

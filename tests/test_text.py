@@ -35,7 +35,16 @@ from dspzoo.zoo import count_parameters, create_model, from_pretrained, load_ext
 REPO = Path(__file__).resolve().parents[1]
 STRATEGY = "dsp"  # SP 1 cases: every strategy is the same computation at one rank
 # dsp: the hybrid plan (an embedded method on attn); ring_zigzag: positions out of order
-SP_STRATEGIES = ("dsp", "lss", "lss_zigzag", "ring", "ring_zigzag", "ring_balanced", "ulysses")
+SP_STRATEGIES = (
+    "dsp",
+    "lss",
+    "lss_zigzag",
+    "lss_balanced",
+    "ring",
+    "ring_zigzag",
+    "ring_balanced",
+    "ulysses",
+)
 
 
 def _model(**overrides) -> torch.nn.Module:

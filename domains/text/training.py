@@ -52,7 +52,8 @@ class TextTrainConfig(RunConfig):
         "lss_zigzag",
         "sequence-parallel strategy, i.e. how causal attention over the sharded sequence "
         "communicates (dsp plans a hybrid with an embedded method for this 1-D model; "
-        "lss_zigzag: LSS with balanced causal work, lss: the paper's contiguous layout)",
+        "lss_zigzag: LSS with balanced causal work, lss: the paper's contiguous layout, "
+        "lss_balanced: contiguous with balanced causal work)",
         tuple(STRATEGIES),
     )
     seq_len: int = flag(512, "bytes per training window (the model's sequence length)")
