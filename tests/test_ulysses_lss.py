@@ -240,6 +240,17 @@ def _check_group(group, n, r, seed):
             kind = "lss_balanced" if name in BALANCED else "lss"
             _check_bytes(tracer, kind, n, r, run_lengths, shape, 8, True)
             checks += 1
+    # one rank asking for balanced work where the others do not: the same error on every rank
+    q, k, v = (torch.zeros(B, shard_sizes(7, n)[r], 2, D) for _ in range(3))
+    with pytest.raises(comm.CollectiveInputError, match="balanced"):
+        lss_attention(
+            q, k, v, group=group, seq_lengths=shard_sizes(7, n), causal=True, balanced=r == 0
+        )
+    with pytest.raises(comm.CollectiveInputError, match="balanced=True balances the contiguous"):
+        lss_attention(
+            q, k, v, group=group, seq_lengths=shard_sizes(7, n), causal=True, balanced=True,
+            layout="zigzag",
+        )  # fmt: skip
     # every rank of SP 2 and 4 is in a pair, and most cases lend rows (1 of 3 ranks at SP 3)
     assert lent > 0 or (n == 3 and r == 1), f"lss_balanced lent no rows at n={n} rank {r}"
     return checks
