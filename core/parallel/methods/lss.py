@@ -8,10 +8,10 @@ launch, one synchronisation, the same bytes). Its backward is a reduce-scatter o
 buffer (each rank's queries produce gradients for every key; the sums go back to the keys'
 owners), so the gradients are exact.
 
-Overlap (the kernel path, :class:`_LssAttention`): the all-gather is started, not waited on;
-while it is in flight the rank computes its queries on its *own* K/V block, then on the other
-ranks' blocks where they sit in the gathered buffer (each block with its global positions, so
-no reordering for the zigzag layout). Backward mirrors it: the other blocks' ``dK``/``dV``
+Overlap (the kernel path, :class:`_LssAttention`; without lent rows): the all-gather is
+started, not waited on; while it is in flight the rank computes its queries on its *own* K/V
+block, then on the other ranks' blocks where they sit in the gathered buffer (each block with
+its global positions, so no reordering for the zigzag layout). Backward mirrors it: the other blocks' ``dK``/``dV``
 first, then the reduce-scatter is started (this rank's own slot zero) and the own block's
 gradients are computed while it is in flight, and added to what arrives.
 

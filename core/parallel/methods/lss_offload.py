@@ -21,8 +21,12 @@ Bytes *sent* (``"p2p"``, one record per tensor, :func:`lss_offload_bytes`), for 
 ``Bf`` lines and ``H`` heads: forward, the owner's ``q`` rows (``t·Bf·H·D``) and the helper's
 finished ``out`` rows (``t·Bf·H·Dv``); backward, the owner's ``dO`` rows and the helper's ``dQ``
 rows, all in the input dtype (the rows are finished where they are computed, so no statistics
-travel). The helper saves the rows' ``q``, ``out`` and log-sum-exp for backward (``t`` rows
-beyond LSS's saved tensors); the owner saves its own rows only.
+travel). The helper also saves the lent rows' ``q``, ``out`` and log-sum-exp for backward
+(``t`` rows beyond LSS's saved tensors).
+
+Overlap: the gather is waited for before the own block is computed (with loans the own blocks
+differ in work, and a rank moves its side of a shared-memory transfer only while it waits), so
+unlike LSS's, this forward does not overlap the gather with compute.
 """
 
 from __future__ import annotations
