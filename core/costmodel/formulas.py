@@ -359,7 +359,9 @@ def _stage_elements(
             # x, LN out, modulated input, q k v, out, proj input (a copy when the attended
             # dims are folded out of place), proj output (gated), lse
             local += 9 * c + 2 + h
-        local += get_method(method).saved_elements_per_token(ckv, n)
+        local += get_method(method).saved_elements_per_token(
+            ckv, n, q_width=h * d, heads=h, causal=wl.stage_causal(spec)
+        )
     if spec.scan is not None:  # the block around the mixer (the mixer: _scan_elements)
         if spec.adaln:  # LayerNorm input and statistics, its output, the mixer output (gated)
             local += 3 * c + 2

@@ -56,6 +56,7 @@ class PeerTransfer:
     (shapes and dtypes alike), and transfers in flight together between the same two ranks are
     started in the same order on both (the shared-memory channel ignores tags). On the
     ``batch_isend_irecv`` path tensor ``i`` of a peer's list travels with tag ``tag + i``.
+    ``what`` names the transfer in a timeout's or a failed peer's error.
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class PeerTransfer:
         phase: str = "forward",
         region: str | None = None,
         tag: int = 0,
+        what: str = "ring transfer",
     ) -> None:
         n, r = group_size(group), group_rank(group)
         self.received = [
@@ -74,6 +76,7 @@ class PeerTransfer:
         ]
         self._works: list[Any] = []
         self._where = (group, region, phase)
+        self._what = what
         own = [t for peer, t in sends if peer % n == r]
         own_bufs = [b for (peer, _, _), b in zip(receives, self.received) if peer % n == r]
         if len(own) != len(own_bufs):
@@ -91,8 +94,8 @@ class PeerTransfer:
             record("p2p", t.numel() * t.element_size(), group, t, phase, region)
         channel = transfer_channel(group, device)
         if channel is not None:
-            with guard(f"ring transfer ({phase})", group, region):
-                self._works = [start_exchange(channel, out, into, "ring transfer")]
+            with guard(f"{what} ({phase})", group, region):
+                self._works = [start_exchange(channel, out, into, what)]
             return
         ops = []
         for where, pairs in ((dist.isend, out), (dist.irecv, into)):
@@ -102,13 +105,13 @@ class PeerTransfer:
                 if t.numel():
                     ops.append(dist.P2POp(where, t, _global(group, peer), group, tag=tag + i))
         if ops:
-            with guard(f"ring transfer ({phase})", group, region):
+            with guard(f"{what} ({phase})", group, region):
                 self._works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[torch.Tensor]:
         """Block until the transfer is complete; the received tensors."""
         group, region, phase = self._where
-        with guard(f"ring transfer ({phase})", group, region):
+        with guard(f"{self._what} ({phase})", group, region):
             for w in self._works:
                 w.wait()
         self._works = []
@@ -140,6 +143,7 @@ class RingTransfer(PeerTransfer):
         n, r = group_size(group), group_rank(group)
         if n == 1 or shift % n == 0:  # to itself: a copy, nothing on the wire or traced
             self._works, self._send, self._where = [], [], (group, region, phase)
+            self._what = "ring transfer"
             self.received = []
             for s, dt, t in zip(recv_shapes, dtypes, tensors):
                 if tuple(s) != tuple(t.shape):

@@ -31,8 +31,9 @@ and sends the finished rows back (:mod:`.lss_offload`; a few more bytes, point t
 Memory: the kernel is the shared one of :mod:`.kernels` (used when
 :func:`dspzoo.core.parallel.methods.blockwise.chunked_attention` is importable): by default
 PyTorch's fused CPU attention with its log-sum-exp, cut into exactly causal pieces, or the
-einsum ``blockwise`` kernel on ``chunk`` × ``chunk`` blocks; either way only q, k, v, the
-gathered blocks, out and the log-sum-exp are saved for backward. Without that module the
+einsum ``blockwise`` kernel on ``chunk`` × ``chunk`` blocks; either way only q, the gathered
+blocks (the own K/V is read back from its slot), out and the log-sum-exp are saved for
+backward (with lent rows the helper also saves their q, out and log-sum-exp). Without that module the
 fallback (:func:`dspzoo.core.parallel.comm.gather_for_local_use`, the rows put in position
 order, then ``attend``) folds each KV group's
 ``g = H / Hkv`` query heads into the query rows (``[B, seq_r·g, Hkv, D]``) and calls
@@ -196,7 +197,9 @@ def lss_attention(
             every rank the same causal work.
         kernel: ``"fused"`` or ``"blockwise"`` (``None``: ``$DSPZOO_ATTENTION_KERNEL``, fused).
         balanced: with ``causal`` on the contiguous layout, balance the causal work by lending
-            query rows (:mod:`.lss_offload`); the same outputs and gradients. Ignored when not
+            query rows (:mod:`.lss_offload`); the same outputs and gradients up to rounding
+            (the lent rows' dK/dV reach the owner's keys through the reduce-scatter in the
+            input dtype, as every other block's do). Ignored when not
             causal (balanced already) and by the fallback without the shared kernel.
 
     Returns:
@@ -205,7 +208,8 @@ def lss_attention(
 
     One tiny all-gather agreeing on the arguments (a bad input on any rank raises the same
     error on every rank), one all-gather of the fused ``[k|v]`` buffer forward, one
-    reduce-scatter backward; see the module docstring for the bytes.
+    reduce-scatter backward, and with ``balanced`` the lent rows point to point (q and out
+    forward, dO and dQ backward); see the module docstrings for the bytes.
     """
     n, r = group_size(group), group_rank(group)
     lengths = [int(s) for s in seq_lengths]
@@ -352,6 +356,14 @@ def _start_kv_reduce_scatter(
 _LOAN_TAG = 64
 
 
+def _roles(loans: list[LssOffload], r: int) -> tuple[LssOffload | None, LssOffload | None]:
+    """Rank ``r``'s loans: the one it gives (as the owner) and the one it takes (as the
+    helper); a rank is in at most one pair."""
+    give = next((loan for loan in loans if loan.owner == r), None)
+    take = next((loan for loan in loans if loan.helper == r), None)
+    return give, take
+
+
 def _lend(
     loans: list[LssOffload],
     r: int,
@@ -365,8 +377,7 @@ def _lend(
     has no loan): toward the helper, the owner sends ``outgoing`` rows and the helper receives
     rows shaped ``incoming``; back toward the owner the other way round."""
     group, device, phase, region = where
-    give = next((loan for loan in loans if loan.owner == r), None)
-    take = next((loan for loan in loans if loan.helper == r), None)
+    give, take = _roles(loans, r)
     sender, receiver = (give, take) if toward_helper else (take, give)
     sends, receives = [], []
     if sender is not None and outgoing is not None:
@@ -374,7 +385,7 @@ def _lend(
     if receiver is not None and incoming is not None:
         peer = receiver.owner if toward_helper else receiver.helper
         receives = [(peer, incoming[0], incoming[1])]
-    return PeerTransfer(sends, receives, group, device, phase, region, tag=tag)
+    return PeerTransfer(sends, receives, group, device, phase, region, tag=tag, what="lent rows")
 
 
 class _LssAttention(torch.autograd.Function):
@@ -415,20 +426,21 @@ class _LssAttention(torch.autograd.Function):
         d = k.shape[-1]
         bf, lq, h, _ = q.shape
         dv = v.shape[-1]
-        give = next((loan for loan in loans if loan.owner == r), None)
-        take = next((loan for loan in loans if loan.helper == r), None)
+        give, take = _roles(loans, r)
         where = (group, q.device, "forward", region)
         keep = give.row0 if give is not None else lq
         lent = None
-        if loans:  # the lent query rows, before anything else is in flight
+        if loans:  # the lent query rows, started before the gather on every rank
             incoming = ((bf, take.rows, h, q.shape[-1]), q.dtype) if take is not None else None
-            lent = _lend(loans, r, q[:, keep:], incoming, True, where, _LOAN_TAG).wait()
+            lent = _lend(loans, r, q[:, keep:], incoming, True, where, _LOAN_TAG)
         pending = _start_kv_gather(torch.cat([k, v], dim=-1), max(lengths), group, region)
-        if loans:
-            # the own blocks differ in work here (the helper's is the largest), and a rank moves
-            # its side of the gather only while it waits: waiting now keeps the owner from
-            # idling until the helper's own block is done (55 ms of a 250 ms forward at 8K/SP 2)
+        if loans and transfer_channel(group, q.device) is not None:
+            # on shared memory a rank moves its side of a transfer only while it waits, and
+            # here the own blocks differ in work (the helper's is the largest): waiting now
+            # keeps the owner from idling until the helper's own block is done (55 ms of a
+            # 250 ms forward at 8K/SP 2). Gloo's threads move it meanwhile: no wait there.
             pending.wait()
+        got = lent.wait() if lent is not None else None
         acc = LseAccumulator(bf, keep, h, dv, q.dtype, q.device)
         q_own, pos_own = q[:, :keep], positions[r][:keep]
         add_block(impl, acc, q_own, k, v, pos_own, positions[r], causal, scale, chunk)
@@ -439,10 +451,10 @@ class _LssAttention(torch.autograd.Function):
                 add_block(impl, acc, q_own, kv_j[..., :d], kv_j[..., d:], pos_own, positions[j],
                           causal, scale, chunk)  # fmt: skip
         out = acc.out.to(q.dtype)
-        guest: tuple[torch.Tensor, ...] = (None, None, None)  # q, out, lse of borrowed rows
+        guest: tuple[torch.Tensor | None, ...] = (None, None, None)  # q, out, lse of borrowed rows
         if take is not None:
-            assert lent is not None
-            q_in = lent[0]
+            assert got is not None
+            q_in = got[0]
             pos_in = positions[take.owner][take.row0 :]
             acc_in = LseAccumulator(bf, take.rows, h, dv, q.dtype, q.device)
             for j in range(n):
@@ -467,8 +479,7 @@ class _LssAttention(torch.autograd.Function):
         group, positions, causal, scale, impl, chunk, region, k_dtype, v_dtype, loans = ctx.args
         n, r = group_size(group), group_rank(group)
         lengths, d = [p.numel() for p in positions], q.shape[-1]
-        give = next((loan for loan in loans if loan.owner == r), None)
-        take = next((loan for loan in loans if loan.helper == r), None)
+        give, take = _roles(loans, r)
         where = (group, q.device, "backward", region)
         keep = give.row0 if give is not None else q.shape[1]
         dout = dout.contiguous()

@@ -22,6 +22,7 @@ for local use ``2N`` (all-gather forward, reduce-scatter backward of the activat
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -220,8 +221,12 @@ class Method:
         """Add the bytes rank ``rank`` sends for one attention of ``shape`` (tracer conventions)."""
         raise ValueError(f"method {self.name!r} has no attention byte formula")
 
-    def saved_elements_per_token(self, kv_width: int, sp_size: int) -> int:
-        """Elements per local token it saves for backward beyond one process's (LSS: K, V)."""
+    def saved_elements_per_token(
+        self, kv_width: int, sp_size: int, q_width: int = 0, heads: int = 0, causal: bool = False
+    ) -> float:
+        """Elements per local token it saves for backward beyond one process's (LSS: K, V), on
+        the busiest rank; ``q_width``/``heads``/``causal``: the stage's query width, head count
+        and mask (what ``lss_balanced``'s lent rows depend on)."""
         return 0
 
     def ring_size(self, sp_size: int, ulysses: int = 1) -> int:
@@ -515,7 +520,9 @@ class LSS(Method):
         out.add("all_gather", "forward", (n - 1) * chunk)
         out.add("reduce_scatter", "backward", (n - 1) * chunk)
 
-    def saved_elements_per_token(self, kv_width: int, sp_size: int) -> int:
+    def saved_elements_per_token(
+        self, kv_width: int, sp_size: int, q_width: int = 0, heads: int = 0, causal: bool = False
+    ) -> float:
         return 2 * kv_width * (sp_size - 1)  # the gathered K and V of the other ranks
 
     def attention(self, sp, q, k, v, seq_lengths, causal, scale, layout="contiguous"):
@@ -618,9 +625,21 @@ class LSSBalanced(LSS):
     def plan_cost(
         self, sp_size: int, heads: int | None = None, ulysses: int = 1, causal: bool = False
     ) -> float:
-        # causal: at most half a shard of rows each way per direction (the pair (0, N−1) lends
-        # (N−1)/(2N) of its block), ≈ one more unit; the exact bytes: attention_bytes
+        # causal: under half a shard of rows each way per direction (the pair (0, N−1) lends
+        # N − √(N² − N + 1) of its block with equal blocks), ≈ one more unit; the exact
+        # bytes: attention_bytes
         return super().plan_cost(sp_size, heads, ulysses) + (1.0 if causal and sp_size > 1 else 0)
+
+    def saved_elements_per_token(
+        self, kv_width: int, sp_size: int, q_width: int = 0, heads: int = 0, causal: bool = False
+    ) -> float:
+        lss = super().saved_elements_per_token(kv_width, sp_size)
+        if not causal or sp_size < 2:
+            return lss
+        # the helper of the pair (0, N−1) keeps the lent rows' q, out and log-sum-exp: with
+        # equal blocks it computes N − √(N² − N + 1) of a block (0.27 at N = 2, 0.39 at 4, < ½)
+        lent = sp_size - math.sqrt(sp_size * sp_size - sp_size + 1)
+        return lss + lent * (2 * q_width + heads)
 
     def attention_bytes(self, out: CommCount, shape: AttentionShape, rank: int) -> None:
         super().attention_bytes(out, shape, rank)
