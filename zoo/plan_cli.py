@@ -143,8 +143,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=str,
         help=f"strategies to compare, comma-separated (default: {','.join(DEFAULT_STRATEGIES)}; "
         "for a causal attention model with one sequence dim also ring_zigzag, ring_balanced, "
-        "lss_zigzag and lss_balanced; with scans only ring_balanced and lss_balanced; "
-        "ulysses_flat only for a model with several "
+        "lss_zigzag and lss_balanced, and for one with scans only the contiguous two of those "
+        "(ring_balanced, lss_balanced); ulysses_flat only for a model with several "
         "sequence dims, where it differs from ulysses)",
     )
     p.add_argument(
