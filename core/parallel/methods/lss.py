@@ -235,7 +235,7 @@ def lss_attention(
         with comm_region("lss"):
             region = current_region()
         impl = select_kernel(q, kernel)
-        loans = lss_offloads(lengths) if balanced and causal and n > 1 else []
+        loans = lss_offloads(lengths) if balanced and causal and n > 1 else ()
         return _LssAttention.apply(
             q, k, v, group, positions, bool(causal), scale, impl, chunk, region, loans
         )
@@ -356,7 +356,7 @@ def _start_kv_reduce_scatter(
 _LOAN_TAG = 64
 
 
-def _roles(loans: list[LssOffload], r: int) -> tuple[LssOffload | None, LssOffload | None]:
+def _roles(loans: tuple[LssOffload, ...], r: int) -> tuple[LssOffload | None, LssOffload | None]:
     """Rank ``r``'s loans: the one it gives (as the owner) and the one it takes (as the
     helper); a rank is in at most one pair."""
     give = next((loan for loan in loans if loan.owner == r), None)
@@ -365,7 +365,7 @@ def _roles(loans: list[LssOffload], r: int) -> tuple[LssOffload | None, LssOfflo
 
 
 def _lend(
-    loans: list[LssOffload],
+    loans: tuple[LssOffload, ...],
     r: int,
     outgoing: torch.Tensor | None,
     incoming: tuple[tuple[int, ...], torch.dtype] | None,
@@ -419,7 +419,7 @@ class _LssAttention(torch.autograd.Function):
         impl: BlockwiseKernel | FusedKernel,
         chunk: int,
         region: str,
-        loans: list[LssOffload],
+        loans: tuple[LssOffload, ...],
     ) -> torch.Tensor:
         n, r = group_size(group), group_rank(group)
         lengths = [p.numel() for p in positions]

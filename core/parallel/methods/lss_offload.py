@@ -31,6 +31,7 @@ unlike LSS's, this forward does not overlap the gather with compute.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,10 +58,16 @@ def visible_keys(start: int, stop: int) -> int:
     return (stop * (stop + 1) - start * (start + 1)) // 2
 
 
-def lss_offloads(seq_lengths: list[int]) -> list[LssOffload]:
+def lss_offloads(seq_lengths: list[int]) -> tuple[LssOffload, ...]:
     """The row loans that balance causal LSS over contiguous shards of ``seq_lengths`` (module
     doc): one per pair ``(x, N − 1 − x)`` whose later rank has more visible keys, with the tail
-    count that brings the two ranks' counts closest (pairs with nothing to lend are left out)."""
+    count that brings the two ranks' counts closest (pairs with nothing to lend are left out).
+    Computed once per length split (the cost model asks for it per rank and layer)."""
+    return _offloads(tuple(int(s) for s in seq_lengths))
+
+
+@functools.lru_cache(maxsize=64)
+def _offloads(seq_lengths: tuple[int, ...]) -> tuple[LssOffload, ...]:
     n = len(seq_lengths)
     offsets = [sum(seq_lengths[:j]) for j in range(n)]
     loans = []
@@ -73,7 +80,7 @@ def lss_offloads(seq_lengths: list[int]) -> list[LssOffload]:
         t = _rows_to_lend(end, seq_lengths[owner], surplus)
         if t > 0:
             loans.append(LssOffload(owner, helper, seq_lengths[owner] - t, t))
-    return loans
+    return tuple(loans)
 
 
 def _rows_to_lend(end: int, length: int, surplus: int) -> int:
