@@ -505,6 +505,7 @@ class LSS(Method):
 
     name = "lss"
     blockwise_causal = True
+    lends_rows: ClassVar[bool] = False  # lss_attention(balanced=...): see LSSBalanced
     ops = frozenset({"attention"})
     entry = "sp.attention"
     formula = "fwd all-gather (N−1)·M_kv·2/N of [K|V]; bwd reduce-scatter, same"
@@ -535,6 +536,7 @@ class LSS(Method):
             causal=causal,
             scale=scale,
             layout=layout,
+            balanced=self.lends_rows,
         )
 
 
@@ -620,6 +622,7 @@ class LSSBalanced(LSS):
 
     name = "lss_balanced"
     blockwise_causal = False
+    lends_rows = True
     formula = "LSS's all-gather / reduce-scatter + causal: lent query rows q, out fwd; dO, dQ bwd"
 
     def plan_cost(
@@ -651,16 +654,7 @@ class LSSBalanced(LSS):
     def attention(self, sp, q, k, v, seq_lengths, causal, scale, layout="contiguous"):
         if layout != "contiguous":
             raise ValueError(f"lss_balanced runs on the contiguous layout, not {layout!r}")
-        return lss_attention(
-            q,
-            k,
-            v,
-            group=sp.group,
-            seq_lengths=seq_lengths,
-            causal=causal,
-            scale=scale,
-            balanced=True,
-        )
+        return super().attention(sp, q, k, v, seq_lengths, causal, scale, layout)
 
 
 def usp_split(seq_lengths: list[int], ulysses: int, sp_rank: int) -> tuple[list[int], list[int]]:
