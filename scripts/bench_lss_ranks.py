@@ -7,7 +7,7 @@ variants in turn after a barrier; the first repetition is a warm-up and is not c
 
 Usage (the figures of docs/strategies_measured.md, "Balanced causal LSS without moving tokens")::
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 scripts/bench_lss_ranks.py --seq-len 8192
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 scripts/bench_lss_ranks.py --seq-len 8192 --reps 6
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from dspzoo.core.costmodel.formulas import comm_bytes
 from dspzoo.core.harness import full_gradients, relative_error
+from dspzoo.core.parallel.layout import shard_sizes
 from dspzoo.core.parallel.mesh import SPMesh
+from dspzoo.core.parallel.methods.lss_offload import lss_offloads
 from dspzoo.core.parallel.plan import plan_fixed, plan_stages
 from dspzoo.core.parallel.runtime import SeqParallel
 from dspzoo.core.parallel.trace import trace_comm
@@ -42,6 +44,8 @@ MAMBA2 = HybridLMConfig(
 )  # fmt: skip
 MAMBA1 = replace(MAMBA2, version=1, num_hidden_layers=3, attn_layer_period=3)  # scan attn scan
 LENGTHS = {2: 7, 3: 7, 4: 6}  # 6 at SP 4: shards [2, 2, 1, 1], a two-hop conv halo
+# lss_balanced lends no query rows at 7 over 3 ranks or 6 over 4: lengths at which it does
+LENDING_LENGTHS = {2: 7, 3: 11, 4: 10}
 # (config, strategy, forced scan method, forced attention method): what each case runs
 CASES = (
     (MAMBA2, "dsp", None, None),  # the planner's choice: state passing + Ulysses / Ring
@@ -142,7 +146,8 @@ def _worker(rank: int, world: int) -> list[str]:
         mesh = meshes[n]
         if mesh is not None:
             for i, case in enumerate(CASES):
-                failures += _case(mesh, case, LENGTHS[n], 100 * n + i)
+                length = (LENDING_LENGTHS if case[1] == "lss_balanced" else LENGTHS)[n]
+                failures += _case(mesh, case, length, 100 * n + i)
         dist.barrier(group=waiting)
     return failures
 
@@ -232,3 +237,10 @@ def test_zoo_configs() -> None:
         big = create_model("hybridlm-130m")
     assert big.config.attention_layers == (5, 11, 17, 23)
     assert 1.3e8 < sum(p.numel() for p in big.parameters()) < 1.6e8
+
+
+def test_the_lss_balanced_case_lends_rows_at_every_sp_size() -> None:
+    """The lss_balanced case runs at lengths where its later ranks lend query rows (else it
+    would run plain LSS and test nothing of its own)."""
+    for n, length in LENDING_LENGTHS.items():
+        assert lss_offloads(shard_sizes(length, n)), (n, length)

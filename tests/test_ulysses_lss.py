@@ -251,6 +251,14 @@ def _check_group(group, n, r, seed):
             q, k, v, group=group, seq_lengths=shard_sizes(7, n), causal=True, balanced=True,
             layout="zigzag",
         )  # fmt: skip
+    # one rank on the zigzag layout where the others are contiguous: agreed, so the same error
+    zig = zigzag_lengths(7, n)
+    q, k, v = (torch.zeros(B, zig[r], 2, D) for _ in range(3))
+    with pytest.raises(comm.CollectiveInputError, match="layout"):
+        lss_attention(
+            q, k, v, group=group, seq_lengths=zig, causal=True,
+            layout="zigzag" if r == 0 else "contiguous",
+        )  # fmt: skip
     # every rank of SP 2 and 4 is in a pair, and most cases lend rows (1 of 3 ranks at SP 3)
     assert lent > 0 or (n == 3 and r == 1), f"lss_balanced lent no rows at n={n} rank {r}"
     return checks

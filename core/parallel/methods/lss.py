@@ -399,10 +399,11 @@ class _LssAttention(torch.autograd.Function):
     what arrived. Saves ``q``, the gathered blocks, ``out`` and ``lse``.
 
     With row loans (``loans``, :mod:`.lss_offload`) the owner computes only its rows before
-    ``row0``; the lent rows travel first and the gather is waited for at once (both ranks
-    wait, so the shared-memory channel moves them without one rank idling on the other's
-    compute), and the helper computes the lent rows after its own, on every block, and sends
-    them back finished. Backward sends their ``dO`` first; the helper adds their
+    ``row0``; the lent rows start first, then the gather, which on the shared-memory channel
+    is waited for at once (both ranks wait, so the channel moves it without one rank idling on
+    the other's compute; gloo's threads move it meanwhile, and the overlap stays), and the
+    helper computes the lent rows after its own, on every block, and sends them back
+    finished. Backward sends their ``dO`` first; the helper adds their
     ``dK``/``dV`` before its reduce-scatter starts and sends their ``dQ`` back at the end.
     """
 

@@ -24,9 +24,10 @@ rows, all in the input dtype (the rows are finished where they are computed, so 
 travel). The helper also saves the lent rows' ``q``, ``out`` and log-sum-exp for backward
 (``t`` rows beyond LSS's saved tensors).
 
-Overlap: the gather is waited for before the own block is computed (with loans the own blocks
-differ in work, and a rank moves its side of a shared-memory transfer only while it waits), so
-unlike LSS's, this forward does not overlap the gather with compute.
+Overlap: on the shared-memory channel the gather is waited for before the own block is
+computed (with loans the own blocks differ in work, and a rank moves its side of a
+shared-memory transfer only while it waits), so there, unlike LSS's, this forward does not
+overlap the gather with compute; over gloo's own transport (and NCCL) it still does.
 """
 
 from __future__ import annotations

@@ -618,7 +618,8 @@ class LSSBalanced(LSS):
     the gathered K/V and sends them back finished (:mod:`.lss_offload`). LSS's bytes plus those
     rows point to point (q and out forward, dO and dQ backward); non-causal it is LSS. The
     contiguous layout keeps DSP's switches and scans possible, which a zigzag layout rules
-    out."""
+    out. The byte formula is the kernel path's (the fallback without the shared kernel,
+    :func:`~.lss.lss_attention`, lends nothing; the kernel module always ships)."""
 
     name = "lss_balanced"
     blockwise_causal = False
