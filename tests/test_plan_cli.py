@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dspzoo.core.costmodel import StageSpec, Workload
+from dspzoo.core.costmodel import TABLE_LEGEND, StageSpec, Workload
 from dspzoo.core.costmodel.workload import register_workload
 from dspzoo.core.parallel.plan import Stage
 from dspzoo.core.parallel.trace import format_bytes
@@ -83,6 +83,18 @@ def test_a_text_model_takes_its_sequence_length(capsys) -> None:
     max_len = get_config("bytelm-tiny").max_len
     assert f"tokens (l={max_len})" in default[0]
     assert f"  default size: {max_len} bytes (the config's max_len)" in default
+
+
+def test_the_table_is_followed_by_its_legend(capsys) -> None:
+    """Under the recommendation, the legend names every column of the table's header."""
+    lines = _plan(capsys, "bytelm-tiny", "--seq-len", "300")
+    rec = next(i for i, x in enumerate(lines) if x.startswith("recommendation:"))
+    legend = " ".join(lines[rec + 1 : rec + 1 + len(TABLE_LEGEND)])
+    assert lines[rec + 1 : rec + 1 + len(TABLE_LEGEND)] == list(TABLE_LEGEND)
+    header = next(x for x in lines if x.lstrip().startswith("SP strategy"))
+    columns = header.split()[2:]  # after "SP strategy"
+    named = legend.replace(",", " ").replace(";", " ").replace("=", " ").split()
+    assert all(c in named for c in columns), [c for c in columns if c not in named]
 
 
 def test_balanced_layouts_are_compared_by_default_for_causal_attention_models(capsys) -> None:

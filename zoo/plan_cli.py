@@ -49,6 +49,7 @@ from typing import Any
 from dspzoo.core.costmodel import (
     CLUSTERS,
     DEFAULT_STRATEGIES,
+    TABLE_LEGEND,
     default_strategies,
     format_table,
     make_plan,
@@ -558,6 +559,7 @@ def _run(args: argparse.Namespace) -> int:
     for line in describe_scans(wl):
         print(line)
     print(format_table(rows, recommend(rows)))
+    print("\n".join(TABLE_LEGEND))
     for line in describe_methods(wl, strategies or list(default_strategies(wl)), sizes):
         print(line)
     return 0

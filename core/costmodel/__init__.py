@@ -22,6 +22,7 @@ from .formulas import (
 )
 from .predict import (
     DEFAULT_STRATEGIES,
+    TABLE_LEGEND,
     Prediction,
     auto_plan,
     default_strategies,
@@ -54,6 +55,7 @@ __all__ = [
     "comm_bytes_all_ranks",
     "elementwise_bytes",
     "flops_per_rank",
+    "TABLE_LEGEND",
     "format_table",
     "format_validation",
     "forward_flops",

@@ -451,6 +451,19 @@ def _fmt(x: float, unit: str) -> str:
     return f"{x * 1e3:.2f} ms"
 
 
+TABLE_LEGEND = (
+    "columns: FLOPs/rank, bytes/rank = one rank's matmul FLOPs and bytes sent per step "
+    "(busiest rank); coll. = collectives and peer transfers it calls;",
+    "  act/GPU = activations saved for backward; states/GPU = parameters, gradients and "
+    "optimizer states (after --dp/--zero sharding);",
+    "  compute / memory / comm = predicted seconds of matmuls, of element-wise work and layout "
+    "copies, and of communication incl. latency;",
+    "  step = compute + memory + (1 - overlap) * comm; vs dsp = step over DSP's at that SP "
+    "size; fits = act + states within 90 % of one GPU's memory.",
+)
+"""What ``dspzoo plan`` prints under its table: one line per group of columns."""
+
+
 def format_table(rows: list[Prediction], best: Prediction | None = None) -> str:
     """The table ``dspzoo plan`` prints (``memory``: the memory-bound element-wise work and the
     layout copies around the all-to-alls); a merged row (:func:`merge_same_plans`) names all its
