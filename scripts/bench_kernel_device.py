@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from dspzoo.core.argparser import CommandParser, non_negative_int, positive_int
 from dspzoo.core.device_memory import CudaPeak
@@ -37,6 +36,7 @@ from dspzoo.core.parallel.methods.kernels import (
     cuda_refusal,
     kernel_attention,
 )
+from dspzoo.core.progress import progress_bar
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # sdpa: plain SDPA; fused: the methods' default kernel (on CUDA in half precision
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     calls = (args.warmup + args.reps) * len(names)
-    with tqdm(total=calls, desc="kernels", unit="call", disable=args.no_progress) as bar:
+    with progress_bar(total=calls, desc="kernels", unit="call", disable=args.no_progress) as bar:
         for i in range(args.warmup + args.reps):
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 seconds, peak = measure(name, inputs, grad, args.chunk)

@@ -412,9 +412,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     timed_rounds = args.warmup - 1 + args.reps if args.reps else 0
     bar = None
     if main and not args.no_progress:
-        from tqdm import tqdm
+        from ..progress import progress_bar
 
-        bar = tqdm(total=len(runners) * (1 + timed_rounds), desc="bench", unit="step")
+        bar = progress_bar(total=len(runners) * (1 + timed_rounds), desc="bench", unit="step")
     mine: dict[str, dict[str, Any]] = {}
     for r in runners:  # warm-up 1: traced and metered
         mine[r.name] = r.traced_step(reference)

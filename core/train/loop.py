@@ -12,16 +12,15 @@ run's last step (so raising ``--steps`` later resumes from it).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..parallel.trace import SavedTensorMeter
+from ..progress import progress_bar, stderr_is_terminal
 from .resume import mean_step_time
 
 
@@ -95,13 +94,13 @@ def run_training_loop(
     s = settings
     result = LoopResult(step=s.start_step)
     window = s.log_every
-    progress = tqdm(
+    progress = progress_bar(
         total=s.steps,
         initial=s.start_step,
         desc="train",
         disable=not is_main,
         dynamic_ncols=True,
-        mininterval=0.5 if sys.stderr.isatty() else 30,  # keep logs of non-interactive runs short
+        mininterval=0.5,
     )
     session_over = False
     step = s.start_step
@@ -125,7 +124,9 @@ def run_training_loop(
                 step_time = mean_step_time(result.timings, window)
                 tps = s.tokens_per_step / step_time
                 name = f"{s.loss_name}(avg{len(recent)})"
-                progress.set_postfix({name: f"{avg:.4f}", "tok/s": f"{tps:.0f}"})
+                progress.set_postfix(  # in a log file the log line below says it
+                    {name: f"{avg:.4f}", "tok/s": f"{tps:.0f}"}, refresh=stderr_is_terminal()
+                )
                 if is_main:
                     logger.info(
                         "step %d %s %.4f step_time %.3fs tokens/s %.0f lr %.2e",

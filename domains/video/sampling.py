@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from dspzoo.core import SeqParallel
+from dspzoo.core.progress import progress_bar
 
 from .diffusion import TIMESTEP_SCALE
 from .dit import SEQ_DIMS, VideoDiT, patchify, unpatchify
@@ -61,7 +61,7 @@ def euler_flow(
     result is ``v_uncond + guidance · (v_cond − v_uncond)``).
     """
     ts = torch.linspace(1.0, 0.0, steps + 1)
-    for i in tqdm(range(steps), desc="sampling", disable=not progress, leave=False):
+    for i in progress_bar(range(steps), desc="sampling", disable=not progress, leave=False):
         t, dt = float(ts[i]), float(ts[i + 1] - ts[i])
         v = velocity(torch.cat([x, x]) if use_cfg else x, t)
         if use_cfg:

@@ -1,0 +1,61 @@
+"""Progress bars that read well in a terminal and in a log file.
+
+In a terminal :func:`progress_bar` is tqdm's bar, redrawn in place. When stderr is not a
+terminal (a SLURM log, ``… 2> run.log``, a CI job) tqdm would write every redraw after a
+carriage return, so the log gets one ever-growing line that ``less`` and ``grep`` show as
+garbage. There the bar is redrawn at most every ``log_interval`` seconds instead, each
+redraw one line of its own::
+
+    train: 100%|###################| 12/12 [00:03<00:00,  3.07it/s, bits/byte(avg10)=5.9596, tok/s=1816]
+
+(ASCII, so the log reads the same in any viewer.)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from tqdm.auto import tqdm
+
+#: seconds between two redraws written to a log file
+LOG_INTERVAL_S = 30.0
+
+
+class LineWriter:
+    """A text stream that turns tqdm's in-place redraws (``"\\r" + bar``) into whole lines."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        line = text.replace("\r", "").strip()
+        if line:
+            self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def stderr_is_terminal() -> bool:
+    """Whether stderr is an interactive terminal."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def progress_bar(
+    iterable: Any = None, *, log_interval: float = LOG_INTERVAL_S, **kwargs: Any
+) -> tqdm:
+    """``tqdm(iterable, **kwargs)`` on stderr; in a log file one line per ``log_interval``
+    seconds (module docstring). ``disable=True`` works as in tqdm."""
+    if not stderr_is_terminal() and "file" not in kwargs:
+        kwargs = {
+            **kwargs,
+            "file": LineWriter(sys.stderr),
+            "mininterval": max(kwargs.get("mininterval", 0.1), log_interval),
+            "maxinterval": max(kwargs.get("maxinterval", 10.0), log_interval),
+            "dynamic_ncols": False,
+            "ncols": kwargs.get("ncols", 100),
+        }
+    return tqdm(iterable, **kwargs)
