@@ -48,8 +48,11 @@ def fold_attention_dims(
     others = [first + i for i, n in enumerate(spec.names) if n not in over]
     perm = [*range(first), *others, *over_axes, x.dim() - 2, x.dim() - 1]
     moved = x.permute(perm)
+    batch = math.prod(moved.shape[: first + len(others)])
     length = math.prod(moved.shape[first + len(others) : first + count])
-    return moved.reshape(-1, length, *moved.shape[-2:]), moved.shape
+    # the batch spelled out, not -1: an empty shard (a dim shorter than the SP size) has
+    # length 0, which leaves -1 ambiguous
+    return moved.reshape(batch, length, *moved.shape[-2:]), moved.shape
 
 
 def unfold_attention_dims(
