@@ -464,9 +464,10 @@ def check_model(
     sizes = tuple(sorted(set(sp_sizes)))
     if not sizes or sizes[0] < 2:
         raise ValueError(f"sp_sizes must be SP sizes >= 2, got {tuple(sp_sizes)}")
-    unknown = [s for s in strategies or () if s not in STRATEGIES]
+    known = (*STRATEGIES, "auto")
+    unknown = [s for s in strategies or () if s not in known]
     if unknown:
-        raise ValueError(f"unknown strategies {unknown}; available: {sorted(STRATEGIES)}")
+        raise ValueError(f"unknown strategies {unknown}; available: {sorted(known)}")
     case = _Case(
         make_model,
         make_inputs,

@@ -130,6 +130,19 @@ def test_harness_catches_a_stage_that_mixes_a_dim_it_did_not_declare() -> None:
     assert _masked(_guide_harness_blocks()[2]) == _masked(raised)
 
 
+@pytest.mark.timeout(120)
+def test_harness_checks_the_auto_strategy() -> None:
+    """``strategy="auto"`` (not in STRATEGIES: a policy that picks a method per stage) is
+    checked like the others, its traced bytes equal to its plan's."""
+    wl = workload("axial3d-tiny", CONFIG, frames=FRAMES, spatial=(HEIGHT, WIDTH), batch=2)
+    report = check_model(
+        make_model, make_inputs, workload=wl, strategies=("auto",), sp_sizes=(2, 3), timeout=100
+    )
+    assert {(c.sp, c.strategy) for c in report.checks} == {(2, "auto"), (3, "auto")}
+    assert all(c.plan_bytes == c.traced_bytes > 0 for c in report.checks)
+    assert not report.failures
+
+
 def test_harness_rejects_bad_arguments_and_measures_relative_error() -> None:
     with pytest.raises(ValueError, match="unknown strategies"):
         check_model(make_model, make_inputs, strategies=("dsp", "magic"))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from dspzoo.core import SeqParallel
+from dspzoo.core import SeqParallel, Stage
 from dspzoo.core.harness import check_model
 from dspzoo.core.layers.attention import SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp
@@ -131,6 +131,68 @@ def test_plain_blocks_are_exact_under_every_strategy_at_sp_2_3_4() -> None:
     wl = mixer_workload("conv_video", CFG, 2, (T, S))
     report = check_model(make_plain, conv_inputs, workload=wl, timeout=280)
     assert all(c.plan_bytes == c.traced_bytes for c in report.checks)
+    assert max(c.output_error for c in report.checks) <= 1e-5
+    assert max(c.grad_error for c in report.checks) <= 1e-5
+
+
+# -- a causal SeqSelfAttention stage --------------------------------------------------------------
+class PlainCausalVideo(nn.Module):
+    """Causal attention along ``t`` (``SeqSelfAttention(causal=True)``), attention along ``s``,
+    an MLP: ``[B, T, S, 3]`` → same shape, on plain tensors."""
+
+    STAGES = (
+        Stage("time", ("t",), heads=2, causal=True),
+        Stage("space", ("s",), heads=2),
+        Stage("mlp"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(3, 8), nn.Linear(8, 3)
+        self.time = SeqSelfAttention(8, 2, over="t", causal=True)
+        self.space = SeqSelfAttention(8, 2, over="s")
+        self.mlp = Mlp(8, ratio=2.0)
+
+    def forward(self, x: torch.Tensor, sp: SeqParallel | None = None) -> torch.Tensor:
+        sp = sp or SeqParallel()
+        act = sp.enter(x, ("t", "s"), self.STAGES)
+        with sp.region(act) as region:
+            h = self.embed(act.tensor)
+            h = stage("time", h)
+            h = h + self.time(h)
+            h = stage("space", h)
+            h = h + self.space(h)
+            h = stage("mlp", h)
+            act = region.seq(self.head(h + self.mlp(h)))
+        return sp.exit(act)
+
+
+def make_causal() -> nn.Module:
+    return PlainCausalVideo()
+
+
+def test_a_causal_seq_self_attention_sees_no_later_position() -> None:
+    """One process: changing frame 3 leaves every earlier frame's output as it was."""
+    torch.manual_seed(0)
+    model = make_causal()
+    x = conv_inputs()
+    y = x.clone()
+    y[:, 3] += 1.0
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :3], b[:, :3], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 3:], b[:, 3:])
+
+
+@pytest.mark.timeout(200)
+def test_a_causal_seq_self_attention_is_exact_under_the_embedded_methods() -> None:
+    """The mask reaches each method: DSP (``t`` whole), and ring, the balanced ring and
+    balanced LSS over a sharded ``t`` (T = 5 at SP 2 and 3)."""
+    report = check_model(
+        make_causal, conv_inputs, strategies=("dsp", "ring", "ring_balanced", "lss_balanced"),
+        sp_sizes=(2, 3), timeout=180,
+    )  # fmt: skip
+    assert len(report.checks) == 4 * (2 + 3) and not report.failures
     assert max(c.output_error for c in report.checks) <= 1e-5
     assert max(c.grad_error for c in report.checks) <= 1e-5
 

@@ -89,15 +89,20 @@ class SeqSelfAttention(torch.nn.Module):
     with q, k, v stacked (each third sharded by heads), ``proj`` row-parallel; the
     ``sp.tp_enter``/``sp.tp_exit`` hooks around them do nothing under other strategies, and
     the head count is read from ``qkv``'s weight (fewer local heads when it is sharded).
+    ``causal=True``: position ``i`` along ``over`` attends to positions ``≤ i`` only (declare
+    the stage ``Stage(..., causal=True)`` too, so the planner prices the mask).
     """
 
     TP_PLAN = {"qkv": ("column", 3), "proj": "row"}
 
-    def __init__(self, hidden: int, heads: int, over: str, qkv_bias: bool = True) -> None:
+    def __init__(
+        self, hidden: int, heads: int, over: str, qkv_bias: bool = True, causal: bool = False
+    ) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads")
         self.heads, self.head_dim, self.over = heads, hidden // heads, over
+        self.causal = causal
         self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=qkv_bias)
         self.proj = torch.nn.Linear(hidden, hidden)
 
@@ -111,7 +116,7 @@ class SeqSelfAttention(torch.nn.Module):
         q, k, v = rearrange(
             self.qkv(x), "... (three h d) -> three ... h d", three=3, d=self.head_dim
         )
-        out = sp.attention(q, k, v, inner, over=self.over)
+        out = sp.attention(q, k, v, inner, over=self.over, causal=self.causal)
         return sp.tp_exit(self.proj, rearrange(out, "... h d -> ... (h d)"), spec)
 
 
