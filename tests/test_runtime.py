@@ -93,6 +93,28 @@ def test_shard_like_checks_lengths(world: int) -> None:
     assert run_distributed(_shard_like_worker, world, timeout=120) == [2] * world
 
 
+def _undeclared_dim_worker(rank: int, world: int) -> str:
+    """A stage declared as mixing ``t`` whose attention runs over ``s``, which its plan keeps
+    sharded: the runtime refuses on every rank, naming the stage and what it declared."""
+    sp = SeqParallel(build_mesh(world), "dsp")
+    act = sp.to_stage(sp.enter(torch.randn(1, 5, 7, 2, 4), ("t", "s"), STAGES), "temporal")
+    assert act.spec.sharded == "s"
+    try:
+        sp.attention(act.tensor, act.tensor, act.tensor, act.spec, over="s")
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_attention_over_an_undeclared_dim_names_the_stage() -> None:
+    messages = run_distributed(_undeclared_dim_worker, 2, timeout=60)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(
+        "dsp: attention over ('s',) in stage 'temporal' (declared as mixing ('t',)) while 's' is "
+        "sharded"
+    ), messages[0]
+
+
 def test_with_tensor_keeps_sequence_sizes() -> None:
     sp = SeqParallel()
     act = sp.enter(torch.randn(1, 4, 6, 8), ("t", "s"), STAGES)

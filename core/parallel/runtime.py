@@ -121,6 +121,8 @@ class SeqParallel:
         self.switch_chunk = switch_chunk
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._open: tuple[str, str, str, str] | None = None  # (stage, method, entry, dim)
+        #: the stage of the last ``to_stage`` (its name and declared dims), for error messages
+        self.last_stage: tuple[str, tuple[str, ...]] | None = None
 
     def __repr__(self) -> str:
         return f"SeqParallel(size={self.size}, rank={self.rank}, strategy={self.strategy.name!r})"
@@ -153,6 +155,7 @@ class SeqParallel:
         spec = SeqSpec.of(x, tuple(names), first_axis)
         plan = self.plan(spec.names, spec.lengths, tuple(stages))
         self._open = None  # a new pass: nothing left in force from an interrupted one
+        self.last_stage = None
         return self.shard(x, spec, plan.entry, plan)
 
     def shard(
@@ -239,6 +242,13 @@ class SeqParallel:
             yield region
 
     # -- stages and attention ---------------------------------------------------------------
+    def stage_words(self) -> str:
+        """`` in stage 'name' (declared as mixing (...))`` for the last ``to_stage``, or ``""``."""
+        if self.last_stage is None:
+            return ""
+        name, mixes = self.last_stage
+        return f" in stage {name!r} (declared as mixing {mixes})"
+
     def to_stage(self, act: SeqTensor, stage: str) -> SeqTensor:
         """Make ``act`` ready for ``stage``: switch to the planned sharded dim (if it differs)
         and put the planned method in force for the stage's attention."""
@@ -248,6 +258,7 @@ class SeqParallel:
             )
         self._close_stage()
         step = act.plan.step_for(stage)
+        self.last_stage = (stage, tuple(step.mixes))
         with comm_region(stage):
             if act.spec.sharded is None:  # after a gather stage: keep this rank's rows again
                 act = self.shard(act.tensor, act.spec, step.sharded, act.plan)
@@ -344,9 +355,10 @@ class SeqParallel:
             return unfold_scan_dims(op(folded), moved, spec, over_dims)
         if spec.method == "local":
             raise RuntimeError(
-                f"{self.strategy.name}: a scan over {over_dims} while {sharded!r} is sharded and "
-                f"the stage's plan says 'local'; call sp.to_stage() for this stage first, or "
-                f"declare that the stage mixes {over_dims} with op='scan'"
+                f"{self.strategy.name}: a scan over {over_dims}{self.stage_words()} while "
+                f"{sharded!r} is sharded and the stage's plan says 'local'; call sp.to_stage() "
+                f"for this stage first, or declare that the stage mixes {over_dims} with "
+                f"op='scan'"
             )
         if over_dims[0] != sharded:
             raise ValueError(

@@ -44,9 +44,9 @@ def sharded_attention(
     method = spec.method
     if method == "local":
         raise RuntimeError(
-            f"{sp.strategy.name}: attention over {over} while {sharded!r} is sharded and the "
-            f"stage's plan says 'local'; call sp.to_stage() for this stage first, or declare "
-            f"that the stage mixes {over}"
+            f"{sp.strategy.name}: attention over {over}{sp.stage_words()} while {sharded!r} "
+            f"is sharded and the stage's plan says 'local'; call sp.to_stage() for this stage "
+            f"first, or declare that the stage mixes {over}"
         )
     if mask is not None:
         raise NotImplementedError(
