@@ -9,8 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed._composable import checkpoint
 
 import dspzoo.domains.protein  # noqa: F401  (registers the family)
+from dspzoo.core.parallel.context import recompute_contexts
 from dspzoo.core.parallel.mesh import build_mesh
 from dspzoo.core.parallel.multiplan import ActShape, Gather, MultiStage, plan_multi
 from dspzoo.core.parallel.rng import mix_key
@@ -18,6 +20,7 @@ from dspzoo.core.parallel.runtime import SeqParallel
 from dspzoo.core.parallel.trace import trace_comm
 from dspzoo.core.parallel.validate import InputValidationError
 from dspzoo.core.testing import run_distributed
+from dspzoo.core.train.fsdp import shard_units, sublayer_units
 from dspzoo.domains.protein import CONFIGS, Evoformer, evoformer_plan
 from dspzoo.domains.protein.convert_openfold import (
     from_openfold,
@@ -265,6 +268,29 @@ def _sp_worker(rank: int, world: int) -> dict[str, float]:
     with torch.no_grad():
         plain = make_model().eval()(batch, num_recycles=1)
     assert rel(plain["pair"], ref["pair"]) > 1e-3  # dropout really acted
+
+    # 1b. every layer of every block recomputed in backward (--fsdp --activation-checkpointing's
+    # units), the pair layers' while the MSA's switch back is in flight: what ran without
+    checkpointed = make_model().train()
+    for unit in sublayer_units(checkpointed):
+        checkpoint(unit, context_fn=recompute_contexts)
+    with trace_comm() as ck_tracer:
+        ck = checkpointed(batch, sp=sp, num_recycles=1, rng_key=KEY, outputs=OUTPUTS)
+        loss_of(ck, batch["seq_mask"]).backward()
+    for k in ref:
+        report[f"checkpointed out {k}"] = rel(ck[k], out[k])
+    for n, t in grads(checkpointed).items():
+        report[f"checkpointed grad {n}"] = rel(t, g[n])
+    recomputed = ck_tracer.total_bytes() - tracer.total_bytes()  # the layers' gathers again
+    assert recomputed > 0, recomputed
+    # whole blocks cannot be: each begins while the MSA switch of the block before is in
+    # flight; the recomputation says so (on every rank alike: nothing is sent before it)
+    whole = make_model().train()
+    for unit in shard_units(whole):
+        checkpoint(unit, context_fn=recompute_contexts)
+    out_whole = whole(batch, sp=sp, num_recycles=0, rng_key=KEY, outputs=OUTPUTS)
+    with pytest.raises(RuntimeError, match="stage\\('msa_row'\\) needs activation 'm'"):
+        loss_of(out_whole, batch["seq_mask"]).backward()
 
     # 2. chunked, in-place inference at SP N == one process unchunked
     with torch.no_grad():

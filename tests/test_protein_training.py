@@ -135,13 +135,10 @@ def test_flags_describe_themselves_and_reject_bad_values(capsys) -> None:
             parse_args(bad)
         assert info.value.code == 2
     assert "--num-recycles must be >= 0" in capsys.readouterr().err
-    # checkpointing at SP > 1 is refused at parse time (its recomputation cannot replay the
-    # switches the plan overlaps across blocks); at SP 1 it is taken
-    with pytest.raises(SystemExit) as info:
-        parse_args(["--sp", "2", "--fsdp", "--activation-checkpointing"])
-    assert info.value.code == 2
-    assert "--activation-checkpointing at --sp > 1 is not supported" in capsys.readouterr().err
-    assert parse_args(["--sp", "1", "--fsdp", "--activation-checkpointing"]).fsdp
+    # checkpointing (of every block's layers) is taken at any SP size
+    for sp in ("1", "2"):
+        cfg = parse_args(["--sp", sp, "--fsdp", "--activation-checkpointing"])
+        assert cfg.fsdp and cfg.activation_checkpointing
 
 
 def test_predict_rejects_a_query_that_is_not_the_msa_first_row(tmp_path: Path, capsys) -> None:

@@ -235,21 +235,32 @@ class SeveralActivations(Region):
         self.sp, self.mp, self.state = mp.sp, mp, state
         self._sent: dict[str, torch.Tensor] = {}  # what each in-flight switch was launched from
         self._tag: tuple[str, ...] | None = None
+        self._unavailable: frozenset[str] = frozenset()  # a snapshot's in-flight activations
 
     def snapshot(self) -> SeveralActivations:
-        """A copy with its own activations' record (a stage updates the state in place); a
-        block cannot start while a switch is in flight (its recomputation could not relaunch
-        a switch its forward did not)."""
-        if self.state.pending:
-            raise RuntimeError(
-                f"activation checkpointing: a checkpointed block starts while "
-                f"{sorted(self.state.pending)} are being switched (an overlapped switch of the "
-                f"block before); checkpoint blocks the plan does not overlap across"
-            )
+        """A copy with its own activations' record (a stage updates the state in place).
+
+        An activation whose overlapped switch is in flight when the checkpointed unit starts
+        is *unavailable* in the copy: a unit that does not touch it (an Evoformer pair layer
+        while the MSA switches back) recomputes exactly; one that asks for it (its layout, a
+        stage) raises, since its recomputation could not relaunch a switch its forward did
+        not (checkpoint units the plan does not overlap across)."""
         copied = copy.copy(self)
-        copied.state = MultiState(self.state.acts)
-        copied._sent = dict(self._sent)
+        copied.state = MultiState(
+            {n: a for n, a in self.state.acts.items() if n not in self.state.pending}
+        )
+        copied._sent = {}
+        copied._unavailable = frozenset(self.state.pending)
         return copied
+
+    def _check_available(self, act: str, what: str) -> None:
+        if act in self._unavailable:
+            raise RuntimeError(
+                f"activation checkpointing: {what} needs activation {act!r}, which was being "
+                f"switched (an overlapped switch) when this checkpointed unit began, so its "
+                f"recomputation cannot have it; checkpoint units the plan does not overlap "
+                f"across (smaller ones, e.g. the layers of a block: sublayer_units)"
+            )
 
     # -- stages --------------------------------------------------------------------------------
     def stage(
@@ -261,6 +272,8 @@ class SeveralActivations(Region):
                 f"stage({name!r}): this region carries the activations {list(self.mp.plan.names)}; "
                 f"name the ones the block holds, e.g. {first} = stage({name!r}, {first}={first})"
             )
+        for act in self.mp.plan.names:  # the stage's switches may touch any of them
+            self._check_available(act, f"stage({name!r})")
         for act, t in acts.items():
             self._put(act, t, f"stage({name!r})")
         self._tag = tag_stage(name, self._tag)
@@ -303,6 +316,7 @@ class SeveralActivations(Region):
 
     def seq(self, act: str, t: torch.Tensor) -> SeqTensor:
         """The local tensor ``t`` of ``act`` as a SeqTensor, its in-flight switch completed."""
+        self._check_available(act, "region.seq")
         self._put(act, t, "region.seq")
         self.mp._settle(self.state, act)
         self._sent.pop(act, None)
@@ -311,6 +325,7 @@ class SeveralActivations(Region):
     # -- what layers ask ------------------------------------------------------------------------
     def spec(self, act: str | None = None) -> SeqSpec:
         act = self._known(act, "layout")
+        self._check_available(act, "layout")
         if act in self.state.pending:
             raise RuntimeError(
                 f"activation {act!r} is being switched (overlapped); use it in a stage that "

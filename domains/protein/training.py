@@ -109,13 +109,6 @@ class ProteinTrainConfig(RunConfig):
                 f"--sp-strategy {self.sp_strategy}: the Evoformer runs under 'dsp' only (its MSA "
                 f"and pair activations are planned together, core/parallel/multiplan.py)"
             )
-        if self.activation_checkpointing and self.sp > 1:
-            raise ValueError(
-                "--activation-checkpointing at --sp > 1 is not supported for the Evoformer yet: "
-                "its blocks begin on activations whose switch the plan overlapped with the "
-                "block before, which a recomputation cannot replay; drop the flag, or train "
-                "at --sp 1"
-            )
         if not 0.0 < self.held_out_fraction < 1.0:
             raise ValueError(f"--held-out-fraction must be in (0, 1), got {self.held_out_fraction}")
         if self.num_recycles is not None and self.num_recycles < 0:
