@@ -41,9 +41,27 @@ def test_without_periodic_saves_the_last_step_is_still_checkpointed(tmp_path: Pa
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
     # a fresh run into the same folder would put its checkpoints beside the old run's, where
     # --resume latest could pick the old run's last step: refused, naming the way out
+    recorded = (tmp_path / "train_config.json").read_bytes()
     with pytest.raises(FileExistsError, match=r"step_2\): pass --resume latest to continue it"):
         train(_config(tmp_path, steps=1, save_every=0))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+    # the refused run wrote nothing: the earlier run's settings are still the recorded ones
+    assert (tmp_path / "train_config.json").read_bytes() == recorded
+    assert json.loads(recorded)["steps"] == 2
+
+
+def test_a_session_says_how_far_the_run_is(tmp_path: Path, caplog) -> None:
+    """``--stop-after``: "stopped at step 2 of 3"; resumed at or past ``--steps``: a warning
+    that there is nothing to train, and no speed figures (no step ran)."""
+    caplog.set_level("INFO")
+    train(_config(tmp_path, steps=3, save_every=0, stop_after=2))
+    assert "done: stopped at step 2 of 3 (--resume latest continues)" in caplog.text
+    caplog.clear()
+    again = train(_config(tmp_path, steps=2, save_every=0, resume="latest"))
+    assert again["losses"] == []
+    assert "at step 2, at or past --steps 2: nothing to train in this session" in caplog.text
+    assert "done: 2 steps, no step in this session" in caplog.text
+    assert "nan" not in caplog.text
 
 
 def _stale_checkpoints_on_one_rank(rank: int, world: int, folder: str) -> str:

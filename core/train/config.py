@@ -7,13 +7,13 @@ change its default (a redeclared field keeps its place). Every field is a comman
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..durable import write_json_durably
 from ..parallel.strategies import STRATEGIES
 from .flags import check_values, flag
 
@@ -191,8 +191,10 @@ def train_loader(cfg: RunConfig, dataset: Any, mesh: Any, **options: Any) -> Any
 def start_run(cfg: RunConfig) -> tuple[Any, Any, Any, Path]:
     """Validate ``cfg``, build ``(accelerator, mesh, sp)`` and the output folder.
 
-    The global batch must split evenly over the data-parallel groups; the main process writes
-    ``train_config.json``. Returns ``(accelerator, mesh, sp, output_dir)``.
+    The global batch must split evenly over the data-parallel groups. Nothing is written yet:
+    the trainer records ``train_config.json`` (:func:`record_run_config`) once the run is known
+    to start (an earlier run's folder is never overwritten by a refused one). Returns
+    ``(accelerator, mesh, sp, output_dir)``.
     """
     from ..accelerate import setup_accelerate
 
@@ -206,8 +208,12 @@ def start_run(cfg: RunConfig) -> tuple[Any, Any, Any, Path]:
             f"data-parallel groups ({mesh.world_size} processes / SP {cfg.sp}); choose a "
             f"multiple of {mesh.dp_size}"
         )
-    output_dir = Path(cfg.output_dir)
-    if mesh.is_main:
+    return accelerator, mesh, sp, Path(cfg.output_dir)
+
+
+def record_run_config(cfg: RunConfig, output_dir: Path, is_main: bool) -> None:
+    """The main process writes ``output_dir/train_config.json`` (durably: written aside,
+    fsynced, swapped in): the settings of the session that is starting."""
+    if is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    return accelerator, mesh, sp, output_dir
+        write_json_durably(output_dir / "train_config.json", asdict(cfg))

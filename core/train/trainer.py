@@ -32,7 +32,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from ..loss import world_report
 from ..parallel.trace import SavedTensorMeter, format_bytes
 from .checkpoint import save_checkpoint
-from .config import start_run, train_loader, warmup_cosine
+from .config import record_run_config, start_run, train_loader, warmup_cosine
 from .ema import EMA
 from .fsdp import ShardingSettings
 from .loop import LoopSettings, run_training_loop
@@ -192,6 +192,15 @@ class Trainer:
         if not self.cfg.resume:
             refuse_stale_checkpoints(self.mesh, self.checkpoint_dir, self.accelerator.device)
         start_step, history = self.restore() if self.cfg.resume else (0, [])
+        record_run_config(self.cfg, self.output_dir, self.mesh.is_main)
+        if start_step >= self.cfg.steps and self.mesh.is_main:
+            self.logger.warning(
+                "the checkpoint is at step %d, at or past --steps %d: nothing to train in this "
+                "session (pass --steps > %d to continue the run)",
+                start_step,
+                self.cfg.steps,
+                start_step,
+            )
         settings = LoopSettings.of_run(
             self.cfg, start_step, self.tokens_per_step, self.task.loss_name
         )
@@ -224,19 +233,31 @@ class Trainer:
             **self.task.result_extra(self.final_figures),
         }
         if self.mesh.is_main:
-            self.logger.info(
-                "done: %d steps, %.0f tokens/s, %.2f samples/s, activation memory/rank %s "
-                "(dp %d × sp %d, %s, gradients: %s)",
-                session.step,
-                result["tokens_per_s"],
-                result["samples_per_s"],
-                format_bytes(session.activation_bytes),
-                self.mesh.dp_size,
-                self.mesh.sp_size,
-                self.cfg.sp_strategy,
-                self.sync.method,
-            )
+            self._log_done(session.step, start_step, result)
         return result
+
+    def _log_done(self, step: int, start_step: int, result: dict[str, Any]) -> None:
+        """The session's last line: how far the run is, its speed and memory, the layout."""
+        where = (
+            f"{step} steps"
+            if step >= self.cfg.steps
+            else f"stopped at step {step} of {self.cfg.steps} (--resume latest continues)"
+        )
+        layout = (
+            f"dp {self.mesh.dp_size} × sp {self.mesh.sp_size}, {self.cfg.sp_strategy}, "
+            f"gradients: {self.sync.method}"
+        )
+        if step == start_step:  # no step ran: no speed or memory to report
+            self.logger.info("done: %s, no step in this session (%s)", where, layout)
+            return
+        self.logger.info(
+            "done: %s, %.0f tokens/s, %.2f samples/s, activation memory/rank %s (%s)",
+            where,
+            result["tokens_per_s"],
+            result["samples_per_s"],
+            format_bytes(result["activation_bytes"]),
+            layout,
+        )
 
 
 def train_task(task: Task) -> dict[str, Any]:
