@@ -96,6 +96,11 @@ def setup_accelerate(
     """
     if cpu is None:
         cpu = not torch.cuda.is_available()
+    if cpu and mixed_precision == "fp16":  # Accelerate would quietly run fp32 on a CPU
+        raise ValueError(
+            "--mixed-precision fp16 needs a CUDA GPU (on a CPU the steps would quietly run in "
+            "fp32); use bf16 (CPU autocast) or no"
+        )
     if cpu:
         _maybe_keep_freed_memory(keep_freed_memory)
     accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, **accelerator_kwargs)

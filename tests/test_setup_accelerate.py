@@ -104,3 +104,9 @@ def test_not_on_cuda(caplog) -> None:
 def test_setup_accelerate_documents_the_switches() -> None:
     doc = accel_module.setup_accelerate.__doc__ or ""
     assert "keep_freed_memory" in doc and "DSPZOO_KEEP_FREED_MEMORY" in doc
+
+
+def test_fp16_on_a_cpu_is_refused_not_run_in_fp32() -> None:
+    """Accelerate would accept fp16 on a CPU and run every step in fp32, saying nothing."""
+    with pytest.raises(ValueError, match="fp16 needs a CUDA GPU.*use bf16"):
+        accel_module.setup_accelerate(1, mixed_precision="fp16", cpu=True)
