@@ -502,13 +502,29 @@ def test_plan_help_names_the_mamba_families() -> None:
 
 
 @pytest.mark.parametrize(
-    ("shipped", "config"),
-    [("stdit-mini-shapes", "stdit-mini"), ("evoformer-small-pdb", "evoformer-small")],
+    ("shipped", "config", "tokens"),
+    [
+        ("stdit-mini-shapes", "stdit-mini", "tokens (t=8, s=64)"),  # 8 clips of 32 px, ×2 codec
+        ("bytelm-tiny-stdlib", "bytelm-tiny", "tokens (l=256)"),  # its training length
+        ("weathertx-small-a1b-e1", "weathertx-small", "tokens (t=4, y=10, x=13)"),  # history 4
+        ("evoformer-small-pdb", "evoformer-small", "MSA (s=16, r=64)"),  # its training crop
+    ],
 )
-def test_a_shipped_name_is_planned_by_its_config(capsys, shipped: str, config: str) -> None:
+def test_a_shipped_name_is_planned_as_the_shipped_model(
+    capsys, shipped: str, config: str, tokens: str
+) -> None:
+    """The shipped model's saved config (not its zoo config's: other channels, classes,
+    history) and the sizes it was trained or samples at, unless flags say otherwise."""
+    from dspzoo.zoo import from_pretrained
+
     header = _plan(capsys, shipped.upper(), "--sp", "1,2")[0]
-    count = format_count(count_parameters(create_model(config, device="meta")))
+    count = format_count(count_parameters(from_pretrained(shipped)))
     assert header.startswith(f"{shipped} (shipped; config {config}): {count} parameters, batch 1")
+    assert tokens in header, header
+    if config == "stdit-mini":
+        assert count != format_count(count_parameters(create_model(config, device="meta")))
+        given = _plan(capsys, shipped, "--frames", "2", "--size", "64", "--sp", "2")[0]
+        assert "tokens (t=2, s=256)" in given, given  # 64 px / its codec's 2 = 32: 16 × 16
 
 
 def test_a_closed_pipe_ends_the_plan_quietly() -> None:

@@ -40,6 +40,7 @@ strategy's method.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import sys
 from collections.abc import Callable
@@ -69,6 +70,7 @@ from .registry import (
     create_model,
     format_count,
     get_config,
+    override_config,
     resolve_name,
 )
 from .workloads import workload_for
@@ -112,8 +114,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     video.add_argument(
         "--vae-stride",
         type=positive_int,
-        default=8,
-        help="pixels per latent of the video families' --size (default 8)",
+        help="pixels per latent of the video families' --size (default 8; a shipped model's "
+        "own codec factor)",
     )
     video.add_argument("--context", type=positive_int, help="conditioning tokens (default 0)")
     text = p.add_argument_group("language models: bytelm; Mamba LMs mambalm, mamba2lm, hybridlm")
@@ -190,6 +192,10 @@ class Sizing:
     sizes: Callable[[Any, argparse.Namespace], tuple[dict[str, Any], list[str]]]
 
 
+#: pixels per latent of the video families' autoencoder (SD's VAE), unless --vae-stride says
+DEFAULT_VAE_STRIDE = 8
+
+
 def _hw(text: str, scale: int = 1, flag: str = "--size") -> tuple[int, int]:
     """``"H"`` or ``"HxW"`` (positive integers) divided by ``scale``; a one-line error naming
     ``flag`` for anything else."""
@@ -210,12 +216,12 @@ def _video_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any],
     if args.latent is not None:
         spatial = _hw(args.latent, flag="--latent")
     elif args.size is not None:
-        if min(_hw(args.size)) < args.vae_stride:
+        stride = args.vae_stride or DEFAULT_VAE_STRIDE
+        if min(_hw(args.size)) < stride:
             raise ValueError(
-                f"--size {args.size} is smaller than one latent pixel (--vae-stride "
-                f"{args.vae_stride})"
+                f"--size {args.size} is smaller than one latent pixel (--vae-stride {stride})"
             )
-        spatial = _hw(args.size, args.vae_stride)
+        spatial = _hw(args.size, stride)
     elif hasattr(config, "input_size"):  # stdit, latte
         spatial = tuple(config.input_size)
         notes.append(f"latent {spatial[0]}x{spatial[1]} (the config's input_size; --size/--latent)")
@@ -336,8 +342,15 @@ def parse_dims(text: str | None) -> dict[str, int]:
     return dims
 
 
-def workload_from_args(name: str, config: Any, sizing: Sizing, args: argparse.Namespace):
-    """The :class:`Workload` the flags describe, and the notes on sizes that were defaults."""
+def workload_from_args(
+    name: str,
+    config: Any,
+    sizing: Sizing,
+    args: argparse.Namespace,
+    overrides: dict[str, Any] | None = None,
+):
+    """The :class:`Workload` the flags describe (of ``name``'s config with ``overrides``, as
+    ``config`` is), and the notes on sizes that were defaults."""
     dims = parse_dims(args.dims)
     kwargs, notes = sizing.sizes(config, args)
     given = any(getattr(args, f) is not None for f in sizing.flags)
@@ -345,7 +358,12 @@ def workload_from_args(name: str, config: Any, sizing: Sizing, args: argparse.Na
         kwargs = {}
     try:
         wl = workload_for(
-            name, **kwargs, batch=args.batch, itemsize=args.dtype_bytes, dims=dims or None
+            name,
+            **kwargs,
+            batch=args.batch,
+            itemsize=args.dtype_bytes,
+            dims=dims or None,
+            overrides=overrides,
         ).with_(stream_itemsize=getattr(args, "stream_bytes", None))
     except ValueError as exc:
         raise ValueError(
@@ -434,21 +452,70 @@ def describe_methods(wl: Any, strategies: list[str], sizes: list[int]) -> list[s
 # -- the command --------------------------------------------------------------------------------
 
 
-def resolve_model(text: str) -> tuple[str, str]:
-    """The zoo config name of ``text`` (a config name, or a shipped name: its card's config)
-    and the label the header prints (``"stdit-mini-shapes (shipped; config stdit-mini)"``).
-    An unknown name raises the registry's ``KeyError`` with its did-you-mean hints."""
+def resolve_model(text: str) -> tuple[str, str, str | None]:
+    """The zoo config name of ``text`` (a config name, or a shipped name: its card's config),
+    the label the header prints (``"stdit-mini-shapes (shipped; config stdit-mini)"``) and the
+    shipped name (``None`` for a config name). An unknown name raises the registry's
+    ``KeyError`` with its did-you-mean hints."""
     from .shipped import model_card, shipped_names
 
     if _match(text, shipped_names()) is not None:
         card = model_card(text)
         name = resolve_name(card.model)
-        return name, f"{card.name} (shipped; config {name})"
+        return name, f"{card.name} (shipped; config {name})", card.name
     name = resolve_name(text)
-    return name, name
+    return name, name, None
 
 
-def _protein(name: str, config: Any, args: argparse.Namespace, sizes: list[int], label: str) -> int:
+def shipped_overrides(name: str, shipped: str) -> dict[str, Any]:
+    """The fields in which shipped model ``shipped``'s saved config differs from zoo config
+    ``name``'s (what ``create_model(name, **overrides)`` needs to build that model)."""
+    from .pretrained import load_config
+
+    base, saved = get_config(name), load_config(shipped)[1]
+    return {
+        f.name: getattr(saved, f.name)
+        for f in dataclasses.fields(saved)
+        if getattr(saved, f.name) != getattr(base, f.name)
+    }
+
+
+def shipped_sizes(shipped: str, args: argparse.Namespace) -> list[str]:
+    """Fill the size flags ``args`` leaves unset from the settings the shipped model was trained
+    or samples with (its folder's ``extra``); returns the notes the header prints."""
+    from .pretrained import load_extra
+
+    extra, notes = load_extra(shipped), []
+    sampling, training = extra.get("sampling") or {}, extra.get("training") or {}
+    protein = extra.get("protein") or {}
+    if sampling:  # a video model: its clips' frames and its codec's pixels per latent
+        if getattr(args, "frames", None) is None and sampling.get("frames"):
+            args.frames = int(sampling["frames"])
+            notes.append(f"{args.frames} frames (the shipped model's sampling settings)")
+        if getattr(args, "vae_stride", None) is None and sampling.get("codec_factor"):
+            args.vae_stride = int(sampling["codec_factor"])
+            notes.append(f"--vae-stride {args.vae_stride} (its {sampling.get('codec')} codec)")
+    if training.get("seq_len") and getattr(args, "seq_len", None) is None:
+        args.seq_len = int(training["seq_len"])
+        notes.append(f"{args.seq_len} tokens (the length it was trained at)")
+    if protein:
+        if getattr(args, "residues", None) is None and protein.get("crop_size"):
+            args.residues = int(protein["crop_size"])
+            notes.append(f"{args.residues} residues (its training crop)")
+        if getattr(args, "msa_depth", None) is None and protein.get("max_msa_rows"):
+            args.msa_depth = int(protein["max_msa_rows"])
+            notes.append(f"{args.msa_depth} MSA rows (its training depth)")
+    return notes
+
+
+def _protein(
+    name: str,
+    config: Any,
+    args: argparse.Namespace,
+    sizes: list[int],
+    label: str,
+    overrides: dict[str, Any],
+) -> int:
     from dspzoo.domains.protein.workload import DEFAULT_MSA_DEPTH, DEFAULT_RESIDUES, plan_table
 
     if args.strategies and {s.strip() for s in args.strategies.split(",") if s.strip()} != {"dsp"}:
@@ -462,7 +529,7 @@ def _protein(name: str, config: Any, args: argparse.Namespace, sizes: list[int],
         )
     residues = dims.get("r", args.residues or DEFAULT_RESIDUES)
     msa_depth = dims.get("s", args.msa_depth or DEFAULT_MSA_DEPTH)
-    params = count_parameters(create_model(name, device="meta"))
+    params = count_parameters(create_model(name, device="meta", **overrides))
     what = "forward pass" if args.inference else "training step"
     print(
         f"{label}: {format_count(params)} parameters, batch {args.batch}, MSA (s={msa_depth}, "
@@ -497,14 +564,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    name, label = resolve_model(args.model)  # clear error for unknown names
-    config = get_config(name)
+    name, label, shipped = resolve_model(args.model)  # clear error for unknown names
     sizing = sizing_of(name.split("-", 1)[0])
     _check_flags(name, sizing, args)
+    # a shipped name plans the shipped model: its saved config, its training/sampling sizes
+    overrides = shipped_overrides(name, shipped) if shipped else {}
+    config = override_config(get_config(name), **overrides)
+    shipped_notes = shipped_sizes(shipped, args) if shipped else []
     sizes = list(args.sp)
     if sizing is PROTEIN:
-        return _protein(name, config, args, sizes, label)
-    wl, notes = workload_from_args(name, config, sizing, args)
+        return _protein(name, config, args, sizes, label, overrides)
+    wl, notes = workload_from_args(name, config, sizing, args, overrides)
+    notes = shipped_notes + notes
     strategies = [s.strip() for s in (args.strategies or "").split(",") if s.strip()]
     known = ("auto", *STRATEGIES, "ulysses_flat")
     unknown = [s for s in strategies if s not in known]
