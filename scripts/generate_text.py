@@ -17,6 +17,7 @@ import sys
 
 from dspzoo.core.argparser import CommandParser
 from dspzoo.zoo import inference
+from dspzoo.zoo.pretrained import check_device
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the sampling draws (default: 0)"
     )
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     return parser
 
 
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> str:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        loaded = inference.load(args.model_dir, inference.TEXT_FAMILIES, args.device)
+        device = check_device(args.device, flag="--device")  # one line, not a traceback
+        loaded = inference.load(args.model_dir, inference.TEXT_FAMILIES, device)
         result = inference.generate_text(
             loaded, args.prompt, args.max_new, args.temperature, args.top_k, args.seed
         )

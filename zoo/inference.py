@@ -81,10 +81,13 @@ def load(
 
     ``family``: the family (or families) the caller can use; another raises ``ValueError``.
     A missing folder or unknown name raises ``FileNotFoundError`` listing the shipped names.
+    A ``device`` that is not one, or that this machine lacks (``"cuda"`` without a GPU), raises
+    ``ValueError`` before anything is read (:func:`~dspzoo.zoo.pretrained.check_device`).
     """
-    from .pretrained import _read_meta, from_pretrained, load_extra
+    from .pretrained import _read_meta, check_device, from_pretrained, load_extra
     from .shipped import resolve_pretrained
 
+    device = check_device(device)
     folder = resolve_pretrained(ref)
     saved = _read_meta(folder)["family"]
     _check_family(saved, family, folder)

@@ -241,6 +241,59 @@ def load_weights(model: nn.Module, path: str | os.PathLike, strict: bool = True)
     return model
 
 
+def check_device(device: str | torch.device | None, *, flag: str | None = None) -> torch.device:
+    """``device`` as a :class:`torch.device` this process can run a model on, else a
+    ``ValueError`` of one line naming the device and what to use instead.
+
+    Taken: ``cpu``, ``cuda`` / ``cuda:N`` (when this PyTorch sees that CUDA device) and ``mps``
+    (when available); ``None`` is ``cpu``. ``flag`` (e.g. ``"--device"``) words the message
+    for a command line (``--device cuda: ...; use --device cpu``) rather than for a call
+    (``device='cuda': ...; use device='cpu'``). The one check behind ``from_pretrained``,
+    :func:`dspzoo.zoo.inference.load` and the inference commands' ``--device``.
+    """
+    if device is None:
+        return torch.device("cpu")
+    shown = f"{flag} {device}" if flag else f"device={str(device)!r}"
+
+    def use(name: str) -> str:
+        return f"use {flag} {name}" if flag else f"use device={name!r}"
+
+    cuda = torch.cuda.is_available()
+    mps = torch.backends.mps.is_available()
+    best = "cuda" if cuda else "mps" if mps else "cpu"
+    here = ["cpu", *(["cuda", "cuda:N"] if cuda else []), *(["mps"] if mps else [])]
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(
+            f"{shown}: not a device a dspzoo model runs on (this machine has "
+            f"{', '.join(here)}); {use(best)}"
+        )
+    if dev.type == "cuda" and not cuda:
+        built = torch.version.cuda is not None or torch.version.hip is not None
+        why = "no GPU is visible to it" if built else "it is built without CUDA"
+        raise ValueError(
+            f"{shown}: this PyTorch has no CUDA device (torch.cuda.is_available() is False: "
+            f"{why}); {use(best)}"
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(
+            f"{shown}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
+            f"{use('cuda:0')}"
+        )
+    if dev.type == "mps" and not mps:
+        raise ValueError(
+            f"{shown}: this PyTorch has no MPS device (torch.backends.mps.is_available() is "
+            f"False); {use(best)}"
+        )
+    if dev.type == "mps" and dev.index not in (None, 0):
+        raise ValueError(f"{shown}: there is one MPS device, mps:0; {use('mps')}")
+    return dev
+
+
 def from_pretrained(
     path: str | os.PathLike,
     *,
@@ -260,7 +313,12 @@ def from_pretrained(
     whatever the family); call ``model.train()`` to train it further (the Trainer does, e.g.
     for ``--init-from``). :func:`~dspzoo.zoo.create_model` returns a fresh model in training
     mode.
+
+    ``device``: where the model goes (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``); one that
+    is not a device or that this machine lacks raises a ``ValueError`` (:func:`check_device`)
+    before anything is read.
     """
+    device = check_device(device)
     path = resolve_pretrained(path)
     saved = _read_meta(path)["family"]
     if expected_family is not None and saved != expected_family:
