@@ -84,6 +84,12 @@ def _shard_like_worker(rank: int, world: int) -> int:
         with pytest.raises(ValueError, match=f"dim '{dim}' has length {full}"):
             sp.shard_like(torch.randn(2, full - 1), act.spec, axes={dim: 1})
         checks += 1
+    # a sequence of length 1 (shorter than the group: one rank holds it, the others nothing):
+    # its size-1 axis is the dim itself, sliced with the activation, not broadcast
+    one = sp.enter(torch.randn(2, 1, 3), ("l",), (Stage("attn", ("l",)),))
+    targets = torch.tensor([[5], [7]])
+    mine = sp.shard_like(targets, one)
+    assert mine.shape == (2, one.tensor.shape[1]) and mine.shape[1] == (rank == 0)
     return checks
 
 

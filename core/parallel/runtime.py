@@ -380,7 +380,8 @@ class SeqParallel:
 
         For position embeddings, per-frame conditioning and masks: ``axes`` maps sequence dim
         names to ``t``'s axes (default: the same axes as ``act``). An axis of size 1 broadcasts
-        and is left alone; a dim ``t`` does not have is ignored.
+        and is left alone (unless the dim's length is 1: then it is the dim, and a rank whose
+        shard is empty gets no row of it); a dim ``t`` does not have is ignored.
         """
         spec = act.spec if isinstance(act, SeqTensor) else act
         dim = spec.sharded
@@ -391,7 +392,7 @@ class SeqParallel:
             return t
         axis = axes[dim]
         size, full = t.shape[axis], spec.length(dim)
-        if size == 1:
+        if size == 1 and full != 1:  # broadcasts (a dim of length 1 is sliced like any other)
             return t
         if size != full:
             raise ValueError(
