@@ -19,7 +19,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from dspzoo.core.bench import MeshCache, build_parser, not_runnable, select_strategies
+from dspzoo.core.bench import (
+    MeshCache,
+    build_case,
+    build_parser,
+    not_runnable,
+    select_strategies,
+)
 from dspzoo.core.bench.case import Case
 from dspzoo.core.bench.peer import deepspeed_cannot_run
 from dspzoo.core.bench.stats import moved_beyond_iqr, paired_ratios, spread
@@ -153,7 +159,6 @@ def test_end_to_end_mode_takes_the_trainers_optimisation_steps(tmp_path: Path) -
 
     import torch
 
-    from dspzoo.core.bench.case import build_case
     from dspzoo.core.bench.runner import TRAIN_LR
     from dspzoo.core.parallel.runtime import SeqParallel
 
@@ -202,6 +207,90 @@ def test_a_strategy_the_model_cannot_run_is_reported_with_the_registrys_reason()
     assert "not a registered strategy" in not_runnable("ring2", case, 2)
     assert not_runnable("megatron_sp", _case(heads=4, tp_plan=True), 4) is None
     assert select_strategies("ring", case, 1)[0] == ["dsp"]  # SP 1: one row
+
+
+def _refused(capsys, argv: list[str], monkeypatch) -> str:
+    """``dspzoo <argv>``'s one-line error (status 2), refused before anything launches."""
+    from dspzoo.core.bench import launch
+    from dspzoo.zoo.cli import main
+
+    monkeypatch.setattr(launch.subprocess, "call", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dspzoo bench: error: "), err
+    return err
+
+
+def test_a_misspelt_strategy_is_refused_at_parsing_before_launch(capsys, monkeypatch) -> None:
+    err = _refused(capsys, ["bench", "-n", "2", "--run", "--", "--strategies", "dsp,ulyses"],
+                   monkeypatch)  # fmt: skip
+    assert "unknown 'ulyses'" in err and "did you mean 'ulyses' → 'ulysses'?" in err
+    assert all(s in err for s in STRATEGIES)  # the valid choices
+    # and inside a launched process (every rank parses the same argv: the same refusal)
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["--strategies", "dsp,ulyses"])
+    assert refused.value.code == 2 and "did you mean" in capsys.readouterr().err
+    assert build_parser().parse_args(["--strategies", " ring, lss "]).strategies == "ring,lss"
+    # registered names the model cannot run are still listed as not runnable
+    case = _case(heads=2, tp_plan=False)
+    args = build_parser().parse_args(["--strategies", "ulysses,state_passing,ring"])
+    run, skipped = select_strategies(args.strategies, case, 4)
+    assert run == ["dsp", "ring"] and "dsp" not in skipped
+    assert skipped["ulysses"].startswith("not runnable: ")
+    assert skipped["state_passing"].endswith("a scan method (of Mamba models): toy has no scans")
+    mamba = Case("mambalm-tiny", True, case.model, {"l": 16}, 1)
+    assert select_strategies("dsp,ulysses", mamba, 2)[1]["ulysses"].startswith(
+        "not runnable: a Mamba model's stages are scans"
+    )
+
+
+def test_a_model_the_benchmark_does_not_run_is_refused_with_the_families_it_takes(
+    capsys, monkeypatch
+) -> None:
+    from dspzoo.core.bench.case import BENCH_FAMILIES
+    from dspzoo.core.entry import UsageError
+
+    err = _refused(capsys, ["bench", "-n", "2", "--run", "--", "--model", "weathertx-small"],
+                   monkeypatch)  # fmt: skip
+    assert "'weathertx-small' is not a model the benchmark runs" in err
+    assert "unknown config field" not in err
+    assert all(f"{family}-*" in err for family in BENCH_FAMILIES)
+    err = _refused(capsys, ["bench", "--", "--model", "stdit-huge"], monkeypatch)
+    assert "unknown model 'stdit-huge'" in err  # a family it runs, a config the zoo lacks
+    help_text = " ".join(build_parser().format_help().split())
+    assert all(f"{family}-*" in help_text for family in BENCH_FAMILIES)  # Mamba ones too
+    with pytest.raises(UsageError, match="not a model the benchmark runs"):  # the API's check
+        build_case(SimpleNamespace(model="weathertx-small"), 1)
+
+
+@pytest.mark.parametrize("model", ["stdit-tiny", "latte-tiny", "videomamba-tiny", "bytelm-tiny",
+                                   "mambalm-tiny", "mamba2lm-tiny"])  # fmt: skip
+def test_every_family_the_benchmark_takes_builds_a_case_and_steps(model: str) -> None:
+    from dspzoo.core.bench.case import BENCH_FAMILIES, model_family
+    from dspzoo.core.parallel.runtime import SeqParallel
+
+    flags = ["--model", model, "--frames", "4", "--latent", "8", "--seq-len", "16"]
+    case = build_case(build_parser().parse_args(flags), 1)
+    loss, _ = case.step(case.model, SeqParallel(), case.inputs)
+    assert loss.isfinite() and model_family(model) in BENCH_FAMILIES
+
+
+def test_the_documented_default_run_is_what_the_code_runs() -> None:
+    import re
+
+    from dspzoo.core.bench.auto_choice import needs_own_row
+
+    args = build_parser().parse_args([])
+    case = build_case(args, args.batch)
+    run, skipped = select_strategies(args.strategies, case, 2)
+    rows = len(run) + needs_own_row(case, run, 2, 1)
+    steps = 1 + (args.warmup - 1) + args.reps  # the traced step, warm-ups, timed steps
+    text = " ".join((REPO / "docs" / "benchmark.md").read_text().split())
+    found = re.search(r"\((\d+) strategies × (\d+) steps", text)
+    assert found and (int(found[1]), int(found[2])) == (rows, steps), (found, rows, steps)
+    assert skipped == {}
 
 
 def test_mesh_cache_builds_each_layout_once() -> None:
@@ -333,6 +422,20 @@ def test_a_one_process_run_reproduces_without_a_launcher() -> None:
     args = argparse.Namespace()
     assert reproduce_command(args, 1).startswith("python ")
     assert reproduce_command(args, 2).startswith("accelerate launch --multi_gpu --num_processes 2")
+
+
+def test_the_reproduce_command_works_from_the_folder_it_ran_in(tmp_path: Path, monkeypatch) -> None:
+    import argparse
+    import shlex
+
+    from dspzoo.core.bench.runner import reproduce_command
+
+    script = REPO / "scripts" / "benchmark.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [os.path.relpath(script), "--reps", "0"])
+    for world in (1, 2):
+        words = shlex.split(reproduce_command(argparse.Namespace(), world))
+        assert words[-3:] == [str(script), "--reps", "0"], words
 
 
 def test_two_runs_side_by_side() -> None:

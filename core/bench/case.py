@@ -11,6 +11,7 @@ model cannot run, and why, from the method registry (:meth:`Method.unsupported`)
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,15 @@ PEER = "deepspeed_ulysses"
 MAMBA_LM_FAMILIES = ("mambalm", "mamba2lm")
 MAMBA_VIDEO_FAMILIES = ("videomamba",)
 SCAN_STRATEGIES = ("dsp", "state_passing", "head_a2a")
+# the families the benchmark builds a case of (:func:`build_case`): video DiTs (inputs
+# ``x, t, y``, patches ``t × s``), byte-level LMs, and the Mamba models above
+VIDEO_FAMILIES = ("stdit", "latte")
+TEXT_FAMILIES = ("bytelm",)
+BENCH_FAMILIES = VIDEO_FAMILIES + MAMBA_VIDEO_FAMILIES + TEXT_FAMILIES + MAMBA_LM_FAMILIES
+BENCH_MODELS = (
+    "video DiTs (stdit-*, latte-*), byte LMs (bytelm-*) and Mamba models (mambalm-*, "
+    "mamba2lm-*, videomamba-*)"
+)
 
 
 def model_family(name: str) -> str:
@@ -44,6 +54,69 @@ def scan_heads(config: Any) -> int:
     if getattr(config, "mixer", None) == "mamba2":
         return inner // config.head_dim
     return inner
+
+
+def unsupported_model(name: str) -> str | None:
+    """Why the benchmark cannot build a case of model ``name`` (``None``: it can): a family
+    outside :data:`BENCH_FAMILIES`, or a name the zoo does not know (with its hint)."""
+    from dspzoo.zoo.registry import resolve_name
+
+    from ..entry import error_message
+
+    family = model_family(name)
+    if family not in BENCH_FAMILIES:
+        close = difflib.get_close_matches(family, BENCH_FAMILIES, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return (
+            f"{name!r} is not a model the benchmark runs (family {family!r}); it takes "
+            f"{BENCH_MODELS}{hint} (`dspzoo plan` predicts the other families)"
+        )
+    try:
+        resolve_name(name)
+    except (KeyError, ValueError) as exc:
+        return error_message(exc)
+    return None
+
+
+def model_argument(text: str) -> str:
+    """``--model``'s argparse ``type``: a model the benchmark runs (:func:`unsupported_model`),
+    else a usage error, the same on every rank before anything is built."""
+    why = unsupported_model(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
+def known_strategies() -> tuple[str, ...]:
+    """What ``--strategies`` may name: every registered strategy, the scan methods of a Mamba
+    case (:data:`SCAN_STRATEGIES`) and the DeepSpeed peer (its row is ``--peer``'s)."""
+    from ..parallel.strategies import STRATEGIES
+
+    scans = tuple(s for s in SCAN_STRATEGIES if s not in STRATEGIES)
+    return (*STRATEGIES, *scans, PEER)
+
+
+def strategies_argument(text: str) -> str:
+    """``--strategies``' argparse ``type``: ``all`` or comma-separated names of
+    :func:`known_strategies`; an unknown name is a usage error naming it, the choices and the
+    closest (a registered strategy a model cannot run is reported by :func:`select_strategies`
+    instead)."""
+    if text.strip() == "all":
+        return "all"
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    known = known_strategies()
+    unknown = [s for s in names if s not in known]
+    if not names or unknown:
+        close = [difflib.get_close_matches(s.lower(), known, n=1, cutoff=0.6) for s in unknown]
+        hints = [f"{s!r} → {c[0]!r}" for s, c in zip(unknown, close) if c]
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else f"no name in {text!r}"
+        raise argparse.ArgumentTypeError(
+            f"{what}; choose from all (the default) or a comma-separated list of "
+            f"{', '.join(known)} (state_passing, head_a2a: Mamba models' scan methods; "
+            f"{PEER}: the peer row, see --peer)"
+            + (f"; did you mean {', '.join(hints)}?" if hints else "")
+        )
+    return ",".join(names)
 
 
 @dataclass
@@ -189,6 +262,11 @@ def build_case(args: argparse.Namespace, batch: int) -> Case:
     """
     from dspzoo.zoo import create_model
 
+    from ..entry import UsageError
+
+    why = unsupported_model(args.model)
+    if why is not None:  # the parser's --model refuses it first (model_argument)
+        raise UsageError(f"--model: {why}")
     family = model_family(args.model)
     mamba_lm = family in MAMBA_LM_FAMILIES
     text = family == "bytelm" or mamba_lm
@@ -254,6 +332,8 @@ def not_runnable(name: str, case: Case, sp: int) -> str | None:
 
     if case.mamba and name not in SCAN_STRATEGIES:
         return f"a Mamba model's stages are scans: compare {', '.join(SCAN_STRATEGIES)}"
+    if not case.mamba and name in SCAN_STRATEGIES and name not in STRATEGIES:
+        return f"a scan method (of Mamba models): {case.name} has no scans"
     if not case.mamba and name not in STRATEGIES:
         return f"not a registered strategy (registered: {', '.join(STRATEGIES)})"
     method = METHODS.get(name)
@@ -279,7 +359,11 @@ def select_strategies(requested: str, case: Case, sp: int) -> tuple[list[str], d
     if sp == 1:
         return ["dsp"], {"*": "SP 1: pure data parallelism, every strategy is the same"}
     every = SCAN_STRATEGIES if case.mamba else tuple(STRATEGIES)
-    names = list(every) if requested == "all" else [s.strip() for s in requested.split(",")]
+    names = (
+        list(every)
+        if requested == "all"
+        else [s.strip() for s in requested.split(",") if s.strip()]
+    )
     run, skipped = [], {}
     for name in names:
         if name == PEER:

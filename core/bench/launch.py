@@ -102,6 +102,22 @@ def script_arguments(args: argparse.Namespace) -> tuple[list[str], str]:
     return extra, after or given or "no"
 
 
+def check_script_arguments(script_args: list[str]) -> None:
+    """Parse the benchmark's flags as every launched process will (:func:`.runner.parse_args`),
+    raising a :class:`UsageError` with the benchmark parser's message for a bad one (an
+    unknown flag, a model the benchmark does not run, a misspelt strategy): refused here, once,
+    rather than after launching N processes."""
+    from .runner import build_parser, parse_args
+
+    script_parser = build_parser()
+
+    def refuse(message: str) -> None:  # dspzoo bench's parser says it (with its hint)
+        raise UsageError(message)
+
+    script_parser.error = refuse  # type: ignore[method-assign,assignment]
+    parse_args(script_args, script_parser)
+
+
 def _precision_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--mixed-precision", default=None)
@@ -118,6 +134,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     try:
         script_args, precision = script_arguments(args)
+        check_script_arguments(script_args)  # printed or run: a command that would fail
         if args.run:  # refused here rather than by every launched process
             refuse_unsupported(Precision(precision), torch.cuda.is_available())
     except UsageError as exc:

@@ -36,7 +36,14 @@ from ..parallel.comm.shm import transport
 from ..parallel.methods.registry import METHODS
 from ..parallel.strategies import STRATEGIES
 from .auto_choice import AUTO, auto_choice, needs_own_row
-from .case import PEER, Case, build_case, select_strategies
+from .case import (
+    PEER,
+    Case,
+    build_case,
+    model_argument,
+    select_strategies,
+    strategies_argument,
+)
 from .check import Reference, compare, one_process_reference
 from .meshes import MeshCache, ulysses_size_for
 from .precision import (
@@ -53,7 +60,17 @@ MODES = ("sp", "weak", "strong", "end-to-end")
 # ops the cost model's comm_bytes counts (the loss's all-reduce is outside it)
 MODEL_OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
 TRAIN_LR = 1e-4  # end-to-end mode: AdamW's learning rate
-__all__ = ["MODES", "PEER", "STRATEGIES", "Case", "Runner", "build_parser", "main", "run"]
+__all__ = [
+    "MODES",
+    "PEER",
+    "STRATEGIES",
+    "Case",
+    "Runner",
+    "build_parser",
+    "main",
+    "parse_args",
+    "run",
+]
 
 
 # -- one strategy's runner ------------------------------------------------------------------------
@@ -682,16 +699,21 @@ def add_prediction(result: dict[str, Any], case: Case, cluster: str) -> None:
 
 
 def reproduce_command(args: argparse.Namespace, world: int) -> str:
-    """The command that reruns this benchmark: this process's flags, with
-    ``--mixed-precision`` whenever the run was not fp32. Accelerate's own
-    ``--mixed_precision`` stays ``no``: the benchmark autocasts its steps itself."""
+    """The command that reruns this benchmark from the folder it ran in: this process's
+    flags, with ``--mixed-precision`` whenever the run was not fp32, and the script's absolute
+    path (as ``dspzoo bench`` prints it: a path relative to that folder would need the
+    reader to know it). Accelerate's own ``--mixed_precision`` stays ``no``: the benchmark
+    autocasts its steps itself."""
+    from .launch import SCRIPT
+
     words = sys.argv[1:]
     precision = getattr(args, "mixed_precision", "no")
     given = any(w == "--mixed-precision" or w.startswith("--mixed-precision=") for w in words)
     if precision != "no" and not given:
         words = [*words, "--mixed-precision", precision]
     argv = " ".join(shlex.quote(a) for a in words)
-    script = os.path.relpath(sys.argv[0]) if sys.argv[0].endswith(".py") else "scripts/benchmark.py"
+    ran = os.path.abspath(sys.argv[0]) if sys.argv[0].endswith(".py") else str(SCRIPT)
+    script = shlex.quote(ran)
     if world == 1:  # one process needs no launcher (and Accelerate refuses --multi_gpu for it)
         return f"python {script} {argv}".strip()
     return (
@@ -700,28 +722,50 @@ def reproduce_command(args: argparse.Namespace, world: int) -> str:
     ).strip()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "benchmark.py") -> argparse.ArgumentParser:
     """The benchmark's flags; a bad one is one line, printed once per launch
-    (:class:`~dspzoo.core.argparser.CommandParser`), status 2."""
+    (:class:`~dspzoo.core.argparser.CommandParser`), status 2. ``--model`` and
+    ``--strategies`` are checked here (:func:`~.case.model_argument`,
+    :func:`~.case.strategies_argument`): every rank parses the same argv, so a model the
+    benchmark cannot build or a misspelt strategy is refused alike on every rank, before
+    anything is built (and by ``dspzoo bench`` before it launches)."""
     from ..argparser import CommandParser
 
     p = CommandParser(
-        prog="benchmark.py",
+        prog=prog,
         description="Every sequence-parallel strategy on the same model, weights and inputs "
         "(see docs/benchmark.md).",
     )
-    p.add_argument("--model", default="stdit-mini", help="stdit-* / latte-* / bytelm-tiny|small")
+    p.add_argument(
+        "--model",
+        type=model_argument,
+        default="stdit-mini",
+        help="video DiTs stdit-*, latte-*; byte LMs bytelm-*; Mamba models: LMs mambalm-*, "
+        "mamba2lm-*, video videomamba-* (e.g. stdit-tiny, bytelm-small, mamba2lm-tiny, "
+        "videomamba-tiny; other families: dspzoo plan)",
+    )
     p.add_argument("--mode", choices=MODES, default="sp")
-    p.add_argument("--frames", type=int, default=16, help="video: latent frames T")
-    p.add_argument("--latent", type=int, default=32, help="video: latent H = W (S = (H/2)²)")
+    p.add_argument("--frames", type=int, default=16,
+                   help="video (stdit, latte, videomamba): latent frames T")  # fmt: skip
+    p.add_argument("--latent", type=int, default=32,
+                   help="video: latent H = W (S = (H/2)²)")  # fmt: skip
     p.add_argument("--full-attention-every", type=int, default=0,
                    help="video (STDiT): every k-th layer attends over t·s jointly (0: never)")  # fmt: skip
-    p.add_argument("--seq-len", type=int, default=1024, help="text: bytes per sample")
+    p.add_argument("--seq-len", type=int, default=1024,
+                   help="text (bytelm, mambalm, mamba2lm): bytes per sample")  # fmt: skip
     p.add_argument("--kv-heads", type=int, default=0, help="text: GQA key/value heads (0: heads)")
-    p.add_argument("--checkpoint", action="store_true", help="text: activation checkpointing")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="text (bytelm, Mamba LMs): activation checkpointing")  # fmt: skip
     p.add_argument("--perturb", type=float, default=0.02, help="noise added to the initial weights")
     p.add_argument("--batch", type=int, default=1, help="samples per step (per N in weak/e2e)")
-    p.add_argument("--strategies", default="all", help="comma-separated, or 'all'")
+    p.add_argument(
+        "--strategies",
+        type=strategies_argument,
+        default="all",
+        help="comma-separated, or 'all': every registered strategy (a Mamba model: its scan "
+        "methods dsp, state_passing, head_a2a); one the model cannot run is listed under "
+        "'not run' with the reason",
+    )
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps (the first is traced)")
     p.add_argument("--reps", type=int, default=5,
                    help="timed steps per strategy (0: the traced step only — bytes, memory, check)")  # fmt: skip
@@ -747,14 +791,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    """The benchmark's flags, checked: what :func:`main` runs on every rank, and what
+    ``dspzoo bench`` checks before it launches (so a bad flag never launches anything).
+    Errors are ``parser``'s (default :func:`build_parser`): one line, status 2."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.reps < 0:
+        parser.error("--warmup must be ≥ 1 and --reps ≥ 0 (0: the traced step only)")
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``scripts/benchmark.py`` (every launched process calls it)."""
     from .report import write_report
 
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.warmup < 1 or args.reps < 0:
-        parser.error("--warmup must be ≥ 1 and --reps ≥ 0 (0: the traced step only)")
+    args = parse_args(argv, parser)
     # every rank, before any process group: the same answer everywhere (a CPU run has no
     # CUDA), said once per launch by the parser
     try:
