@@ -261,6 +261,23 @@ def test_init_from_starts_a_fine_tune_from_saved_weights(tmp_path) -> None:
         TextTrainConfig(init_from="bytelm-tiny-nowhere")
 
 
+def test_an_explicit_model_that_is_the_default_name_must_match_init_from(capsys) -> None:
+    """``--model stdit-tiny`` (the video script's default) with weights of stdit-mini: refused
+    on the command line, as any other mismatch is, not quietly replaced by the weights'."""
+    from dspzoo.core.train.flags import TrainingCLI
+    from dspzoo.domains.video.training import VideoTask, VideoTrainConfig
+
+    cli = TrainingCLI(VideoTrainConfig, None, None, "test", task=VideoTask)
+    default = VideoTrainConfig.__dataclass_fields__["model"].default
+    assert default == "stdit-tiny"
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(["--init-from", "stdit-mini-shapes", "--model", default])
+    assert info.value.code == 2
+    assert "holds a stdit-mini model but --model is stdit-tiny" in capsys.readouterr().err
+    for same in (["--model", "stdit-mini"], ["--model=stdit-mini"], []):  # agreeing, or none
+        assert cli.parse_args(["--init-from", "stdit-mini-shapes", *same]).model == "stdit-mini"
+
+
 def test_the_zoo_page_is_current() -> None:
     """docs/zoo.md is generated from the registry and the cards: regenerate it when they change."""
     done = subprocess.run(

@@ -87,7 +87,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.init_from:
-            self.model = _model_of_weights(self.init_from, self.model, _default_model(self))
+            self.model = model_of_weights(self.init_from, self.model, _default_model(self))
         if self.output_dir is None:
             self.output_dir = f"outputs/{self.model}"
 
@@ -123,8 +123,9 @@ def _default_model(cfg: RunConfig) -> str:
     return type(cfg).__dataclass_fields__["model"].default
 
 
-def _model_of_weights(init_from: str, model: str, default: str) -> str:
-    """The zoo config ``--init-from``'s weights were saved as; ``--model`` may only agree."""
+def model_of_weights(init_from: str, model: str, default: str = "") -> str:
+    """The zoo config ``--init-from``'s weights were saved as; ``--model`` may only agree
+    (``model == default``: taken for no ``--model`` at all, and not compared)."""
     from dspzoo.zoo.pretrained import _read_meta
     from dspzoo.zoo.registry import resolve_name
     from dspzoo.zoo.shipped import resolve_pretrained

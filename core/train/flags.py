@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,12 @@ def parse_config(
     parser = build_parser(config_cls, description, defaults_shown)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "init_from", None) and _given("--model", argv):
+            # an explicit --model must match --init-from's weights even when it is the
+            # script's default name (the config alone cannot tell it from no flag)
+            from .config import model_of_weights
+
+            model_of_weights(args.init_from, args.model)
         cfg = config_cls(**vars(args))
         cfg.validate()
         if check is not None:
@@ -110,6 +117,12 @@ def parse_config(
     except USER_ERRORS as exc:
         parser.error(error_message(exc))
     return cfg
+
+
+def _given(flag: str, argv: list[str] | None) -> bool:
+    """Whether ``flag`` is on the command line (``--flag value`` or ``--flag=value``)."""
+    words = sys.argv[1:] if argv is None else argv
+    return any(w == flag or w.startswith(flag + "=") for w in words)
 
 
 class TrainingCLI:
