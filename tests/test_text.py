@@ -488,8 +488,28 @@ def test_command_line_flags_describe_themselves_and_reject_bad_values(capsys) ->
         with pytest.raises(SystemExit) as info:
             parse_args(bad)
         assert info.value.code == 2
-    assert "--val-fraction must be in (0, 1)" in capsys.readouterr().err
+    assert "--val-fraction must be in [0, 1)" in capsys.readouterr().err
     assert parse_args(["--sp-strategy", "megatron_sp"]).sp_strategy == "megatron_sp"
+    # no validation at all: every byte trains; a split with no evaluation would be read for
+    # nothing, and an evaluation with no split cannot run
+    assert parse_args(["--val-fraction", "0", "--eval-every", "0"]).val_fraction == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(["--val-fraction", "0"])
+    assert "--val-fraction 0 holds no bytes out to evaluate on" in capsys.readouterr().err
+
+
+def test_a_file_too_small_for_a_val_split_trains_without_evaluation(tmp_path: Path) -> None:
+    """A 70-byte file at --seq-len 64: its 5 % validation split is shorter than one window,
+    which only matters when something evaluates on it."""
+    from dspzoo.domains.text.training import TextTrainConfig, train
+
+    data = tmp_path / "tiny.txt"
+    data.write_bytes(bytes(range(65, 65 + 70)))
+    run = dict(model="bytelm-tiny", data=str(data), seq_len=64, steps=1, global_batch=1, sp=1)
+    out = train(TextTrainConfig(**run, eval_every=0, output_dir=str(tmp_path / "a")))
+    assert len(out["losses"]) == 1 and out["evals"] == []
+    with pytest.raises(ValueError, match="its val split .* is shorter than one window"):
+        train(TextTrainConfig(**run, eval_every=1, output_dir=str(tmp_path / "b")))
 
 
 def test_five_training_steps_at_sp2_repeat_sp1_under_every_strategy(

@@ -61,8 +61,10 @@ class ByteWindows(Dataset):
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if split == "val" and val_fraction == 0.0:
+            raise ValueError("val_fraction 0 holds nothing out: there is no val split")
         size = path.stat().st_size
         val_start = size - int(size * val_fraction)
         start, stop = (0, val_start) if split == "train" else (val_start, size)

@@ -78,7 +78,9 @@ class TextTrainConfig(RunConfig):
         "'stdlib' (the Python standard library's sources, built and cached at first use) or "
         "the path of a raw byte file such as enwik8",
     )
-    val_fraction: float = flag(0.05, "share of the data, at its end, held out for validation")
+    val_fraction: float = flag(
+        0.05, "share of the data, at its end, held out for validation (0: none, with --eval-every 0)"
+    )
     eval_every: int = flag(100, "measure validation bits per byte every n steps (0: off)")
     eval_windows: int = flag(32, "held-out windows per validation (the first ones)")
     save_every: int = flag(
@@ -90,8 +92,13 @@ class TextTrainConfig(RunConfig):
         super().validate()
         check_values(self, positive=("seq_len", "eval_windows"), non_negative=("eval_every",))
 
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_fraction == 0.0 and self.eval_every:
+            raise ValueError(
+                "--val-fraction 0 holds no bytes out to evaluate on: pass --eval-every 0 too "
+                "(no validation), or keep a validation share"
+            )
 
 
 def build_model(cfg: TextTrainConfig) -> torch.nn.Module:
@@ -131,7 +138,8 @@ class TextTask(Task):
 
     def build_data(self) -> ByteWindows:
         path = resolve_data(self.cfg.data)
-        self.val_data = ByteWindows(path, self.cfg.seq_len, "val", self.cfg.val_fraction)
+        if self.cfg.eval_every:  # without evaluation the held-out split is not read
+            self.val_data = ByteWindows(path, self.cfg.seq_len, "val", self.cfg.val_fraction)
         return ByteWindows(path, self.cfg.seq_len, "train", self.cfg.val_fraction)
 
     def build_model(self) -> torch.nn.Module:
