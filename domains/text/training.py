@@ -79,7 +79,8 @@ class TextTrainConfig(RunConfig):
         "the path of a raw byte file such as enwik8",
     )
     val_fraction: float = flag(
-        0.05, "share of the data, at its end, held out for validation (0: none, with --eval-every 0)"
+        0.05,
+        "share of the data, at its end, held out for validation (0: none, with --eval-every 0)",
     )
     eval_every: int = flag(100, "measure validation bits per byte every n steps (0: off)")
     eval_windows: int = flag(32, "held-out windows per validation (the first ones)")
