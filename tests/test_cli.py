@@ -78,8 +78,8 @@ def test_info_is_case_insensitive_and_prints_the_registered_name() -> None:
     [
         ("stdit", r"model names look like 'family-config'.*did you mean.*'stdit-tiny'"),
         ("foo-bar", r"unknown model family 'foo'"),
-        ("stdit-72OM", r"unknown model 'stdit-72OM'; did you mean \['stdit-720M'"),
-        ("stditt-tiny", r"unknown model family 'stditt'; did you mean \['stdit'"),
+        ("stdit-72OM", r"unknown model 'stdit-72OM'; did you mean 'stdit-720M'"),
+        ("stditt-tiny", r"unknown model family 'stditt'; did you mean 'stdit'"),
     ],
 )
 def test_info_unknown_names_exit_with_a_message(name: str, expected: str) -> None:

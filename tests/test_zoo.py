@@ -148,7 +148,7 @@ def test_names_ignore_case(mlp_family: str) -> None:
         register_config("testmlp", "A", MLPConfig())
     with pytest.raises(ValueError, match="already registered"):
         register_family("TestMLP", TinyMLP, MLPConfig)
-    with pytest.raises(KeyError, match=r"did you mean \['testmlp-a'"):
+    with pytest.raises(KeyError, match=r"did you mean 'testmlp-a'"):
         get_config("testmlp-aa")
 
 

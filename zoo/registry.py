@@ -138,6 +138,18 @@ def _close(name: str, known: list[str]) -> list[str]:
     return [by_folded[c] for c in close]
 
 
+def did_you_mean(close: list[str]) -> str:
+    """``"; did you mean 'a' or 'b'?"`` for the names ``close`` (``""`` for none)."""
+    if not close:
+        return ""
+    quoted = [repr(c) for c in close]
+    return (
+        "; did you mean "
+        + (", ".join(quoted[:-1]) + " or " if len(quoted) > 1 else "")
+        + (quoted[-1] + "?")
+    )
+
+
 def _family(family: str) -> Family:
     key = _match(family, _FAMILIES)
     for load in (load_builtin_families, load_families):  # not imported yet: built-in, plugin
@@ -147,10 +159,9 @@ def _family(family: str) -> Family:
         key = _match(family, _FAMILIES)
     if key is not None:
         return _FAMILIES[key]
-    close = _close(family, list(_FAMILIES))
-    hint = f"; did you mean {close}?" if close else ""
+    hint = did_you_mean(_close(family, list(_FAMILIES)))
     raise KeyError(
-        f"unknown model family {family!r}{hint} (registered: {sorted(_FAMILIES)}); "
+        f"unknown model family {family!r}{hint} (registered: {', '.join(sorted(_FAMILIES))}); "
         + HOW_TO_REGISTER
     )
 
@@ -185,10 +196,9 @@ def split_name(name: str) -> tuple[str, str]:
     if not sep or not config:
         fam = _match(family, _FAMILIES)
         close = list_models(fam) if fam is not None else _close(name, list_models())
-        hint = f"; did you mean {close}?" if close else ""
         raise ValueError(
-            f"model names look like 'family-config' (e.g. 'stdit-tiny'), got {name!r}{hint} "
-            f"(known: {list_models()})"
+            f"model names look like 'family-config' (e.g. 'stdit-tiny'), got {name!r}"
+            f"{did_you_mean(close)} (known: {', '.join(list_models())})"
         )
     return family, config
 
@@ -204,9 +214,8 @@ def resolve_name(name: str) -> str:
     key = _match(config, fam.configs)
     if key is None:
         known = list_models(fam.name)
-        close = _close(name, known)
-        hint = f"; did you mean {close}?" if close else ""
-        raise KeyError(f"unknown model {name!r}{hint} (known: {known})")
+        hint = did_you_mean(_close(name, known))
+        raise KeyError(f"unknown model {name!r}{hint} (known: {', '.join(known)})")
     return f"{fam.name}-{key}"
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import _close, _match
+from .registry import _close, _match, did_you_mean
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 CARD_FILE = "card.json"
@@ -82,10 +82,10 @@ def pretrained_path(name: str) -> Path:
     names = shipped_names()
     key = _match(name, names)
     if key is None:
-        close = _close(name, names)
-        hint = f"; did you mean {close}?" if close else ""
+        hint = did_you_mean(_close(name, names))
         raise FileNotFoundError(
-            f"no checkpoint folder or shipped weights named {name!r}{hint}. Shipped models: {names or 'none'} "
+            f"no checkpoint folder or shipped weights named {name!r}{hint or '.'} Shipped models: "
+            f"{', '.join(names) or 'none'} "
             f"(`dspzoo list --pretrained`); a zoo config name such as 'stdit-mini' builds an "
             f"untrained model with create_model(), and a folder written by save_pretrained "
             f"loads with from_pretrained(<folder>)"
