@@ -168,7 +168,8 @@ class Plan:
             kind = f"Hybrid DSP + {'/'.join(embedded)}"
         lines = [
             f"{kind} plan over ({dims}) at SP size {self.sp_size}: "
-            f"{self.switches_per_period} switch(es) per {'layer' if self.periodic else 'pass'}, entry split on {self.entry!r}",
+            f"{self.switches_per_period} switch(es) per {'layer' if self.periodic else 'pass'}, entry split on {self.entry!r}"
+            + (" (one process: the switches move nothing)" if self.sp_size == 1 else ""),
             f"  {'stage':<20} {'mixes':<12} {'sharded':<8} {'method':<8} switch",
         ]
         for step in self.steps:
