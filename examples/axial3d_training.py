@@ -106,8 +106,8 @@ class Axial3DTask(Task):
         return evaluate(model, sp, self.cfg)
 
     def log_evaluation(self, step: int, figures: dict[str, float]) -> None:
-        self.logger.info("held-out next-frame MSE %.4f (copy last frame: %.4f)",
-                         figures["mse"], figures["copy_last_frame_mse"])  # fmt: skip
+        self.logger.info("step %d held-out next-frame MSE %.4f (copy last frame: %.4f)",
+                         step, figures["mse"], figures["copy_last_frame_mse"])  # fmt: skip
 
     def final_extra(self, history: list[float], evals: list, figures: Any) -> dict[str, Any]:
         return {"eval": figures}
