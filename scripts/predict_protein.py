@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from dspzoo.core.argparser import CommandParser
-from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.domains.protein.data import ProteinDataError, parse_fasta
 from dspzoo.domains.protein.metrics import write_contact_png
 from dspzoo.domains.protein.predict import predict, prediction_sample  # noqa: F401  (were here)
@@ -54,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sp-strategy",
         default="dsp",
-        choices=sorted(STRATEGIES),
-        help="sequence-parallel strategy (default: dsp)",
+        choices=["dsp"],
+        help="sequence-parallel strategy: the Evoformer runs under dsp only (its MSA and pair "
+        "activations are planned together)",
     )
     parser.add_argument(
         "--num-recycles",
