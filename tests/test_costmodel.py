@@ -248,6 +248,13 @@ def test_auto_picks_what_the_cost_model_says(distributed) -> None:
     assert auto_plan(("l",), (64,), text.period, 8).methods["attn"] == "ring_balanced"
     acausal = tuple(dataclasses.replace(s, causal=False) for s in text.period)
     assert auto_plan(("l",), (64,), acausal, 8).methods["attn"] == "lss"
+    # a causal stage never gets a method that leaves its causal work unbalanced: at N = 2 LSS'
+    # 4N = 8 units are the fewest, but its last rank would do 1.5× the mean; the balanced ring
+    # ties the balanced LSS (9) and comes first
+    one_head = tuple(dataclasses.replace(s, heads=1) for s in text.period)
+    assert auto_plan(("l",), (64,), one_head, 2).methods["attn"] == "ring_balanced"
+    one_head_acausal = tuple(dataclasses.replace(s, causal=False) for s in one_head)
+    assert auto_plan(("l",), (64,), one_head_acausal, 2).methods["attn"] == "lss"
     # the auto plan's bytes are the least of the candidates the rule compares
     for size in (2, 3):
         auto = comm_bytes(video, auto_plan(video.dims, video.lengths, video.period, size), size)

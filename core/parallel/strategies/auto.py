@@ -1,23 +1,36 @@
 """``strategy="auto"``: the candidate plan that sends least, priced from the method registry.
 
 Candidates: DSP's plan (switches between stages; on a stage that mixes every dim the cheapest
-of Ulysses, Ring, the balanced ring and LSS) and every fixed-dim plan of those on each dim long
-enough to feed every rank. Cost of a plan, in switch units forward + backward: 2 per switch
-plus each stage's method cost (:meth:`Method.plan_cost`, under the stage's causal mask or not;
-Ulysses is out where a stage has fewer heads than ranks). Ties keep the earlier candidate (DSP first). Every candidate has the
-same FLOPs, so on any cluster the cheapest here is the byte ranking of the cost model
-(latency terms aside).
+of Ulysses, Ring, the balanced ring, LSS and the balanced LSS) and every fixed-dim plan of those
+on each dim long enough to feed every rank. Cost of a plan, in switch units forward + backward:
+2 per switch plus each stage's method cost (:meth:`Method.plan_cost`, under the stage's causal
+mask or not; Ulysses is out where a stage has fewer heads than ranks). A causal stage is not
+given a method whose causal work is unbalanced on the plan's layout (contiguous Ring and LSS:
+the last rank does up to (2N−1)/N of the mean, :meth:`Method.causal_work_factor`) — the
+balanced variants run it at about the same bytes. Ties keep the earlier candidate (DSP first).
+Every remaining candidate has the same FLOPs on its busiest rank, so on any cluster the
+cheapest here is the byte ranking of the cost model (latency terms aside).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..methods.registry import get_method
 from ..plan import Plan, Stage, plan_fixed, plan_stages
 from .base import Strategy
 
-CANDIDATES = ("ulysses", "ring", "ring_balanced", "lss")
+CANDIDATES = ("ulysses", "ring", "ring_balanced", "lss", "lss_balanced")
+
+
+def stage_cost(method: str, stage: Stage, sp_size: int, layout: str) -> float:
+    """Switch units of ``method`` running ``stage`` at ``sp_size`` on ``layout`` (module
+    docstring): infinite for a causal stage whose causal work it would leave unbalanced."""
+    m = get_method(method)
+    if stage.causal and m.causal_work_factor(sp_size, layout) > 1.0:
+        return math.inf
+    return m.plan_cost(sp_size, stage.heads, causal=stage.causal)
 
 
 def plan_units(plan: Plan, stages: tuple[Stage, ...]) -> float:
@@ -26,9 +39,7 @@ def plan_units(plan: Plan, stages: tuple[Stage, ...]) -> float:
     cost = 2.0 * plan.switches_per_period
     for step in plan.steps:
         if step.method != "local":
-            stage = by_name[step.stage]
-            method = get_method(step.method)
-            cost += method.plan_cost(plan.sp_size, stage.heads, causal=stage.causal)
+            cost += stage_cost(step.method, by_name[step.stage], plan.sp_size, plan.layout)
     return cost
 
 
@@ -41,9 +52,7 @@ def auto_plan(
 
     def cheapest(stage: Stage) -> str:
         runnable = [m for m in CANDIDATES if get_method(m).runs(stage.op)]
-        return min(
-            runnable, key=lambda m: get_method(m).plan_cost(n, stage.heads, causal=stage.causal)
-        )
+        return min(runnable, key=lambda m: stage_cost(m, stage, n, "contiguous"))
 
     forced = tuple(
         s
