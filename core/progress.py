@@ -6,9 +6,9 @@ carriage return, so the log gets one ever-growing line that ``less`` and ``grep`
 garbage. There the bar is redrawn at most every ``log_interval`` seconds instead, each
 redraw one line of its own::
 
-    train: 100%|###################| 12/12 [00:03<00:00,  3.07it/s, bits/byte(avg10)=5.9596, tok/s=1816]
+    train: 100%|##########| 12/12 [00:07<00:00,  1.71it/s, bits/byte(avg10)=5.9596, tok/s=966]
 
-(ASCII, so the log reads the same in any viewer.)
+(ASCII, so the log reads the same in any viewer; in a Jupyter notebook tqdm's widget as ever.)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+from tqdm import tqdm as plain_tqdm
 from tqdm.auto import tqdm
 
 #: seconds between two redraws written to a log file
@@ -44,18 +45,23 @@ def stderr_is_terminal() -> bool:
     return bool(isatty and isatty())
 
 
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (where tqdm.auto draws a widget)."""
+    return "ipykernel" in sys.modules
+
+
 def progress_bar(
     iterable: Any = None, *, log_interval: float = LOG_INTERVAL_S, **kwargs: Any
 ) -> tqdm:
-    """``tqdm(iterable, **kwargs)`` on stderr; in a log file one line per ``log_interval``
-    seconds (module docstring). ``disable=True`` works as in tqdm."""
-    if not stderr_is_terminal() and "file" not in kwargs:
-        kwargs = {
-            **kwargs,
-            "file": LineWriter(sys.stderr),
-            "mininterval": max(kwargs.get("mininterval", 0.1), log_interval),
-            "maxinterval": max(kwargs.get("maxinterval", 10.0), log_interval),
-            "dynamic_ncols": False,
-            "ncols": kwargs.get("ncols", 100),
-        }
-    return tqdm(iterable, **kwargs)
+    """``tqdm(iterable, **kwargs)`` on stderr (a widget in a notebook); in a log file one line
+    per ``log_interval`` seconds (module docstring). ``disable=True`` works as in tqdm."""
+    if stderr_is_terminal() or in_notebook() or "file" in kwargs:
+        return tqdm(iterable, **kwargs)
+    logged = {
+        **kwargs,
+        "file": LineWriter(sys.stderr),
+        "mininterval": max(kwargs.get("mininterval", 0.1), log_interval),
+        "maxinterval": max(kwargs.get("maxinterval", 10.0), log_interval),
+        "dynamic_ncols": False,  # no terminal to measure: a fixed bar, the postfix whole
+    }
+    return plain_tqdm(iterable, **logged)

@@ -116,8 +116,8 @@ def test_attention_over_an_undeclared_dim_names_the_stage() -> None:
     messages = run_distributed(_undeclared_dim_worker, 2, timeout=60)
     assert messages[0] == messages[1]
     assert messages[0].startswith(
-        "dsp: attention over ('s',) in stage 'temporal' (declared as mixing ('t',)) while 's' is "
-        "sharded"
+        "dsp: attention over ('s',) with stage 'temporal' in force (declared as mixing t) while "
+        "'s' is sharded"
     ), messages[0]
 
 

@@ -84,6 +84,27 @@ def test_stale_checkpoints_on_one_machine_stop_every_rank(tmp_path: Path) -> Non
     assert "(step_7)" in errors[1] and "(1 on another machine)" in errors[0]
 
 
+def _unwritable_output_folder(rank: int, world: int, folder: str) -> str:
+    from dspzoo.core.parallel.mesh import build_mesh
+    from dspzoo.core.train.config import record_run_config
+
+    blocker = Path(folder) / "a-file"  # the output folder would be inside a file
+    if rank == 0:
+        blocker.write_text("")
+    try:
+        record_run_config(_config(blocker / "run"), blocker / "run", build_mesh(world, timeout_s=30))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_output_folder_the_main_process_cannot_write_stops_every_rank(tmp_path: Path) -> None:
+    """Only the main process writes train_config.json; its failure reaches the other ranks
+    (which would otherwise go on into the first step's collectives and wait there)."""
+    errors = run_distributed(_unwritable_output_folder, 2, str(tmp_path), timeout=120)
+    assert all("cannot be written" in e for e in errors), errors
+
+
 def _find_latest(rank: int, world: int, folder: str) -> tuple[str, list[tuple[str, str]]]:
     from dspzoo.core.train import checkpoint
     from dspzoo.core.train.resume import find_checkpoint

@@ -471,8 +471,10 @@ def shipped_overrides(name: str, shipped: str) -> dict[str, Any]:
     """The fields in which shipped model ``shipped``'s saved config differs from zoo config
     ``name``'s (what ``create_model(name, **overrides)`` needs to build that model)."""
     from .pretrained import load_config
+    from .shipped import pretrained_path
 
-    base, saved = get_config(name), load_config(shipped)[1]
+    # the shipped folder itself, never a same-named folder in the working directory
+    base, saved = get_config(name), load_config(pretrained_path(shipped))[1]
     return {
         f.name: getattr(saved, f.name)
         for f in dataclasses.fields(saved)
@@ -484,8 +486,11 @@ def shipped_sizes(shipped: str, args: argparse.Namespace) -> list[str]:
     """Fill the size flags ``args`` leaves unset from the settings the shipped model was trained
     or samples with (its folder's ``extra``); returns the notes the header prints."""
     from .pretrained import load_extra
+    from .shipped import pretrained_path
 
-    extra, notes = load_extra(shipped), []
+    if getattr(args, "dims", None):  # token lengths given by dim name: those decide
+        return []
+    extra, notes = load_extra(pretrained_path(shipped)), []
     sampling, training = extra.get("sampling") or {}, extra.get("training") or {}
     protein = extra.get("protein") or {}
     if sampling:  # a video model: its clips' frames and its codec's pixels per latent
@@ -494,7 +499,8 @@ def shipped_sizes(shipped: str, args: argparse.Namespace) -> list[str]:
             notes.append(f"{args.frames} frames (the shipped model's sampling settings)")
         if getattr(args, "vae_stride", None) is None and sampling.get("codec_factor"):
             args.vae_stride = int(sampling["codec_factor"])
-            notes.append(f"--vae-stride {args.vae_stride} (its {sampling.get('codec')} codec)")
+            if getattr(args, "size", None) is not None:  # the stride divides --size only
+                notes.append(f"--vae-stride {args.vae_stride} (its {sampling.get('codec')} codec)")
     if training.get("seq_len") and getattr(args, "seq_len", None) is None:
         args.seq_len = int(training["seq_len"])
         notes.append(f"{args.seq_len} tokens (the length it was trained at)")

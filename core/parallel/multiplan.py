@@ -250,7 +250,7 @@ class SeveralActivations(Region):
             {n: a for n, a in self.state.acts.items() if n not in self.state.pending}
         )
         copied._sent = {}
-        copied._unavailable = frozenset(self.state.pending)
+        copied._unavailable = self._unavailable | frozenset(self.state.pending)
         return copied
 
     def _check_available(self, act: str, what: str) -> None:
@@ -353,7 +353,7 @@ class SeveralActivations(Region):
         if axes is None and t.dim() < spec.first_axis + len(spec.names):
             return t
         axis = spec.axis(dim) if axes is None else axes.get(dim)
-        if axis is None or t.shape[axis] == 1:
+        if axis is None or (t.shape[axis] == 1 and spec.length(dim) != 1):  # broadcasts
             return t
         if t.shape[axis] != spec.length(dim):
             raise ValueError(

@@ -243,11 +243,12 @@ class SeqParallel:
 
     # -- stages and attention ---------------------------------------------------------------
     def stage_words(self) -> str:
-        """`` in stage 'name' (declared as mixing (...))`` for the last ``to_stage``, or ``""``."""
+        """`` with stage 'name' in force (declared as mixing t, s)`` for the last
+        ``to_stage``, or ``""``."""
         if self.last_stage is None:
             return ""
         name, mixes = self.last_stage
-        return f" in stage {name!r} (declared as mixing {mixes})"
+        return f" with stage {name!r} in force (declared as mixing {', '.join(mixes) or 'nothing'})"
 
     def to_stage(self, act: SeqTensor, stage: str) -> SeqTensor:
         """Make ``act`` ready for ``stage``: switch to the planned sharded dim (if it differs)

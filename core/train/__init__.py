@@ -6,7 +6,14 @@ The pieces: the shared flags and run config (:mod:`.config`, :mod:`.flags`), the
 (:mod:`.ema`), and the Task protocol (:mod:`.task`) the Trainer (:mod:`.trainer`) drives.
 """
 
-from .config import RunConfig, load_initial_weights, start_run, train_loader, warmup_cosine
+from .config import (
+    RunConfig,
+    load_initial_weights,
+    record_run_config,
+    start_run,
+    train_loader,
+    warmup_cosine,
+)
 from .ema import EMA
 from .flags import TrainingCLI, check_values, flag
 from .step import OptimisationStep
@@ -26,6 +33,7 @@ __all__ = [
     "flag",
     "gradient_group",
     "load_initial_weights",
+    "record_run_config",
     "start_run",
     "train_loader",
     "train_task",

@@ -193,9 +193,10 @@ def start_run(cfg: RunConfig) -> tuple[Any, Any, Any, Path]:
     """Validate ``cfg``, build ``(accelerator, mesh, sp)`` and the output folder.
 
     The global batch must split evenly over the data-parallel groups. Nothing is written yet:
-    the trainer records ``train_config.json`` (:func:`record_run_config`) once the run is known
-    to start (an earlier run's folder is never overwritten by a refused one). Returns
-    ``(accelerator, mesh, sp, output_dir)``.
+    the trainer records ``train_config.json`` (:func:`record_run_config`, call it yourself
+    when you drive a run without the Trainer) once the run is known to start (an earlier
+    run's folder is never overwritten by a refused one). Returns ``(accelerator, mesh, sp,
+    output_dir)``.
     """
     from ..accelerate import setup_accelerate
 
@@ -212,9 +213,21 @@ def start_run(cfg: RunConfig) -> tuple[Any, Any, Any, Path]:
     return accelerator, mesh, sp, Path(cfg.output_dir)
 
 
-def record_run_config(cfg: RunConfig, output_dir: Path, is_main: bool) -> None:
+def record_run_config(cfg: RunConfig, output_dir: Path, mesh: Any, device: Any = "cpu") -> None:
     """The main process writes ``output_dir/train_config.json`` (durably: written aside,
-    fsynced, swapped in): the settings of the session that is starting."""
-    if is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        write_json_durably(output_dir / "train_config.json", asdict(cfg))
+    fsynced, swapped in): the settings of the session that is starting. Collective: a folder
+    it cannot write raises the same error on every rank (``device``: where the flag is
+    all-reduced, the run's device)."""
+    from ..parallel.validate import validate_collectively
+
+    def write() -> None:
+        if not mesh.is_main:
+            return
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            write_json_durably(output_dir / "train_config.json", asdict(cfg))
+        except OSError as exc:
+            raise ValueError(f"--output-dir {output_dir} cannot be written: {exc}") from exc
+
+    group = mesh.grad_group if mesh.world_size > 1 else None
+    validate_collectively(write, group, "the run's output folder", device)

@@ -37,7 +37,7 @@ def model_family(cfg: Any) -> tuple[str, str]:
     """``(family, how the user gave it)`` of the model ``cfg`` trains.
 
     ``cfg.model`` is the zoo config the run builds: ``--model``, or the one ``--init-from``'s
-    weights were saved as (the run config puts it there, :func:`~.config._model_of_weights`).
+    weights were saved as (the run config puts it there, :func:`~.config.model_of_weights`).
     Raises the zoo's ``KeyError`` / ``ValueError`` (with its did-you-mean hint) for an unknown
     model name.
     """

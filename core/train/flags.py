@@ -120,9 +120,14 @@ def parse_config(
 
 
 def _given(flag: str, argv: list[str] | None) -> bool:
-    """Whether ``flag`` is on the command line (``--flag value`` or ``--flag=value``)."""
+    """Whether ``flag`` is on the command line: ``--flag value``, ``--flag=value``, or an
+    abbreviation argparse accepts (``--mod``; an ambiguous one argparse refuses itself)."""
     words = sys.argv[1:] if argv is None else argv
-    return any(w == flag or w.startswith(flag + "=") for w in words)
+    for word in words:
+        name = word.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and flag.startswith(name):
+            return True
+    return False
 
 
 class TrainingCLI:

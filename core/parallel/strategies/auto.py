@@ -51,8 +51,16 @@ def auto_plan(
     n = sp_size
 
     def cheapest(stage: Stage) -> str:
+        # by cost; where no balanced method runs a causal stage (every cost infinite), the
+        # fewest bytes among the unbalanced ones
         runnable = [m for m in CANDIDATES if get_method(m).runs(stage.op)]
-        return min(runnable, key=lambda m: stage_cost(m, stage, n, "contiguous"))
+        return min(
+            runnable,
+            key=lambda m: (
+                stage_cost(m, stage, n, "contiguous"),
+                get_method(m).plan_cost(n, stage.heads, causal=stage.causal),
+            ),
+        )
 
     forced = tuple(
         s
