@@ -35,24 +35,33 @@ RESUMED = ("protein", "weather", "axial3d")  # resumed at SP 2 from one-process 
 
 
 def _byte_file(root: Path) -> Path:
-    """A small deterministic byte corpus (the repository's README, repeated)."""
+    """A small deterministic byte corpus (the repository's README, repeated). Every process
+    of a launch may ask at once: written aside and renamed in, so none reads it half written."""
     path = root / "corpus.bin"
     if not path.is_file():
-        path.write_bytes((REPO / "README.md").read_bytes() * 4)
+        aside = root / f".corpus.bin.{os.getpid()}"
+        aside.write_bytes((REPO / "README.md").read_bytes() * 4)
+        os.replace(aside, path)
     return path
 
 
 def _protein_folder(root: Path) -> Path:
-    """Three real entries (one with MSAs), 4zey held out."""
+    """Three real entries (one with MSAs), 4zey held out. Built aside and renamed in: every
+    process of a launch may ask at once (the first rename wins, the others drop theirs)."""
     from dspzoo.domains.protein.dataset import BUILTIN_DATA
 
     folder = root / "chains"
     if not folder.is_dir():
-        folder.mkdir(parents=True)
+        aside = root / f".chains.{os.getpid()}"
+        aside.mkdir(parents=True)
         for name in ("2cviA.pdb.gz", "2q2k.cif.gz", "4zey.cif.gz"):
-            shutil.copy(BUILTIN_DATA / name, folder / name)
+            shutil.copy(BUILTIN_DATA / name, aside / name)
         alignments = BUILTIN_DATA / "alignments" / "2q2k_A"
-        shutil.copytree(alignments, folder / "alignments" / "2q2k_A")
+        shutil.copytree(alignments, aside / "alignments" / "2q2k_A")
+        try:
+            os.rename(aside, folder)
+        except OSError:  # another process's folder is in place (the same files)
+            shutil.rmtree(aside)
     return folder
 
 
