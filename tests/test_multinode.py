@@ -204,3 +204,23 @@ def test_two_nodes_of_two_processes_repeat_one_process(tmp_path: Path) -> None:
         in summary[0]
     )
     assert "mesh dp" not in log1
+
+
+def test_the_torchrun_node_script_asks_for_the_process_count_on_a_cpu_machine(
+    tmp_path: Path,
+) -> None:
+    """Without NPROC_PER_NODE and without nvidia-smi (a CPU machine) the example script says
+    what to set and exits 2; it used to end silently with 127 (the missing command under
+    ``set -e``)."""
+    import shutil
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "multinode" / "torchrun_node.sh"
+    bash = shutil.which("bash")
+    env = {"PATH": str(tmp_path), "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for tool in ("dirname", "wc"):  # what the script needs before it launches anything
+        (tmp_path / tool).symlink_to(shutil.which(tool))
+    done = subprocess.run(
+        [bash, str(script), "--sp", "1"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "no GPU found: set NPROC_PER_NODE" in done.stderr

@@ -21,7 +21,10 @@ cd "$(dirname "$0")/../.."
 : "${MASTER_ADDR:?set MASTER_ADDR, the address of machine 0}"
 MASTER_PORT=${MASTER_PORT:-29500}
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
-    NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | wc -l)
+    NPROC_PER_NODE=0  # no nvidia-smi (a CPU machine) must not end the script under set -e
+    if command -v nvidia-smi > /dev/null; then
+        NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+    fi
     if [[ "$NPROC_PER_NODE" -eq 0 ]]; then
         echo "no GPU found: set NPROC_PER_NODE (processes on this machine)" >&2
         exit 2
