@@ -65,7 +65,7 @@ def _check(output: str, message: str) -> None:
     [
         (
             ["-m", "dspzoo", "train", "video", "--sp", "3", "--steps", "1"],
-            "dspzoo train: error: sp_size=3 does not divide the world size 2",
+            "dspzoo train video: error: sp_size=3 does not divide the world size 2",
         ),
         (["one_rank_fails.py"], "prog: error: --data /no/such/folder: no such folder"),
         (

@@ -153,7 +153,7 @@ def run_passthrough(name: str, argv: list[str]) -> int:
     saved = sys.argv
     sys.argv = script_argv
     try:  # bad input: one line, status 2, once across the ranks of a launch
-        return run_entry_point(main, f"dspzoo {name}")
+        return run_entry_point(main, script_argv[0])  # "dspzoo train text", as the parser
     finally:
         sys.argv = saved
 

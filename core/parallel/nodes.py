@@ -189,7 +189,8 @@ class NodeLayout:
     def describe(self) -> str:
         sizes = set(self.sizes)
         shape = (
-            f"{len(self.nodes)} node(s) × {self.sizes[0]} processes"
+            f"{len(self.nodes)} node(s) × {self.sizes[0]} process"
+            + ("" if self.sizes[0] == 1 else "es")
             if len(sizes) == 1
             else f"{len(self.nodes)} nodes of {list(self.sizes)} processes"
         )
