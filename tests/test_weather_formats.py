@@ -118,6 +118,18 @@ def test_corrupt_netcdf3_names_its_format_and_engine(files, tmp_path: Path) -> N
         load_fields(str(empty), ["t"])
 
 
+def test_an_unreadable_file_is_named_before_the_missing_variables(tmp_path: Path) -> None:
+    """--data of a file that is no known format, and no --variables: the file is what to fix
+    first, so the error says it cannot be read (it asked for --variables before)."""
+    from dspzoo.domains.weather.training import WeatherTrainConfig
+
+    bad = tmp_path / "bad.nc"
+    bad.write_bytes(b"garbage")
+    cfg = WeatherTrainConfig(model="weathertx-tiny", sp=1, data=str(bad))
+    with pytest.raises(WeatherDataError, match=r"bad.nc: cannot be read: not a NetCDF3"):
+        cfg.channel_variables()
+
+
 def test_two_training_steps_on_a_netcdf3_file(files, tmp_path: Path) -> None:
     import dspzoo.domains.weather  # noqa: F401  (registers weathertx)
     from dspzoo.domains.weather.training import WeatherTrainConfig, train

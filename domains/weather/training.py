@@ -53,8 +53,10 @@ from .data import (
     check_model_fits,
     default_variables,
     describe,
+    file_format,
     fit_normalizer,
     load_fields,
+    open_file,
     resolve_sources,
     train_time_index,
 )
@@ -152,7 +154,11 @@ class WeatherTrainConfig(RunConfig):
     def channel_variables(self) -> tuple[str, ...]:
         chosen = parse_list(self.variables) or default_variables(self.data)
         if not chosen:
-            resolve_sources(self.data)  # a missing file is the first thing to fix: name it
+            # a missing or unreadable file is the first thing to fix: name it
+            for paths in resolve_sources(self.data):
+                for path in paths:
+                    if file_format(path) is None:
+                        open_file(path)  # raises, naming the file and why it cannot be read
             raise WeatherDataError(f"--data {self.data}: name the variables to use (--variables)")
         return chosen
 
