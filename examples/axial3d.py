@@ -139,7 +139,7 @@ def workload(
     """The cost model's view of one step on ``frames`` frames of ``spatial`` (H or (H, W)) pixels:
     what runs in every stage. Used by ``dspzoo plan`` and the harness's byte check."""
     if frames is None or spatial is None:
-        raise ValueError(f"{name} needs --frames and --latent (the frame size in pixels)")
+        raise ValueError(f"{name} needs --frames and the frame size in pixels (--size or --latent)")
     h, w = (spatial, spatial) if isinstance(spatial, int) else spatial
     p, width = config.patch, config.channels * config.patch**2
     layer = (
