@@ -54,7 +54,9 @@ def progress_bar(
     iterable: Any = None, *, log_interval: float = LOG_INTERVAL_S, **kwargs: Any
 ) -> tqdm:
     """``tqdm(iterable, **kwargs)`` on stderr (a widget in a notebook); in a log file one line
-    per ``log_interval`` seconds (module docstring). ``disable=True`` works as in tqdm."""
+    per ``log_interval`` seconds (module docstring; a ``leave=False`` bar there writes nothing
+    unless it runs that long: its "0%" line alone would read as a hang). ``disable=True``
+    works as in tqdm."""
     if stderr_is_terminal() or in_notebook() or "file" in kwargs:
         return tqdm(iterable, **kwargs)
     logged = {
@@ -64,4 +66,6 @@ def progress_bar(
         "maxinterval": max(kwargs.get("maxinterval", 10.0), log_interval),
         "dynamic_ncols": False,  # no terminal to measure: a fixed bar, the postfix whole
     }
+    if not kwargs.get("leave", True):  # a bar that vanishes when done: in a log, a first
+        logged.setdefault("delay", log_interval)  # line only for one that runs that long
     return plain_tqdm(iterable, **logged)

@@ -54,6 +54,15 @@ def test_closing_a_bar_in_a_log_leaves_no_blank_lines(monkeypatch, leave: bool) 
     assert all(line.strip() for line in log.getvalue().splitlines())
 
 
+def test_a_short_transient_bar_writes_nothing_to_a_log(monkeypatch) -> None:
+    """``leave=False`` (sampling's bar): in a log a lone "0%" line would read as a hang."""
+    log = _Stream(tty=False)
+    monkeypatch.setattr(sys, "stderr", log)
+    for _ in progress_bar(range(50), desc="sampling", leave=False):
+        pass
+    assert log.getvalue() == ""
+
+
 def test_the_line_writer_strips_redraw_controls() -> None:
     out = io.StringIO()
     w = LineWriter(out)
