@@ -96,6 +96,36 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(USAGE_STATUS)
 
 
+def suggestion(close: list[str]) -> str:
+    """``"; did you mean 'a'?"`` or ``"; did you mean 'a', 'b' or 'c'?"`` for the names
+    ``close`` (``""`` for none): the one wording of every name hint."""
+    if not close:
+        return ""
+    quoted = [repr(c) for c in close]
+    listed = ", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else quoted[0]
+    return f"; did you mean {listed}?"
+
+
+def corrections(unknown: list[str], known: tuple[str, ...] | list[str]) -> str:
+    """``"; did you mean 'ulyses' → 'ulysses'?"`` for the names of ``unknown`` that have a
+    close one in ``known`` (compared in lower case); ``""`` when none has."""
+    close = [difflib.get_close_matches(s.lower(), known, n=1, cutoff=0.6) for s in unknown]
+    hints = [f"{s!r} → {c[0]!r}" for s, c in zip(unknown, close) if c]
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
+def flag_given(flag: str, words: list[str]) -> str | None:
+    """The word of ``words`` (before a ``--``) that sets option ``flag``: ``--flag``,
+    ``--flag=x`` or an abbreviation argparse accepts (``--mod`` for ``--model``); ``None``."""
+    for word in words:
+        if word == "--":
+            return None
+        option = word.split("=", 1)[0]
+        if len(option) > 3 and flag.startswith(option):
+            return option
+    return None
+
+
 def did_you_mean(message: str) -> str:
     """For argparse's "invalid choice: 'x' (choose from 'a', 'b', ...)", the closest choice
     as ``"; did you mean 'a'?"`` (a misspelt or miscased strategy, cluster, ...); else ``""``."""
@@ -106,7 +136,7 @@ def did_you_mean(message: str) -> str:
     typed = found.group(1)
     by_case = {c.lower(): c for c in choices}
     close = difflib.get_close_matches(typed.lower(), list(by_case), n=1, cutoff=0.6)
-    return f"; did you mean {by_case[close[0]]!r}?" if close else ""
+    return suggestion([by_case[close[0]]] if close else [])
 
 
 def _int_at_least(text: str, least: int, expected: str) -> int:

@@ -50,6 +50,12 @@ def in_notebook() -> bool:
     return "ipykernel" in sys.modules
 
 
+def redraws_in_place() -> bool:
+    """Whether a bar redraws in place here (a terminal or a notebook), rather than writing
+    log lines (:func:`progress_bar`)."""
+    return stderr_is_terminal() or in_notebook()
+
+
 def progress_bar(
     iterable: Any = None, *, log_interval: float = LOG_INTERVAL_S, **kwargs: Any
 ) -> tqdm:
@@ -57,7 +63,7 @@ def progress_bar(
     per ``log_interval`` seconds (module docstring; a ``leave=False`` bar there writes nothing
     unless it runs that long: its "0%" line alone would read as a hang). ``disable=True``
     works as in tqdm."""
-    if stderr_is_terminal() or in_notebook() or "file" in kwargs:
+    if redraws_in_place() or "file" in kwargs:
         return tqdm(iterable, **kwargs)
     logged = {
         **kwargs,

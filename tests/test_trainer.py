@@ -92,9 +92,7 @@ def _unwritable_output_folder(rank: int, world: int, folder: str) -> str:
     if rank == 0:
         blocker.write_text("")
     try:
-        record_run_config(
-            _config(blocker / "run"), blocker / "run", build_mesh(world, timeout_s=30)
-        )
+        record_run_config(_config(blocker / "run"), build_mesh(world, timeout_s=30))
     except ValueError as exc:
         return str(exc)
     return "no error"

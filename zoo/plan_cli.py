@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +61,7 @@ from dspzoo.core.costmodel import (
 from dspzoo.core.costmodel.predict import plan_unsupported
 from dspzoo.core.parallel.strategies import STRATEGIES
 
-from ..core.argparser import CommandParser, positive_int, positive_int_list
+from ..core.argparser import CommandParser, corrections, positive_int, positive_int_list
 from ..core.entry import reader_gone
 from .registry import (
     _match,
@@ -586,12 +585,10 @@ def _run(args: argparse.Namespace) -> int:
     known = ("auto", *STRATEGIES, "ulysses_flat")
     unknown = [s for s in strategies if s not in known]
     if unknown:
-        close = [difflib.get_close_matches(s.lower(), known, n=1, cutoff=0.6) for s in unknown]
-        hints = [f"{s!r} → {c[0]!r}" for s, c in zip(unknown, close) if c]
         raise ValueError(
             f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from "
             f"{', '.join(known)} (ulysses_flat: the reference code's Ulysses, predicted only)"
-            + (f"; did you mean {', '.join(hints)}?" if hints else "")
+            + corrections(unknown, known)
         )
     rows = predict_table(
         wl,

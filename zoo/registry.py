@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.argparser import suggestion
 from .families import (
     BUILTIN_WHERE,
     HOW_TO_REGISTER,
@@ -138,18 +139,6 @@ def _close(name: str, known: list[str]) -> list[str]:
     return [by_folded[c] for c in close]
 
 
-def did_you_mean(close: list[str]) -> str:
-    """``"; did you mean 'a' or 'b'?"`` for the names ``close`` (``""`` for none)."""
-    if not close:
-        return ""
-    quoted = [repr(c) for c in close]
-    return (
-        "; did you mean "
-        + (", ".join(quoted[:-1]) + " or " if len(quoted) > 1 else "")
-        + (quoted[-1] + "?")
-    )
-
-
 def _family(family: str) -> Family:
     key = _match(family, _FAMILIES)
     for load in (load_builtin_families, load_families):  # not imported yet: built-in, plugin
@@ -159,7 +148,7 @@ def _family(family: str) -> Family:
         key = _match(family, _FAMILIES)
     if key is not None:
         return _FAMILIES[key]
-    hint = did_you_mean(_close(family, list(_FAMILIES)))
+    hint = suggestion(_close(family, list(_FAMILIES)))
     raise KeyError(
         f"unknown model family {family!r}{hint} (registered: {', '.join(sorted(_FAMILIES))}); "
         + HOW_TO_REGISTER
@@ -198,7 +187,7 @@ def split_name(name: str) -> tuple[str, str]:
         close = list_models(fam) if fam is not None else _close(name, list_models())
         raise ValueError(
             f"model names look like 'family-config' (e.g. 'stdit-tiny'), got {name!r}"
-            f"{did_you_mean(close)} (known: {', '.join(list_models())})"
+            f"{suggestion(close)} (known: {', '.join(list_models())})"
         )
     return family, config
 
@@ -214,7 +203,7 @@ def resolve_name(name: str) -> str:
     key = _match(config, fam.configs)
     if key is None:
         known = list_models(fam.name)
-        hint = did_you_mean(_close(name, known))
+        hint = suggestion(_close(name, known))
         raise KeyError(f"unknown model {name!r}{hint} (known: {', '.join(known)})")
     return f"{fam.name}-{key}"
 

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..core.argparser import flag_given
 from ..core.entry import UsageError, run_entry_point
 
 
@@ -98,19 +99,6 @@ def _family_of_model(ref: str) -> str:
         raise UsageError(str(exc.args[0]) if exc.args else str(exc)) from exc
 
 
-def _model_flag_given(flag: str, words: list[str]) -> str | None:
-    """The word of ``words`` that would set the script's model ``flag`` (``--model-dir``,
-    ``--model-dir=x`` or an abbreviation argparse accepts, such as ``--model``), if any: the
-    model is the positional word, and the flag would silently replace it."""
-    for word in words:
-        if word == "--":
-            return None
-        option = word.split("=", 1)[0]
-        if len(option) > 3 and flag.startswith(option):
-            return option
-    return None
-
-
 def _resolve(name: str, argv: list[str]) -> tuple[Callable[[], object], list[str]]:
     """The script's ``main`` and the argv it should see."""
     cmd = COMMANDS[name]
@@ -122,7 +110,7 @@ def _resolve(name: str, argv: list[str]) -> tuple[Callable[[], object], list[str
                 f"{key!r} is a {family!r} model; `dspzoo {name}` takes "
                 f"{sorted(set(cmd.scripts))} models"
             )
-        given = _model_flag_given(cmd.model_flag, rest)
+        given = flag_given(cmd.model_flag, rest)  # the flag would replace the positional model
         if given:
             raise UsageError(
                 f"the model is given once: `dspzoo {name} <model or folder>` takes it as its "

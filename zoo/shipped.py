@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import _close, _match, did_you_mean
+from ..core.argparser import suggestion
+from .registry import _close, _match
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 CARD_FILE = "card.json"
@@ -82,7 +83,7 @@ def pretrained_path(name: str) -> Path:
     names = shipped_names()
     key = _match(name, names)
     if key is None:
-        hint = did_you_mean(_close(name, names))
+        hint = suggestion(_close(name, names))
         raise FileNotFoundError(
             f"no checkpoint folder or shipped weights named {name!r}{hint or '.'} Shipped models: "
             f"{', '.join(names) or 'none'} "

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..argparser import corrections, suggestion
 from .precision import Precision
 
 PEER = "deepspeed_ulysses"
@@ -65,8 +66,7 @@ def unsupported_model(name: str) -> str | None:
 
     family = model_family(name)
     if family not in BENCH_FAMILIES:
-        close = difflib.get_close_matches(family, BENCH_FAMILIES, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = suggestion(difflib.get_close_matches(family, BENCH_FAMILIES, n=1, cutoff=0.6))
         return (
             f"{name!r} is not a model the benchmark runs (family {family!r}); it takes "
             f"{BENCH_MODELS}{hint} (`dspzoo plan` predicts the other families)"
@@ -107,14 +107,11 @@ def strategies_argument(text: str) -> str:
     known = known_strategies()
     unknown = [s for s in names if s not in known]
     if not names or unknown:
-        close = [difflib.get_close_matches(s.lower(), known, n=1, cutoff=0.6) for s in unknown]
-        hints = [f"{s!r} → {c[0]!r}" for s, c in zip(unknown, close) if c]
         what = f"unknown {', '.join(map(repr, unknown))}" if unknown else f"no name in {text!r}"
         raise argparse.ArgumentTypeError(
             f"{what}; choose from all (the default) or a comma-separated list of "
             f"{', '.join(known)} (state_passing, head_a2a: Mamba models' scan methods; "
-            f"{PEER}: the peer row, see --peer)"
-            + (f"; did you mean {', '.join(hints)}?" if hints else "")
+            f"{PEER}: the peer row, see --peer)" + corrections(unknown, known)
         )
     return ",".join(names)
 

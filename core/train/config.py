@@ -213,12 +213,14 @@ def start_run(cfg: RunConfig) -> tuple[Any, Any, Any, Path]:
     return accelerator, mesh, sp, Path(cfg.output_dir)
 
 
-def record_run_config(cfg: RunConfig, output_dir: Path, mesh: Any, device: Any = "cpu") -> None:
-    """The main process writes ``output_dir/train_config.json`` (durably: written aside,
+def record_run_config(cfg: RunConfig, mesh: Any, device: Any = "cpu") -> None:
+    """The main process writes ``<cfg.output_dir>/train_config.json`` (durably: written aside,
     fsynced, swapped in): the settings of the session that is starting. Collective: a folder
     it cannot write raises the same error on every rank (``device``: where the flag is
     all-reduced, the run's device)."""
     from ..parallel.validate import validate_collectively
+
+    output_dir = Path(cfg.output_dir)
 
     def write() -> None:
         if not mesh.is_main:

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..argparser import CommandParser
+from ..argparser import CommandParser, flag_given
 
 if TYPE_CHECKING:
     from .task import Task
@@ -104,7 +104,8 @@ def parse_config(
     parser = build_parser(config_cls, description, defaults_shown)
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "init_from", None) and _given("--model", argv):
+        words = sys.argv[1:] if argv is None else argv
+        if getattr(args, "init_from", None) and flag_given("--model", words):
             # an explicit --model must match --init-from's weights even when it is the
             # script's default name (the config alone cannot tell it from no flag)
             from .config import model_of_weights
@@ -117,17 +118,6 @@ def parse_config(
     except USER_ERRORS as exc:
         parser.error(error_message(exc))
     return cfg
-
-
-def _given(flag: str, argv: list[str] | None) -> bool:
-    """Whether ``flag`` is on the command line: ``--flag value``, ``--flag=value``, or an
-    abbreviation argparse accepts (``--mod``; an ambiguous one argparse refuses itself)."""
-    words = sys.argv[1:] if argv is None else argv
-    for word in words:
-        name = word.split("=", 1)[0]
-        if name.startswith("--") and len(name) > 2 and flag.startswith(name):
-            return True
-    return False
 
 
 class TrainingCLI:

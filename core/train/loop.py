@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..parallel.trace import SavedTensorMeter
-from ..progress import progress_bar, stderr_is_terminal
+from ..progress import progress_bar, redraws_in_place
 from .resume import mean_step_time
 
 
@@ -125,7 +125,7 @@ def run_training_loop(
                 tps = s.tokens_per_step / step_time
                 name = f"{s.loss_name}(avg{len(recent)})"
                 progress.set_postfix(  # in a log file the log line below says it
-                    {name: f"{avg:.4f}", "tok/s": f"{tps:.0f}"}, refresh=stderr_is_terminal()
+                    {name: f"{avg:.4f}", "tok/s": f"{tps:.0f}"}, refresh=redraws_in_place()
                 )
                 if is_main:
                     logger.info(

@@ -192,7 +192,7 @@ class Trainer:
         if not self.cfg.resume:
             refuse_stale_checkpoints(self.mesh, self.checkpoint_dir, self.accelerator.device)
         start_step, history = self.restore() if self.cfg.resume else (0, [])
-        record_run_config(self.cfg, self.output_dir, self.mesh, self.accelerator.device)
+        record_run_config(self.cfg, self.mesh, self.accelerator.device)
         if start_step >= self.cfg.steps and self.mesh.is_main:
             self.logger.warning(
                 "the checkpoint is at step %d, at or past --steps %d: nothing to train in this "
