@@ -121,6 +121,8 @@ def flag_given(flag: str, words: list[str]) -> str | None:
         if word == "--":
             return None
         option = word.split("=", 1)[0]
+        # "--m" and shorter are left to argparse (in the training scripts "--m" is ambiguous:
+        # --mixed-precision, --model)
         if len(option) > 3 and flag.startswith(option):
             return option
     return None
