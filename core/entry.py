@@ -77,9 +77,6 @@ def release_communicators() -> None:
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    from .parallel.comm.shm import release_channels
-
-    release_channels()  # the groups' shared-memory mailboxes go with the groups
     gc.collect()  # groups destroyed earlier but held in reference cycles go now, not at exit
 
 

@@ -31,7 +31,7 @@ from dspzoo.core.parallel.methods import (
     zigzag_lengths,
 )
 from dspzoo.core.parallel.trace import comm_region
-from dspzoo.core.testing import counting_calls, run_distributed
+from dspzoo.core.testing import run_distributed
 
 BAD = 1  # the rank that gets the bad input
 B, T, S, C = 2, 5, 7, 3  # lengths not divisible by 2 or 3
@@ -300,112 +300,8 @@ def test_one_bad_rank_raises_the_same_error_on_every_rank(world: int) -> None:
         assert len(set(texts.values())) == 1, (name, texts)
 
 
-REHEARSED_CASES: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], str]] = {
-    "extra row": (_extra_row, "rows of dim 1"),
-    "wrong dtype": (_wrong_dtype, "x.dtype differs"),
-    "extra channel": (_extra_channel, "x.shape differs"),
-}
-
-
 def _reference(model: TwoStage, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(model.spatial(torch.tanh(model.temporal(x))))
-
-
-def _rehearsed_calls_fail_everywhere(rank: int, world: int, path: str) -> dict[str, Any]:
-    """Bad inputs on a call the group predicted: its agreement rides in the exchange itself.
-
-    ``path``: ``shm`` (the default on one host: the status in every chunk's header,
-    :mod:`dspzoo.core.parallel.comm.shm`), ``direct`` (its status in a message per peer,
-    :mod:`dspzoo.core.parallel.comm.direct`) or ``packed`` (in the all-to-all's headers); no
-    other path is taken.
-    """
-    from dspzoo.core.parallel.comm import direct, shm
-    from dspzoo.core.parallel.comm.settings import SETTINGS
-
-    settings = {
-        "shm": {},
-        "packed": {"shm_slot_bytes": None, "direct_min_bytes": None},
-        "direct": {"shm_slot_bytes": None, "direct_min_bytes": 0, "direct_max_messages": 10**6},
-    }[path]
-    started = {"shm": shm.exchanges_started(), "direct": direct.exchanges_started()}
-    with (
-        SETTINGS.changed(**settings),
-        counting_calls(dist, "all_to_all_single") as all_to_alls,
-    ):
-        messages = _rehearsed_cases(rank, world)
-    taken = {
-        name: module.exchanges_started() - started[name]
-        for name, module in (("shm", shm), ("direct", direct))
-    }
-    taken["packed"] = all_to_alls[0]
-    assert taken[path] > 0 and sum(taken.values()) == taken[path], (path, taken)
-    return messages
-
-
-def _rehearsed_cases(rank: int, world: int) -> dict[str, Any]:
-    from dspzoo.core.parallel.comm.settings import SETTINGS
-
-    group = build_mesh(world, timeout_s=5).sp_group
-    rehearsal = SETTINGS.rehearsal(group)
-    torch.manual_seed(0)
-    model = TwoStage()
-    x = torch.randn(B, T, S, C)
-    with torch.no_grad():
-        for _ in range(3):  # the group learns the model's calls; the third forward is folded
-            torch.testing.assert_close(
-                model(_slice(x, 1, world, rank), group), _reference(model, x)
-            )
-    assert rehearsal.hits == 1 and rehearsal.misses == 0, (rehearsal.hits, rehearsal.misses)
-    messages = {}
-    cases = {
-        f"rehearsed: {name}": (_model_case(c), "switch", words)
-        for name, (c, words) in REHEARSED_CASES.items()
-    }
-    cases["rehearsed: diverged"] = (_diverged, "switch/gather", "different collectives")
-    for name, (case, primitive, words) in cases.items():
-        with torch.no_grad():  # a good forward: the next switch is predicted again
-            model(_slice(x, 1, world, rank), group)
-        hits, misses = rehearsal.hits, rehearsal.misses
-        start = time.monotonic()
-        with pytest.raises(comm.CollectiveInputError) as info:
-            case(model, x, group, world, rank)
-        assert time.monotonic() - start < 4, name  # not a timeout
-        assert (rehearsal.hits, rehearsal.misses) == (hits, misses + 1), name
-        text = str(info.value)
-        assert text.startswith(f"{primitive} (comm region '"), (name, text)
-        assert f"rank {BAD}" in text and words in text, (name, text)
-        messages[name] = text
-
-    # rank 1's activation in another memory layout (same values): a valid call, still exact
-    def other_strides(h: torch.Tensor, r: int) -> torch.Tensor:
-        return h.transpose(0, 3).contiguous().transpose(0, 3) if r == BAD else h
-
-    with torch.no_grad():
-        out = model(_slice(x, 1, world, rank), group, other_strides)
-    torch.testing.assert_close(out, _reference(model, x))
-    # a prediction that is only stale (every rank calls with another batch): redone, exact
-    x2 = torch.randn(B + 1, T, S, C)
-    x_local = _slice(x2, 1, world, rank).requires_grad_(True)
-    misses = rehearsal.misses
-    out = model(x_local, group)
-    assert rehearsal.misses == misses + 1
-    (out.sum() / world).backward()
-    x_ref = x2.clone().requires_grad_(True)
-    _reference(model, x_ref).sum().backward()
-    torch.testing.assert_close(out, _reference(model, x2))
-    torch.testing.assert_close(x_local.grad, _slice(x_ref.grad, 1, world, rank))
-    return messages
-
-
-@pytest.mark.parametrize(
-    ("world", "path"), [(2, "shm"), (3, "shm"), (3, "packed"), (2, "direct"), (3, "direct")]
-)
-def test_a_bad_input_on_a_rehearsed_call_raises_on_every_rank(world: int, path: str) -> None:
-    """Every switch on one path (``shm``, the default on one host; ``packed``; ``direct``)."""
-    results = run_distributed(_rehearsed_calls_fail_everywhere, world, path, timeout=180)
-    for name in results[0]:
-        texts = {r: results[r][name] for r in range(world)}
-        assert len(set(texts.values())) == 1, (name, texts)
 
 
 def _usp_grid_extra_token(rank: int, world: int) -> str:

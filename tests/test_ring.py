@@ -430,14 +430,8 @@ def _distributed_all(rank, world):
         )
     for dtype in (torch.float32, torch.bfloat16):
         checks += _check_balanced_case(dist.group.WORLD, shard_sizes(13, 4), True, dtype, 9)
-    from dspzoo.core import comm
-
-    # both transports: gloo's tagged batch_isend_irecv, and shared memory in 64-byte chunks
-    # (messages matched in order per peer, several in flight)
-    for slot in (None, 64):
-        with comm.SETTINGS.changed(shm_slot_bytes=slot):
-            for group, n in configs:
-                checks += _check_balanced_case(group, shard_sizes(9, n), True, torch.float64, 12)
+    for group, n in configs:
+        checks += _check_balanced_case(group, shard_sizes(9, n), True, torch.float64, 12)
     checks += _check_balanced_case(
         dist.group.WORLD, custom[4], True, torch.float64, 10, kernel="blockwise"
     )

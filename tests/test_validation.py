@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -17,6 +18,9 @@ BAD_RANK = 1
 
 
 def _bad_input_on_one_rank(rank: int, world: int) -> list[str]:
+    from dspzoo.core import comm
+
+    comm.set_debug(os.environ.get("TEST_COMM_DEBUG") == "1")
     torch.manual_seed(0)
     model = create_model("stdit-tiny", num_classes=4)
     sp = SeqParallel(build_mesh(world))
@@ -46,7 +50,9 @@ def _bad_input_on_one_rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize("debug", ["0", "1"])
 def test_one_bad_rank_fails_every_rank_with_the_same_message(debug: str) -> None:
-    messages = run_distributed(_bad_input_on_one_rank, 3, timeout=90, env={"DSPZOO_DEBUG": debug})
+    messages = run_distributed(
+        _bad_input_on_one_rank, 3, timeout=90, env={"TEST_COMM_DEBUG": debug}
+    )
 
     def without_rank(texts: list[str]) -> list[str]:
         return [re.sub(r"\(this is rank \d\)", "", t) for t in texts]

@@ -7,7 +7,6 @@ import math
 import os
 from typing import Any
 
-from .case import PEER
 from .precision import DTYPE_SHORT_NAMES, MAX_RTOL, ROUNDING_MARGIN, ROUNDINGS
 
 MiB = 2**20
@@ -130,18 +129,6 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _transport(result: dict[str, Any]) -> str:
-    """The sentence saying what carried the SP collectives (empty at SP 1)."""
-    if "transport" not in result:
-        return ""
-    peer = any(r["strategy"] == PEER for r in result["rows"])
-    return (
-        f" The strategies' collectives went over {result['transport']}"
-        + (f" ({PEER} calls torch.distributed itself: gloo)" if peer else "")
-        + "."
-    )
-
-
 def precision_note(result: dict[str, Any]) -> str:
     """What a mixed-precision run means for its figures (the paragraph under the title)."""
     size = result["itemsize"]
@@ -204,7 +191,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"mode `{result['mode']}`: {result['layout']}; {result['world']} processes "
         f"on {result.get('device', 'cpu')}, "
         f"{result['threads_per_process']} thread(s) each, {result.get('meshes', '?')} "
-        f"mesh(es) in all, one per SP layout, shared by the strategies; {timing}.{_transport(result)} Bytes: sent per rank per step, worst "
+        f"mesh(es) in all, one per SP layout, shared by the strategies; {timing}. Bytes: sent per rank per step, worst "
         "rank, traced by the runtime's tracer beside the cost model's `comm_bytes` walking the "
         "same plan ('=': equal on every rank for every op and phase); memory: activations saved "
         f"for backward per rank (worst rank) beside `activation_bytes`; check: {check}.",

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from ..costmodel.probe import AttentionShape, Rates, probe_group
 from ..device_memory import CudaPeak
 from ..entry import UsageError
-from ..parallel.comm.shm import transport
 from ..parallel.methods.registry import METHODS
 from ..parallel.strategies import STRATEGIES
 from .auto_choice import AUTO, auto_choice, needs_own_row
@@ -476,8 +475,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         )  # fmt: skip
         result["threads_per_process"] = threads
         result["meshes"] = len(meshes)
-        if sp_size > 1:  # what carried the strategies' collectives (the peer calls gloo itself)
-            result["transport"] = transport(runners[0].mesh.sp_group)
         if base_times:
             result["baseline_sp1"] = spread(base_times)
     accelerator.wait_for_everyone()

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..entry import release_communicators_at_exit
+from .comm.group import register_control_group
 from .nodes import (
     NodeLayout,
     RankPlace,
@@ -303,18 +304,28 @@ def own_group(blocks: list[list[int]], timeout_s: float | None = None) -> Any:
     """This rank's group among ``blocks`` (disjoint rank lists covering the world), each block
     on a new communicator of its own, never the default group's (even for all ranks).
 
+    Where the job's backend moves no CPU tensors (NCCL alone), each block also gets a gloo
+    group beside it, registered as its control side group: the collectives' agreements (a few
+    words on the host) travel there, never on the NCCL communicator
+    (:func:`dspzoo.core.parallel.comm.register_control_group`).
+
     Collective over the world: every rank must call it with the same blocks, in the same order.
     ``timeout_s``: the groups' collective timeout (default: the collective timeout setting).
     """
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=collective_timeout_s(timeout_s))
-    mine = None
+    backend = str(dist.get_backend())
+    side = "gloo" not in backend and "cpu:" not in backend
+    mine = control = None
     for block in blocks:
         group = dist.new_group(block, timeout=timeout)
+        beside = dist.new_group(block, timeout=timeout, backend="gloo") if side else None
         if rank in block:
-            mine = group
+            mine, control = group, beside
     if mine is None:
         raise ValueError(f"rank {rank} is in none of the groups {blocks}")
+    if control is not None:
+        register_control_group(mine, control)
     return mine
 
 

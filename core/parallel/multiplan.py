@@ -48,7 +48,7 @@ from .planner import (
     Switch,
 )
 from .planner import plan as _plan
-from .runtime import SeqParallel, SeqTensor
+from .runtime import SeqParallel, SeqTensor, agreed_call
 from .trace import comm_region, tag_stage
 
 __all__ = [
@@ -141,6 +141,11 @@ class MultiParallel:
             shard_sizes(length, self.sp.size)[self.sp.rank],
         )
 
+    def agree_entry(self, **inputs: torch.Tensor) -> None:
+        """The forward's one agreement (:meth:`SeqParallel.agree_entry`) on the replicated
+        ``inputs`` and this plan; call it before the first collective of the forward."""
+        self.sp.agree_entry(inputs, ("several activations", self.plan))
+
     @contextmanager
     def region(self, **local: torch.Tensor) -> Iterator[SeveralActivations]:
         """Open the region of the activations whose local shards (cut on the plan's entry dims)
@@ -158,6 +163,7 @@ class MultiParallel:
         return MultiState(acts)
 
     # -- stages ------------------------------------------------------------------------------
+    @agreed_call
     def to_stage(self, state: MultiState, stage: str) -> MultiState:
         """Launch the overlapped switches whose window opens here; finish those ``stage`` needs."""
         step = self.plan.step_for(stage)
@@ -182,6 +188,7 @@ class MultiParallel:
             handle, spec = state.pending.pop(name)
             state.acts[name] = SeqTensor(handle.wait(), spec)
 
+    @agreed_call
     def switch(self, act: SeqTensor, dim: str) -> SeqTensor:
         """Re-shard ``act`` on ``dim`` (chunked over channels in no-grad mode if configured)."""
         src = act.spec.sharded
@@ -193,6 +200,7 @@ class MultiParallel:
         out = self.sp._switch_tensor(act.tensor, a, b, length, self.switch_chunk)
         return SeqTensor(out, act.spec.with_sharded(dim))
 
+    @agreed_call
     def gather(
         self, t: torch.Tensor, spec: SeqSpec, dim: str | None = None, first_axis: int | None = None
     ) -> torch.Tensor:
@@ -209,12 +217,14 @@ class MultiParallel:
         axis = first + spec.names.index(dim)
         return comm.gather_for_local_use(t, axis, self.sp.group, spec.length(dim))
 
+    @agreed_call
     def finish(self, state: MultiState) -> MultiState:
         """Wait for every switch still in flight (the activations stay sharded)."""
         for name in list(state.pending):
             self._settle(state, name)
         return state
 
+    @agreed_call
     def exit(self, state: MultiState, name: str) -> torch.Tensor:
         """The full (replicated) tensor of activation ``name``; finishes pending switches."""
         self.finish(state)

@@ -30,16 +30,20 @@ sets the method, ``attention`` runs locally or through the method.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import math
+import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from . import comm
+from .comm.agreement import Signature, agree, trusted_calls
 from .context import Region, check_local_shape, open_region
 from .layout import SeqSpec, shard_sizes
 from .mesh import SPMesh
@@ -55,6 +59,45 @@ from .strategies.dispatch import sharded_attention
 from .trace import comm_region
 
 PLAN_CACHE_SIZE = 64  # plans kept per runtime (least recently used dropped)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _canonical(obj: Any) -> Any:
+    """``obj`` with sets sorted and dataclasses spelt out: a ``repr`` equal in every process
+    (a set's iteration order depends on the process's string hashing)."""
+    if isinstance(obj, (set, frozenset)):
+        return ("set", sorted((_canonical(v) for v in obj), key=repr))
+    if isinstance(obj, (tuple, list)):
+        return tuple(_canonical(v) for v in obj)
+    if isinstance(obj, dict):
+        return ("dict", sorted(((repr(k), _canonical(v)) for k, v in obj.items()), key=repr))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = dataclasses.fields(obj)
+        return (type(obj).__name__, tuple((f.name, _canonical(getattr(obj, f.name))) for f in fields))
+    return obj
+
+
+def stable_crc(obj: Any) -> int:
+    """A CRC of ``obj`` (plans, stages, names) that is the same in every process."""
+    return zlib.crc32(repr(_canonical(obj)).encode())
+
+
+def agreed_call(method: _Method) -> _Method:
+    """Run a runtime method inside :func:`~dspzoo.core.parallel.comm.agreement.trusted_calls`
+    once its :class:`SeqParallel` made its entry agreement (:meth:`SeqParallel.agree_entry`):
+    its collectives are deterministic functions of what was agreed and exchange nothing more.
+    For methods of :class:`SeqParallel` and of objects holding one as ``self.sp``."""
+
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sp = self if isinstance(self, SeqParallel) else self.sp
+        if not sp._entered or sp.size == 1:
+            return method(self, *args, **kwargs)
+        with trusted_calls(sp.group):
+            return method(self, *args, **kwargs)
+
+    return wrapped  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -121,6 +164,7 @@ class SeqParallel:
         self.switch_chunk = switch_chunk
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._open: tuple[str, str, str, str] | None = None  # (stage, method, entry, dim)
+        self._entered = False  # an entry agreement was made (agree_entry): calls are trusted
         #: the stage of the last ``to_stage`` (its name and declared dims), for error messages
         self.last_stage: tuple[str, tuple[str, ...]] | None = None
 
@@ -156,8 +200,42 @@ class SeqParallel:
         plan = self.plan(spec.names, spec.lengths, tuple(stages))
         self._open = None  # a new pass: nothing left in force from an interrupted one
         self.last_stage = None
+        self.agree_entry({"x": x}, (tuple(names), first_axis, tuple(stages)))
         return self.shard(x, spec, plan.entry, plan)
 
+    def agree_entry(self, inputs: dict[str, torch.Tensor], plan_key: Any = ()) -> None:
+        """The one agreement of a forward: every rank holds replicated ``inputs`` of the same
+        shapes, dtypes and devices, plans the same (``plan_key``: what the plan depends on
+        besides the shapes, e.g. the dim names and stages; compared as a CRC of its ``repr``),
+        with the same strategy, and passed its input validation
+        (:func:`~dspzoo.core.parallel.validate.validate_collectively`). One tiny exchange on
+        the host over the SP group's control side group; a mismatch raises the same
+        :class:`~dspzoo.core.parallel.comm.CollectiveInputError` on every rank.
+
+        Afterwards the runtime's own calls (its methods, the regions' ``stage``, ``local`` and
+        ``gather_for_local_use``) exchange nothing more until the next entry
+        (:func:`agreed_call`); direct calls of :mod:`~dspzoo.core.parallel.comm` by the model
+        still agree. :meth:`enter` calls it; a model that shards its inputs itself
+        (:meth:`shard`) calls it first, with every input it shards.
+        """
+        self._entered = False
+        if self.size == 1:
+            return
+        sig = Signature("entry")
+        key = stable_crc((self.strategy.name, self.size, plan_key))
+        sig.arg("plan (a CRC of strategy, SP size, names and stages)", key)
+        device = "cpu"
+        for name, t in inputs.items():
+            if len(inputs) <= 3:
+                sig.tensor(name, t)
+            else:  # many inputs: one word each (the error names the input, not its shape)
+                desc = (str(t.dtype), t.device.type, tuple(t.shape))
+                sig.arg(f"{name} (dtype, device, shape: a CRC)", zlib.crc32(repr(desc).encode()))
+            device = t.device
+        agree(sig, self.group, device)
+        self._entered = True
+
+    @agreed_call
     def shard(
         self, x: torch.Tensor, spec: SeqSpec, dim: str, plan: Plan | None = None
     ) -> SeqTensor:
@@ -171,6 +249,7 @@ class SeqParallel:
             return zigzag_split(t, axis, self.group)
         return comm.split(t, axis, self.group)
 
+    @agreed_call
     def exit(self, act: SeqTensor) -> torch.Tensor:
         """Sharded :class:`SeqTensor` → replicated tensor (identical use on every rank)."""
         self._close_stage()
@@ -180,9 +259,12 @@ class SeqParallel:
         axis, length = spec.axis(spec.sharded), spec.length(spec.sharded)
         with comm_region("exit"):
             if spec.layout == "zigzag" and self.size > 1:
-                return zigzag_gather(act.tensor, axis, self.group, length)
-            return comm.gather(act.tensor, axis, self.group, length)
+                out = zigzag_gather(act.tensor, axis, self.group, length)
+            else:
+                out = comm.gather(act.tensor, axis, self.group, length)
+        return out
 
+    @agreed_call
     def switch(self, act: SeqTensor, dim: str) -> SeqTensor:
         """Re-shard ``act`` on ``dim`` with one all-to-all (no-op if already sharded there)."""
         src = act.spec.sharded
@@ -200,6 +282,7 @@ class SeqParallel:
         )
         return SeqTensor(out, act.spec.with_sharded(dim), act.plan)
 
+    @agreed_call
     def _switch_tensor(
         self, x: torch.Tensor, src: int, dst: int, length: int, chunk: int | None = None
     ) -> torch.Tensor:
@@ -218,6 +301,7 @@ class SeqParallel:
             out[..., c0 : c0 + chunk] = comm.switch(part, src, dst, self.group, length)
         return out
 
+    @agreed_call
     def switch_async(self, act: SeqTensor, dim: str) -> tuple[comm.SwitchHandle, SeqSpec]:
         """Launch the switch of ``act`` to ``dim``; ``handle.wait()`` gives the local tensor of
         the returned spec. Overlaps whatever runs before the wait."""
@@ -250,6 +334,7 @@ class SeqParallel:
         name, mixes = self.last_stage
         return f" with stage {name!r} in force (declared as mixing {', '.join(mixes) or 'nothing'})"
 
+    @agreed_call
     def to_stage(self, act: SeqTensor, stage: str) -> SeqTensor:
         """Make ``act`` ready for ``stage``: switch to the planned sharded dim (if it differs)
         and put the planned method in force for the stage's attention."""
@@ -272,6 +357,7 @@ class SeqParallel:
             self._open = (stage, step.method, entry, step.sharded)
         return replace(act, spec=act.spec.with_method(step.method))
 
+    @agreed_call
     def _gather_whole(self, act: SeqTensor) -> torch.Tensor:
         """The whole activation on every rank for a stage each rank then uses for its own rows
         (all-gather for local use; backward: reduce-scatter), in either layout."""
@@ -310,6 +396,7 @@ class SeqParallel:
         if self._open is not None and self._open[2] == entry:
             self._open = None
 
+    @agreed_call
     def attention(
         self,
         q: torch.Tensor,
@@ -333,6 +420,7 @@ class SeqParallel:
             self._used("sp.attention")
         return sharded_attention(self, q, k, v, spec, over, mask, causal, scale)
 
+    @agreed_call
     def scan(
         self, op: ScanOp, x: torch.Tensor, spec: SeqSpec, over: str | tuple[str, ...]
     ) -> torch.Tensor:
@@ -374,6 +462,7 @@ class SeqParallel:
         return unfold_scan_dims(out, moved, spec, over_dims)
 
     # -- lockstep helpers -------------------------------------------------------------------
+    @agreed_call
     def shard_like(
         self, t: torch.Tensor, act: SeqTensor | SeqSpec, axes: dict[str, int] | None = None
     ) -> torch.Tensor:
@@ -403,6 +492,7 @@ class SeqParallel:
         return self._split(t, axis, spec.layout)
 
     # -- randomness on sharded activations --------------------------------------------------
+    @agreed_call
     def dropout(
         self,
         act: SeqTensor,
@@ -423,6 +513,7 @@ class SeqParallel:
         return seq_dropout(self, act, p, key, shared_along, training, batch_offset)
 
     # -- tensor parallelism (megatron_sp) ---------------------------------------------------
+    @agreed_call
     def tp_enter(self, x: torch.Tensor, spec: SeqSpec) -> tuple[torch.Tensor, SeqSpec]:
         """Before a block's column-parallel input linear(s): the full sequence, if needed.
 
@@ -435,6 +526,7 @@ class SeqParallel:
         self._used("sp.tp_enter")
         return gather_sequence(x, spec, self.group)
 
+    @agreed_call
     def tp_exit(self, linear: torch.nn.Module, y: torch.Tensor, spec: SeqSpec) -> torch.Tensor:
         """``linear(y)`` laid out as ``spec``: a block's output linear after :meth:`tp_enter`.
 

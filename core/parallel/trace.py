@@ -10,8 +10,10 @@ Bytes-sent conventions (per rank, payload only, self-traffic excluded):
     reduce-scatter:           (N − 1) · output chunk (padded chunk when shards are uneven)
     all-reduce:               2 · (N − 1) / N · buffer (ring algorithm)
 
-The cross-rank agreement that precedes each primitive (:mod:`dspzoo.core.parallel.comm.agreement`) is
-control traffic and is not recorded.
+The cross-rank agreements (:mod:`dspzoo.core.parallel.comm.agreement`: once per forward at the
+sharded region's entry, and before each direct call of a primitive) are control traffic: they
+are recorded apart, as :class:`ControlRecord` s (:meth:`CommTracer.control_count`), never in the
+payload totals.
 
 :class:`SavedTensorMeter` counts activation memory exactly on any device: the bytes of the
 distinct storages autograd saves for backward, parameters excluded.
@@ -48,14 +50,35 @@ class CommRecord:
     dtype: str
 
 
+@dataclass(frozen=True)
+class ControlRecord:
+    """One control exchange (an agreement) as seen by this rank."""
+
+    what: str
+    phase: str
+    region: str
+    bytes_sent: int
+    group_size: int
+
+
 @dataclass
 class CommTracer:
-    """Collects :class:`CommRecord` s while active (see :func:`trace_comm`)."""
+    """Collects :class:`CommRecord` s (payload) and :class:`ControlRecord` s while active
+    (see :func:`trace_comm`)."""
 
     records: list[CommRecord] = field(default_factory=list)
+    control: list[ControlRecord] = field(default_factory=list)
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
+
+    def control_count(self, phase: str | None = None) -> int:
+        """Number of control exchanges (agreements), optionally of one phase."""
+        return sum(1 for c in self.control if phase is None or c.phase == phase)
+
+    def control_bytes(self) -> int:
+        """Bytes this rank sent in control exchanges."""
+        return sum(c.bytes_sent for c in self.control)
 
     def total_bytes(
         self, op: str | None = None, phase: str | None = None, region_prefix: str = ""
@@ -102,6 +125,13 @@ class CommTracer:
         lines.append(
             f"{'total':<32} {'':<16} {'':<9} {len(self.records):>6} {format_bytes(self.total_bytes()):>14}"
         )
+        if self.control:
+            groups = sorted({c.group_size for c in self.control})
+            lines.append(
+                f"{'control (agreements)':<32} {'all_gather':<16} {'':<9} "
+                f"{len(self.control):>6} {format_bytes(self.control_bytes()):>14}"
+                f"  (groups of {', '.join(map(str, groups))} ranks; not in the total)"
+            )
         return "\n".join(lines)
 
 
@@ -178,6 +208,27 @@ def record_comm(
             group_size=group_size,
             shape=tuple(tensor.shape),
             dtype=str(tensor.dtype).replace("torch.", ""),
+        )
+    )
+
+
+def in_backward() -> bool:
+    """Whether the caller runs inside an autograd backward pass."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def record_control(what: str, bytes_sent: int, group_size: int, region: str | None = None) -> None:
+    """Report one control exchange (an agreement) to the active tracer (no-op when none is)."""
+    tracer = _ACTIVE_TRACER.get()
+    if tracer is None:
+        return
+    tracer.control.append(
+        ControlRecord(
+            what=what,
+            phase="backward" if in_backward() else "forward",
+            region=current_region() if region is None else region,
+            bytes_sent=int(bytes_sent),
+            group_size=group_size,
         )
     )
 

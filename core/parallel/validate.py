@@ -2,9 +2,18 @@
 
 A model entering the sharded region validates its inputs locally; if only one rank rejected
 them and raised, its peers would block in the next collective until the timeout. Instead
-:func:`validate_collectively` runs the local check on every rank, agrees on the outcome with
-one tiny all-reduce, and — only when some rank failed — shares the messages so that every
-rank raises the same :class:`InputValidationError` naming the ranks and what was wrong.
+:func:`validate_collectively` runs the local check on every rank, and:
+
+* a rank that accepts its input sends nothing: the outcome travels with the group's next
+  agreement — the runtime's entry agreement (:meth:`~dspzoo.core.parallel.runtime.SeqParallel.enter`),
+  which it makes anyway, so a valid forward costs no exchange of its own;
+* a rank that rejects its input agrees at once; the other ranks meet it in their next
+  agreement, and every rank raises the same :class:`InputValidationError` naming the ranks and
+  what was wrong.
+
+Call it before the sharded region's entry (or before any other collective of the group): a
+collective that is not an agreement (a bare all-reduce) would not meet the rejecting rank.
+Inside an agreed forward (after the entry), the outcome is settled at once, with one exchange.
 """
 
 from __future__ import annotations
@@ -13,14 +22,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .comm import group_rank, group_size
-from .trace import record_comm
+from .comm import group_size
+from .comm.agreement import (
+    InputValidationError,
+    Signature,
+    agree_in_full,
+    is_trusted,
+    owe_validation,
+    settle_validation,
+)
+from .comm.settings import SETTINGS
 
-
-class InputValidationError(ValueError):
-    """Inputs rejected on one or more ranks of a group; raised on every rank of it."""
+__all__ = ["InputValidationError", "validate_collectively"]
 
 
 def validate_collectively(
@@ -35,32 +49,26 @@ def validate_collectively(
         check: raises ``ValueError`` or ``TypeError`` with a clear message for bad input.
         group: the process group (``None``: one process, the local error is raised as is).
         what: what is being validated, for the message (e.g. ``"STDiT inputs"``).
-        device: where the one-element flag lives (a CUDA device under NCCL).
+        device: where the group's tensors live (used only by a group without a host side
+            group for its agreements).
 
-    Costs one 4-byte all-reduce when every rank accepts its input. Other exceptions from
-    ``check`` propagate unchanged (they are bugs, not input errors).
+    Other exceptions from ``check`` propagate unchanged (they are bugs, not input errors).
     """
     error: Exception | None = None
     try:
         check()
     except (ValueError, TypeError) as exc:
         error = exc
-    n = group_size(group)
-    if n == 1:
+    if group_size(group) == 1:
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, group=group)
-    record_comm("validate", 2 * (n - 1) * 4 // n, n, flag, phase="forward", region=None)
-    if int(flag.item()) == 0:
+    if error is None:
+        owe_validation(group, what)
+        if is_trusted(group) or SETTINGS.debug:  # no entry agreement follows: settle now
+            settle_validation(group, device)
         return
-    messages: list[Any] = [None] * n
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(messages, mine, group=group)
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-    raise InputValidationError(
-        f"{what} rejected on SP rank(s) {[r for r, _ in failed]} of {n} "
-        f"(this is rank {group_rank(group)}): {detail}"
-    ) from error
+    sig = Signature("validate")
+    sig.what, sig.error = what, error
+    agree_in_full(sig, group, device)  # raises InputValidationError on every rank
+    raise AssertionError("unreachable: a rejected input raises in its agreement")

@@ -407,6 +407,7 @@ class Evoformer(nn.Module):
         wanted = self._outputs(outputs)
         b, s, r, _ = batch["msa_feat"].shape
         mp = MultiParallel(sp, self.plan(r, s, sp.size), switch_chunk=cfg.c_z // 4 or None)
+        mp.agree_entry(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
         msa_mask, pair_mask = _masks(batch["msa_mask"], batch["seq_mask"])
         chunk = cfg.chunk_size if chunk_size is None else chunk_size
         add = Residual(chunk, self.training, rng_key, batch_offset)
@@ -480,6 +481,7 @@ class Evoformer(nn.Module):
         msa_mask, pair_mask = _masks(msa_mask, seq_mask)
         chunk = self.config.chunk_size if chunk_size is None else chunk_size
         add = Residual(chunk, self.training, rng_key, batch_offset)
+        mp.agree_entry(m=m, z=z)
         # copies: the no-grad path adds updates in place
         m = sp.shard(m.clone(), mp.spec("m", None), mp.plan.entry("m")).tensor
         z = sp.shard(z.clone(), mp.spec("z", None), mp.plan.entry("z")).tensor

@@ -29,42 +29,38 @@ local and may be differentiated again.
 Shards are balanced and unpadded (:func:`dspzoo.core.parallel.layout.shard_sizes`). A switch moves
 exactly the blocks other ranks need, laid out by one copy so that a single
 ``all_to_all_single`` (with per-rank split sizes when lengths are uneven) does the exchange and
-the received buffer is the result, or needs one more copy when leading axes are not trivial;
-between the processes of one host on gloo the blocks go through shared memory instead, copied
-straight from the input into a slot and from the slot into the result (:mod:`.shm`, the
-default there); elsewhere on gloo, when each block is a few long contiguous runs, the runs
-travel as point-to-point messages from the input into the result, with no layout copy at all
-(:mod:`.direct`).
-Outputs are never views of their inputs, so in-place ops on them are fine.
+the received buffer is the result, or needs one more copy when leading axes are not trivial.
+Every collective is the backend's own operation (``all_to_all_single``,
+``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``batch_isend_irecv``) on the group's
+communicator, the same code on NCCL and gloo. Outputs are never views of their inputs, so
+in-place ops on them are fine.
 
-Failures reach every rank: each forward primitive first agrees on its arguments across the
-group (:mod:`.agreement`, one tiny all-gather), so a bad shard, a length, dtype or shape
-mismatch on any rank raises the same :class:`CollectiveInputError` on every rank, naming the
-rank, the primitive and the comm region (a ``switch`` the group has made before folds that
-agreement into its all-to-all instead: :mod:`.rehearsal`, :mod:`.folded`); a backend failure (timeout, lost peer) is re-raised as
+Failures reach every rank: the ranks agree on the arguments before a collective
+(:mod:`.agreement`, one tiny all-gather of a few words on the host, over the group's gloo side
+group), so a bad shard, a length, dtype or shape mismatch on any rank raises the same
+:class:`CollectiveInputError` on every rank, naming the rank, the primitive and the comm region.
+The runtime agrees once per forward, at the sharded region's entry, and its collectives after
+that exchange nothing more (:func:`~.agreement.trusted_calls`); direct calls of these
+primitives agree each time. A backend failure (timeout, lost peer) is re-raised as
 :class:`CollectiveTimeoutError` naming the primitive, the region and the group's timeout.
 
-Modules: :mod:`.settings` (the settings object: debug mode, per-group send workspaces),
-:mod:`.agreement` (the cross-rank agreement and the errors), :mod:`.blocks` (block layout:
-the one pack/unpack), :mod:`.rehearsal` (each group's agreed calls, predicting the next),
-:mod:`.folded` (the switch exchange with status words in its chunks), :mod:`.shm` (the switch
-through shared memory between the processes of one host), :mod:`.direct` (the switch
-sent as point-to-point messages straight from the input into the result, gloo, long blocks),
-:mod:`.checks` (``check_consistent`` for user code), :mod:`.group`
-(group queries, tracing, small reductions), :mod:`.replicate` (split, gather,
+Modules: :mod:`.settings` (the settings object: debug mode), :mod:`.agreement` (the cross-rank
+agreement and the errors), :mod:`.blocks` (block layout: the one pack/unpack), :mod:`.checks`
+(``check_consistent`` for user code), :mod:`.group` (group queries, the control side group,
+tracing), :mod:`.reductions` (small all-reduces), :mod:`.replicate` (split, gather,
 gather_for_local_use), :mod:`.exchange` (switch, switch_async), :mod:`.p2p` (ring exchange).
 """
 
 from __future__ import annotations
 
-from .agreement import CollectiveInputError, CollectiveTimeoutError
+from .agreement import CollectiveInputError, CollectiveTimeoutError, trusted_calls
 from .checks import check_consistent
 from .exchange import SwitchHandle, switch, switch_async
-from .group import group_rank, group_size
+from .group import group_rank, group_size, register_control_group
 from .p2p import ring_exchange
 from .reductions import all_reduce_sum
 from .replicate import gather, gather_for_local_use, split
-from .settings import SETTINGS, release_workspace, set_debug, set_workspace_limit
+from .settings import SETTINGS, set_debug
 
 __all__ = [
     "SETTINGS",
@@ -77,11 +73,11 @@ __all__ = [
     "gather_for_local_use",
     "group_rank",
     "group_size",
-    "release_workspace",
+    "register_control_group",
     "ring_exchange",
     "set_debug",
-    "set_workspace_limit",
     "split",
     "switch",
     "switch_async",
+    "trusted_calls",
 ]

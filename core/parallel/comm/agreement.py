@@ -1,26 +1,29 @@
-"""Agreement before a collective: a bad input on one rank raises the same error on every rank.
+"""Agreement: a bad input on one rank raises the same error on every rank, agreed on the host.
 
-A rank whose input is wrong (a shard of the wrong length, another dtype, another shape of
-the whole axes, another global length) must not start the collective: the others would wait
-in it until the process-group timeout, or gloo would abort on mismatched sizes. So every public
-primitive of :mod:`dspzoo.core.parallel.comm` and every attention method first exchanges a
-:class:`Signature` of its call — a few ``int64`` words per rank (primitive, dims, lengths, dtype,
-device, shapes with the sharded axis left out, this rank's shard sizes, and whether this rank
-already found its own input invalid) — in one tiny ``all_gather``. Every rank then runs the
-same checks on the same gathered words, so either every rank goes on to the collective, or
-every rank raises the same :class:`CollectiveInputError`, naming the rank(s) that were wrong,
-the primitive and the comm region (:func:`dspzoo.core.parallel.trace.current_region`). A rank's own
-error message (found before the agreement) reaches the others through one extra
-``all_gather_object``, only on that error path.
+A rank whose input is wrong (a shard of the wrong length, another dtype, another shape of the
+whole axes, another global length) must not start a collective: the others would wait in it
+until the process-group timeout, or the backend would abort on mismatched sizes. So the ranks
+first exchange a :class:`Signature` of the call — a few ``int64`` words per rank (primitive,
+dims, lengths, dtype, device, shapes with the sharded axis left out, this rank's shard sizes,
+and whether this rank already found its own input invalid) — in one tiny all-gather on the
+group's control side group, as CPU tensors (:func:`~.group.control_group`: gloo beside NCCL, the
+group itself on gloo). Every rank then runs the same checks on the same words, so either every
+rank goes on, or every rank raises the same :class:`CollectiveInputError` naming the rank(s)
+that were wrong, the primitive and the comm region. A rank's own error message reaches the
+others through one extra ``all_gather_object``, only on that error path.
 
-A ``switch`` the group has made before skips the all-gather: the group's history of agreed
-calls (:mod:`.rehearsal`, the same on every rank) predicts it, and its status words travel
-inside its all-to-all (:mod:`.folded`); a rank whose call is not the predicted one takes part
-with zeros and a miss status, and then every rank agrees in full as above.
+**Once per forward.** The runtime agrees once, at the sharded region's entry
+(:meth:`dspzoo.core.parallel.runtime.SeqParallel.enter`: the input's shape, dtype and device,
+the plan's identity and the outcome of :func:`dspzoo.core.parallel.validate.validate_collectively`),
+then marks the group trusted until its ``exit`` (:func:`set_trusted`): every collective in
+between is a deterministic function of what was agreed, so :func:`agree` exchanges nothing and
+only checks this rank's own words (a failure there is a bug, raised on the rank that found it).
+Backward passes exchange nothing either. Direct calls of the primitives (``split``, ``switch``,
+``gather``, ``gather_for_local_use``, an attention method called by hand) agree each time;
+debug mode (:func:`~.settings.set_debug`) agrees before every collective, backward included.
 
-The agreement is control traffic: it is not traced (the tracer reports payload bytes only).
-Backward collectives need none (autograd hands every rank a gradient of the forward output's
-shape and dtype) unless debug mode is on.
+Agreements are control traffic: the tracer counts them apart from the payload
+(:meth:`dspzoo.core.parallel.trace.CommTracer.control_count`).
 
 Every collective call also runs under :func:`guard`: a ``RuntimeError`` from the backend (a
 timeout, a peer that died) is re-raised as :class:`CollectiveTimeoutError` naming the
@@ -40,9 +43,9 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..trace import current_region
-from .group import all_gather_single, group_rank, group_size
-from .rehearsal import Entry
+from ...errors import UsageError
+from ..trace import current_region, in_backward, record_control
+from .group import all_gather_single, control_group, group_rank, group_size
 from .settings import SETTINGS
 
 WIDTH = 64  # int64 words per rank in the agreement
@@ -63,6 +66,8 @@ PRIMITIVES = (
     "check_consistent",
     "selective_scan",
     "ring_balanced",
+    "entry",
+    "validate",
 )
 _CODES = {name: 7_000 + i for i, name in enumerate(PRIMITIVES)}
 
@@ -85,8 +90,12 @@ _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
 _DEVICE_CODES = {name: i for i, name in enumerate(_DEVICE_TYPES)}
 
 
-class CollectiveInputError(ValueError):
+class CollectiveInputError(UsageError):
     """A collective's input was wrong on some rank; raised identically on every rank of the group."""
+
+
+class InputValidationError(CollectiveInputError):
+    """Inputs rejected on one or more ranks of a group; raised on every rank of it."""
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -115,7 +124,7 @@ class Signature:
     "hash", "dtype", "device", "shape"), read only to write an error message.
     """
 
-    __slots__ = ("primitive", "same", "same_fields", "free", "free_fields", "error", "path_signed")
+    __slots__ = ("primitive", "same", "same_fields", "free", "free_fields", "error", "what")
 
     def __init__(self, primitive: str) -> None:
         self.primitive = primitive
@@ -124,7 +133,7 @@ class Signature:
         self.free: list[int] = []
         self.free_fields: list[tuple[str, str, int]] = []
         self.error: Exception | None = None
-        self.path_signed = False  # the comm path settings are in ``same`` (CPU agreements)
+        self.what: str | None = None  # an input validation's subject ("STDiT inputs")
 
     def _add(self, name: str, kind: str, words: Sequence[int]) -> Signature:
         self.same += words
@@ -198,44 +207,51 @@ def ranks_text(ranks: Sequence[int]) -> str:
 
 
 class Agreed:
-    """The gathered signatures of every rank; checks on them give the same verdict everywhere."""
+    """The gathered signatures of every rank; checks on them give the same verdict everywhere.
+
+    ``rows`` is ``None`` for a trusted call (:func:`set_trusted`): nothing was exchanged, and
+    the checks see this rank's own words only.
+    """
 
     def __init__(
-        self,
-        sig: Signature,
-        rows: list[list[int]],
-        n: int,
-        region: str,
-        entry: Entry | None = None,
-        folded: bool = False,
-        group: Any = None,
+        self, sig: Signature, rows: list[list[int]] | None, n: int, region: str, rank: int = 0
     ) -> None:
-        self.sig, self.rows, self.n, self.region, self.group = sig, rows, n, region, group
-        # the group's record of this call (:mod:`.rehearsal`); a primitive that can fold the
-        # call next time sets ``entry.plan`` (on every rank alike: after checks that passed)
-        self.entry = entry
-        # True: the rows are the prediction, which this rank's call matches; nothing was
-        # exchanged yet, so the caller must run the folded collective and settle it
-        self.folded = folded
+        self.sig, self.rows, self.n, self.region, self.rank = sig, rows, n, region, rank
 
     def fail(self, detail: str, primitive: str | None = None) -> NoReturn:
         """Raise the group's error (call it on every rank, from checks on gathered data).
 
-        The call is not kept in the group's rehearsal (it failed everywhere).
+        On a trusted call only the rank that found it raises (a bug: see :func:`set_trusted`).
         """
-        if self.entry is not None and not self.folded:
-            SETTINGS.rehearsal(self.group).undo()
+        where = (
+            "Raised on every rank of the group."
+            if self.rows is not None
+            else f"Found by rank {self.rank} alone, inside the runtime's agreed forward: the "
+            "model's code differs between ranks, or this is a bug."
+        )
         raise CollectiveInputError(
             f"{primitive or self.sig.primitive} (comm region '{self.region or '-'}', group of {self.n} "
-            f"ranks): {detail}. Raised on every rank of the group."
+            f"ranks): {detail}. {where}"
         )
 
     def local(self, name: str) -> list[tuple[int, ...]]:
-        """The ``free`` field ``name`` of every rank, in rank order."""
+        """The ``free`` field ``name`` of every rank, in rank order (not on a trusted call:
+        pass ``needs_rows`` to :func:`agree`)."""
+        if self.rows is None:
+            raise RuntimeError(f"{self.sig.primitive}: the other ranks' {name!r} was not exchanged")
         start = 4 + len(self.sig.same)
         for field_name, _, width in self.sig.free_fields:
             if field_name == name:
                 return [tuple(row[start : start + width]) for row in self.rows]
+            start += width
+        raise KeyError(name)
+
+    def _own(self, name: str) -> list[int]:
+        """This rank's ``free`` field ``name``."""
+        start = 0
+        for field_name, _, width in self.sig.free_fields:
+            if field_name == name:
+                return self.sig.free[start : start + width]
             start += width
         raise KeyError(name)
 
@@ -244,6 +260,14 @@ class Agreed:
 
         ``how`` says where ``want`` comes from, e.g. "a global length of 8 over 2 ranks".
         """
+        if self.rows is None:  # trusted: this rank's own row
+            mine = self._own(name)[0]
+            if mine != want[self.rank]:
+                self.fail(
+                    f"wrong {name} on rank {self.rank}: holds {mine}, expected "
+                    f"{want[self.rank]} ({how})"
+                )
+            return
         have = [v[0] for v in self.local(name)]
         bad = [q for q in range(self.n) if have[q] != want[q]]
         if bad:
@@ -259,6 +283,19 @@ def _verdict(sig: Signature, table: list[list[int]], region: str, group: Any) ->
     first = table[0][:prefix]
     if first[1] == 0 and all(row[:prefix] == first for row in table[1:]):
         return agreed  # the common case, decided in one pass
+    failed = [q for q in range(n) if table[q][1]]
+    if failed:  # first: a rank that rejected its input may have reached another agreement
+        messages: list[Any] = [None] * n
+        mine = None if sig.error is None else (sig.what, f"{type(sig.error).__name__}: {sig.error}")
+        dist.all_gather_object(messages, mine, group=group)
+        detail = "; ".join(f"rank {q}: {messages[q][1]}" for q in failed)
+        what = next((m[0] for m in messages if m is not None and m[0] is not None), None)
+        if what is not None:  # an input validation (validate_collectively)
+            raise InputValidationError(
+                f"{what} rejected on SP rank(s) {failed} of {n} "
+                f"(this is rank {dist.get_rank(group)}): {detail}"
+            )
+        agreed.fail(f"invalid input on {ranks_text(failed)}: {detail}")
     codes = [r[0] for r in table]
     if len(set(codes)) > 1:
         names = [{c: name for name, c in _CODES.items()}.get(c, "?") for c in codes]
@@ -266,15 +303,6 @@ def _verdict(sig: Signature, table: list[list[int]], region: str, group: Any) ->
         agreed.fail(
             f"ranks are in different collectives ({where}): their control flow diverged",
             primitive="/".join(dict.fromkeys(names)),
-        )
-    failed = [q for q in range(n) if table[q][1]]
-    if failed:
-        messages: list[Any] = [None] * n
-        mine = None if sig.error is None else f"{type(sig.error).__name__}: {sig.error}"
-        dist.all_gather_object(messages, mine, group=group)
-        agreed.fail(
-            f"invalid input on {ranks_text(failed)}: "
-            + "; ".join(f"rank {q}: {messages[q]}" for q in failed)
         )
     if len({(r[2], r[3]) for r in table}) > 1:
         agreed.fail(
@@ -301,27 +329,68 @@ def _verdict(sig: Signature, table: list[list[int]], region: str, group: Any) ->
     )
 
 
-PATH_SETTINGS = (
-    "the comm path settings (DSPZOO_COMM_SHM_SLOT_KIB, DSPZOO_COMM_DIRECT_MIN_KIB, "
-    "SETTINGS.direct_max_messages: a CRC of their values; they must be equal on every rank)"
-)
+_TRUSTED: dict[int, Any] = {}  # id(group) -> group, for groups in an agreed forward
+_OWED: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, what): validations passed here
 
 
-def _sign_path_settings(sig: Signature, device: torch.device | str) -> None:
-    """Add the settings that choose how collectives on CPU tensors travel (shared memory, the
-    direct switch: :meth:`~.settings.CommSettings.path_settings`) to ``sig``, once, as one
-    word: a rank with other settings then gets the same :class:`CollectiveInputError` as
-    every other rank instead of a hang when the ranks take different paths (the collectives
-    after an agreement — an attention method's inner switches and ring transfers — read them
-    without agreeing again)."""
-    if sig.path_signed or torch.device(device).type != "cpu":
+def set_trusted(group: Any, trusted: bool) -> None:
+    """Mark ``group`` as inside (or outside) an agreed forward: while it is, :func:`agree`
+    exchanges nothing on it (unless debug mode is on).
+
+    The runtime sets it right after its entry agreement and clears it at ``exit`` (and at the
+    next entry): every collective in between is a deterministic function of what was agreed
+    (shapes, lengths, the plan), so ranks cannot disagree on it unless the model's own code
+    differs between ranks. Setting it settles a validation still owed to the group
+    (:func:`owe_validation`) first, with one exchange.
+    """
+    if not trusted:
+        _TRUSTED.pop(id(group), None)
         return
-    sig.path_signed = True
-    sig.arg(PATH_SETTINGS, zlib.crc32(repr(SETTINGS.path_settings()).encode()))
+    if id(group) in _OWED:
+        settle_validation(group)
+    _TRUSTED[id(group)] = group
+
+
+@contextlib.contextmanager
+def trusted_calls(group: Any) -> Iterator[None]:
+    """:func:`set_trusted` for the block's duration (restored after it)."""
+    before = _TRUSTED.get(id(group)) is group
+    set_trusted(group, True)
+    try:
+        yield
+    finally:
+        set_trusted(group, before)
+
+
+def is_trusted(group: Any) -> bool:
+    """Whether ``group`` is inside an agreed forward and debug mode is off."""
+    return _TRUSTED.get(id(group)) is group and group is not None and not SETTINGS.debug
+
+
+def skips_agreement(group: Any) -> bool:
+    """Whether :func:`agree` exchanges nothing on ``group`` now (see there)."""
+    return not SETTINGS.debug and (is_trusted(group) or in_backward())
+
+
+def owe_validation(group: Any, what: str) -> None:
+    """This rank accepted its input (``what``); the group learns it with its next agreement.
+
+    A rank that rejected its input agrees at once instead (the others meet it in their next
+    agreement: the runtime's entry, or any primitive's), so every rank raises together.
+    """
+    _OWED[id(group)] = (group, what)
+
+
+def settle_validation(group: Any, device: torch.device | str = "cpu") -> None:
+    """Exchange a validation still owed to ``group`` now (one agreement; no-op if none)."""
+    owed = _OWED.get(id(group))
+    if owed is not None and owed[0] is group:
+        agree_in_full(Signature("validate"), group, device)
+    _OWED.pop(id(group), None)
 
 
 def agree(
-    sig: Signature, group: Any, device: torch.device | str = "cpu", fold: bool = False
+    sig: Signature, group: Any, device: torch.device | str = "cpu", needs_rows: bool = False
 ) -> Agreed:
     """Agree on ``sig`` over ``group`` and check it on every rank; the :class:`Agreed` words.
 
@@ -330,12 +399,11 @@ def agree(
     on the ``free`` fields (which must call :meth:`Agreed.fail` identically on every rank).
     On one process, raises ``sig.error`` if set.
 
-    When the group's rehearsal (:mod:`.rehearsal`) predicts a foldable next call, nothing is
-    exchanged here: a caller that can ``fold`` and whose words are this rank's row of the
-    prediction gets ``Agreed(folded=True)`` and runs the folded collective itself; any other
-    rank takes part in the predicted collective with zeros and a miss status (so the others
-    learn of it inside their collective), then agrees in full — as the others do once they read
-    that status. Otherwise: one tiny all-gather of every rank's words.
+    Nothing is exchanged (only this rank's words are checked) on a group inside an agreed
+    forward (:func:`set_trusted`) and in a backward pass (autograd hands every rank gradients
+    of the forward's shapes, and a recomputation under activation checkpointing replays an
+    agreed forward), unless debug mode is on or the caller ``needs_rows`` (the other ranks'
+    free fields).
     """
     n = group_size(group)
     region = current_region()
@@ -343,38 +411,31 @@ def agree(
         if sig.error is not None:
             raise sig.error
         return Agreed(sig, [sig.words(0)], 1, region)
-    _sign_path_settings(sig, device)
-    status = int(sig.error is not None)
-    words = sig.words(status)
-    rehearsal = SETTINGS.rehearsal(group)
-    predicted = rehearsal.predicted()
-    if predicted is not None:
-        if fold and not status and words == predicted.table[group_rank(group)]:
-            return Agreed(sig, predicted.table, n, region, predicted, folded=True, group=group)
-        with guard(sig.primitive, group, region, device):
-            predicted.plan.miss(group)
-        rehearsal.missed()
-    return agree_in_full(sig, group, device, words)
+    if not needs_rows and skips_agreement(group):
+        if sig.error is not None:
+            raise sig.error
+        return Agreed(sig, None, n, region, group_rank(group))
+    return agree_in_full(sig, group, device)
 
 
-def agree_in_full(
-    sig: Signature, group: Any, device: torch.device | str = "cpu", words: list[int] | None = None
-) -> Agreed:
-    """:func:`agree` by one tiny all-gather of every rank's words (no prediction); records the call."""
+def agree_in_full(sig: Signature, group: Any, device: torch.device | str = "cpu") -> Agreed:
+    """:func:`agree` by one tiny all-gather of every rank's words on the control side group."""
     n = group_size(group)
     region = current_region()
-    if words is None:
-        _sign_path_settings(sig, device)
-        words = sig.words(int(sig.error is not None))
+    words = sig.words(int(sig.error is not None))
+    control, on_host = control_group(group)
     mine = torch.frombuffer(array.array("q", words), dtype=torch.long)  # no copy (CPU)
-    if torch.device(device).type != "cpu":  # NCCL moves device tensors only
-        mine = mine.to(device)
-    everyone = torch.empty(n * WIDTH, dtype=torch.long, device=device)
-    with guard(sig.primitive, group, region, device):
-        all_gather_single(everyone, mine, group=group)
+    where = torch.device("cpu") if on_host else torch.device(device)
+    if where.type != "cpu":  # a NCCL-only group of the user's: device words, a host read
+        mine = mine.to(where)
+    everyone = torch.empty(n * WIDTH, dtype=torch.long, device=where)
+    with guard(sig.primitive, group, region, where):
+        all_gather_single(everyone, mine, group=control)
+    _OWED.pop(id(group), None)  # a validation owed to the group travelled with these words
+    record_control(sig.primitive, WIDTH * 8 * (n - 1), n, region)
     table = everyone.view(n, WIDTH).tolist()
-    agreed = _verdict(sig, table, region, group)
-    agreed.entry, agreed.group = SETTINGS.rehearsal(group).agreed(table), group
+    agreed = _verdict(sig, table, region, control)
+    agreed.rank = group_rank(group)
     return agreed
 
 

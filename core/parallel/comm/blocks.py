@@ -13,21 +13,13 @@ need equal chunks).
   padding, the blocks laid end to end *are* the joined tensor: the receive buffer is allocated in
   its final shape and returned as is (no copy, and not a view of anything). Otherwise unpack
   makes exactly one copy into a fresh tensor.
-
-Synchronous CPU sends can pack into their group's workspace instead of a fresh buffer
-(:mod:`.settings`: one per group and ``(device, dtype)``, bounded by
-:func:`~dspzoo.core.parallel.comm.set_workspace_limit`, freed by
-:func:`~dspzoo.core.parallel.comm.release_workspace`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
-
-from .settings import SETTINGS
 
 
 def offsets(sizes: list[int]) -> list[int]:
@@ -37,28 +29,6 @@ def offsets(sizes: list[int]) -> list[int]:
         out.append(acc)
         acc += s
     return out
-
-
-def _send_buffer(numel: int, like: torch.Tensor, reuse: bool, group: Any) -> torch.Tensor:
-    """A flat buffer of ``numel`` elements: from ``group``'s workspace when allowed, else fresh."""
-    if reuse:
-        buf = SETTINGS.workspace(group).take(numel, like, SETTINGS.workspace_limit)
-        if buf is not None:
-            return buf
-    return torch.empty(numel, dtype=like.dtype, device=like.device)
-
-
-def result_tensor(shape: list[int], like: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """An uninitialised contiguous tensor of ``shape`` for a collective's result (not a view).
-
-    With a ``group``, on the CPU: a storage of the group's workspace that nobody holds any more
-    (:meth:`~.settings.Workspace.output`; no page faults on first write), else a fresh one.
-    """
-    if group is not None and SETTINGS.recycle_results:
-        out = SETTINGS.workspace(group).output(shape, like, SETTINGS.workspace_limit)
-        if out is not None:
-            return out
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 def _block_shape(shape: list[int] | torch.Size, axis: int, rows: int) -> list[int]:
@@ -73,15 +43,12 @@ def pack_blocks(
     sizes: list[int],
     keep: range | None = None,
     pad_to: int | None = None,
-    reuse: bool = False,
-    group: Any = None,
 ) -> torch.Tensor:
     """Flat buffer of the blocks ``x.narrow(axis, offset_q, sizes[q])`` for ``q`` in ``keep``.
 
     ``sizes`` cut all of ``x``'s ``axis``; ``keep`` (a range, default all) picks the blocks to
     send; ``pad_to`` pads each block with zero rows to that many. The result is a view of ``x``
-    when the blocks already lie that way in memory, else one copy, into ``group``'s CPU
-    workspace with ``reuse`` (only for buffers consumed before the caller returns).
+    when the blocks already lie that way in memory, else one copy into a fresh buffer.
     """
     keep = range(len(sizes)) if keep is None else keep
     rows = [sizes[q] if pad_to is None else pad_to for q in keep]
@@ -91,10 +58,10 @@ def pack_blocks(
         if blocks_in_place(x, axis, sizes, keep):
             return _blocks(x, axis, sizes, keep).reshape(-1)
         blocks = _blocks(x, axis, sizes, keep)
-        out = _send_buffer(total, x, reuse, group)
+        out = torch.empty(total, dtype=x.dtype, device=x.device)
         out.view(blocks.shape).copy_(blocks)
         return out
-    out = _send_buffer(total, x, reuse, group)
+    out = torch.empty(total, dtype=x.dtype, device=x.device)
     start, starts = 0, offsets(sizes)
     for q, r in zip(keep, rows):
         block = _block_shape(x.shape, axis, r)
@@ -134,17 +101,18 @@ def empty_blocks(
     sizes: list[int],
     like: torch.Tensor,
     pad_to: int | None = None,
-    group: Any = None,
 ) -> torch.Tensor:
     """Receive buffer for blocks that :func:`unpack_blocks` joins into a tensor of ``shape``.
 
     Pass ``buffer.view(-1)`` to the collective. Shaped ``shape`` when the blocks need no
-    rearranging, else flat. With ``group``: recycled from its workspace (:func:`result_tensor`).
+    rearranging, else flat.
     """
     if _direct(shape, axis, sizes, pad_to):
-        return result_tensor(shape, like, group)
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
     rows = sum(sizes) if pad_to is None else pad_to * len(sizes)
-    return result_tensor([math.prod(_block_shape(shape, axis, rows))], like, group)
+    return torch.empty(
+        math.prod(_block_shape(shape, axis, rows)), dtype=like.dtype, device=like.device
+    )
 
 
 def unpack_blocks(
@@ -153,19 +121,17 @@ def unpack_blocks(
     sizes: list[int],
     shape: list[int],
     pad_to: int | None = None,
-    group: Any = None,
 ) -> torch.Tensor:
     """Join the received blocks (``sizes[q]`` rows each, padded to ``pad_to``) along ``axis``.
 
     Inverse of :func:`pack_blocks` for a buffer from :func:`empty_blocks`. Returns that buffer
-    itself when it is already the result, else one copy into a fresh tensor (recycled from
-    ``group``'s workspace when given: :func:`result_tensor`); never a view.
+    itself when it is already the result, else one copy into a fresh tensor; never a view.
     """
     if _direct(shape, axis, sizes, pad_to):
         assert list(buf.shape) == list(shape), "allocate the buffer with empty_blocks"
         return buf
     flat = buf.view(-1)
-    out = result_tensor(shape, buf, group)
+    out = torch.empty(shape, dtype=buf.dtype, device=buf.device)
     n = len(sizes)
     if len(set(sizes)) == 1 and (pad_to is None or pad_to == sizes[0]):
         block = _block_shape(shape, axis, sizes[0])

@@ -19,14 +19,10 @@ from torch.autograd.function import once_differentiable
 
 from ..layout import shard_sizes
 from ..trace import current_region
-from .agreement import Agreed, Signature, agree, agree_in_full, guard
-from .blocks import blocks_in_place, empty_blocks, offsets, pack_blocks, unpack_blocks
-from .direct import DirectPlan, direct_plan, exchange_direct
-from .folded import MISS, OK, FoldedLayout, exchange_with_headers
+from .agreement import Agreed, Signature, agree, guard, skips_agreement
+from .blocks import empty_blocks, offsets, pack_blocks, unpack_blocks
 from .group import group_rank, group_size, norm_dim, record, record_size_sync
-from .rehearsal import Entry
 from .settings import SETTINGS
-from .shm import ShmPlan, exchange_shm, shm_plan
 
 
 @dataclass(frozen=True)
@@ -113,47 +109,31 @@ class _SwitchMeta:
 
 def _launch(
     x: torch.Tensor, meta: _SwitchMeta, group: Any, async_op: bool
-) -> tuple[torch.Tensor, Any, torch.Tensor | None, bool]:
-    """Start the exchange of one switch; ``(receive buffer, work, send buffer, joined)``.
+) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    """Start the exchange of one switch; ``(receive buffer, work, send buffer)``.
 
     ``work`` is ``None`` once the exchange is complete (always, unless ``async_op``). The send
-    buffer must stay alive until then; synchronous launches pack into the CPU workspace.
-    ``joined``: the receive buffer is the result (the shared-memory and direct paths,
-    :mod:`.shm` and :mod:`.direct`, which send from ``x`` itself); else :func:`unpack_blocks`
-    makes it.
+    buffer must stay alive until then; :func:`unpack_blocks` makes the result from the
+    receive buffer (which is the result itself when the leading axes are trivial).
 
     On the first and last rank of the group the rank's own block sits at an end of both the
     send and the receive buffer, so it is left out of the collective (split size 0) and copied
     straight from ``x`` into place while the remote blocks travel: the pack copy shrinks by
     ``1/N`` and the local copy overlaps the transfer.
     """
-    shm = shm_plan(meta, x, group)
-    if shm is not None:
-        y, shm_work = exchange_shm(x, shm, x, group)
-        if async_op:
-            return y, shm_work, None, True
-        shm_work.wait()
-        return y, None, None, True
-    direct = direct_plan(meta, x, group)
-    if direct is not None:
-        y, direct_work = exchange_direct(x.contiguous(), direct, x, group)
-        if async_op:
-            return y, direct_work, None, True
-        direct_work.wait()
-        return y, None, None, True
     n, r = len(meta.send_splits), meta.rank
-    recv = empty_blocks(meta.y_shape, meta.src, meta.src_sizes, x, group=group)
+    recv = empty_blocks(meta.y_shape, meta.src, meta.src_sizes, x)
     flat = recv.view(-1)
     if r not in (0, n - 1):
-        send = pack_blocks(x, meta.dst, meta.dst_sizes, reuse=not async_op, group=group)
+        send = pack_blocks(x, meta.dst, meta.dst_sizes)
         work = dist.all_to_all_single(
             flat, send, meta.recv_splits, meta.send_splits, group=group, async_op=async_op
         )
-        return recv, work, send, False
+        return recv, work, send
     own_recv = meta.recv_splits[r]
     remote_out = flat[own_recv:] if r == 0 else flat[: flat.numel() - own_recv]
     keep = range(1, n) if r == 0 else range(n - 1)
-    send = pack_blocks(x, meta.dst, meta.dst_sizes, keep=keep, reuse=not async_op, group=group)
+    send = pack_blocks(x, meta.dst, meta.dst_sizes, keep=keep)
     send_splits, recv_splits = list(meta.send_splits), list(meta.recv_splits)
     send_splits[r] = recv_splits[r] = 0
     work = dist.all_to_all_single(
@@ -161,12 +141,11 @@ def _launch(
     )
     own_start = 0 if r == 0 else flat.numel() - own_recv
     own = x.narrow(meta.dst, offsets(meta.dst_sizes)[r], meta.dst_sizes[r])
-    assert own.numel() == meta.send_splits[r] == own_recv
     flat[own_start : own_start + own_recv].view(own.shape).copy_(own)
     if not async_op:
         work.wait()
         work = None
-    return recv, work, send, False
+    return recv, work, send
 
 
 def _switch_now(
@@ -174,11 +153,9 @@ def _switch_now(
 ) -> torch.Tensor:
     """One synchronous switch, no autograd: launch, wait, unpack."""
     with guard(f"switch ({phase})", group, region, x.device):
-        recv, _, _, joined = _launch(x, meta, group, async_op=False)
+        recv, _, _ = _launch(x, meta, group, async_op=False)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, phase, region)
-    if joined:
-        return recv
-    return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape, group=group)
+    return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape)
 
 
 class SwitchHandle:
@@ -192,9 +169,7 @@ class SwitchHandle:
         self._input: torch.Tensor | None = None  # the autograd input of the switch
         self._recv: torch.Tensor | None = None
         self._send: torch.Tensor | None = None  # kept alive until the exchange completes
-        self._joined = False  # the receive buffer is the result (no unpack)
         self._result: torch.Tensor | None = None
-        self._done: torch.Tensor | None = None  # the result of a folded exchange, already in
 
     def wait(self) -> torch.Tensor:
         """Block until the exchange is done and return the switched tensor (idempotent)."""
@@ -206,9 +181,6 @@ class SwitchHandle:
 
     def _finish(self) -> torch.Tensor:
         """Wait for the exchange and unpack the received blocks (no autograd)."""
-        if self._done is not None:
-            done, self._done = self._done, None
-            return done
         if self.work is not None:
             with guard(self.primitive, self.group, self.region):
                 self.work.wait()
@@ -216,9 +188,7 @@ class SwitchHandle:
         assert self.meta is not None and self._recv is not None
         meta, recv = self.meta, self._recv
         self._recv = self._send = None
-        if self._joined:
-            return recv
-        return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape, group=self.group)
+        return unpack_blocks(recv, meta.src, meta.src_sizes, meta.y_shape)
 
 
 class _Switch(torch.autograd.Function):
@@ -247,45 +217,20 @@ def agree_switch(
     src_sizes: list[int] | None,
     dst_sizes: list[int] | None,
     primitive: str,
-    fold: bool = False,
-    in_full: bool = False,
 ) -> tuple[_SwitchMeta, Agreed]:
     """Check the arguments on every rank together; this rank's meta and the agreement.
 
     Every rank raises the same :class:`~.agreement.CollectiveInputError` if any rank's
     dims, lengths, split sizes, dtype, device or whole-axis sizes differ from the others', or
-    its shard of ``src`` is not the one the length gives it. With ``fold`` the call may come
-    back ``agreed.folded`` (the rehearsed call, nothing exchanged yet: see :func:`_start`);
-    ``in_full`` agrees by the all-gather whatever the prediction (after a folded call missed).
+    its shard of ``src`` is not the one the length gives it.
     """
     n, r = group_size(group), group_rank(group)
-    try:
-        src_sizes = None if src_sizes is None else [int(s) for s in src_sizes]
-        dst_sizes = None if dst_sizes is None else [int(s) for s in dst_sizes]
-        call: tuple | None = (primitive, src, dst, src_length, _tuple(src_sizes), _tuple(dst_sizes))
-        call += (x.dtype, x.device, tuple(x.shape), x.stride(), *SETTINGS.path_settings())
-        hash(call)
-    except (ValueError, TypeError):  # reported by the signature, to every rank
-        call = None
-    known = SETTINGS.rehearsal(group).signatures
-    if call is not None and call in known:  # this rank's words for the call (a pure function)
-        sig, src, dst = known[call]
-    else:
-        sig, src, dst = _switch_signature(
-            x, src, dst, src_length, src_sizes, dst_sizes, n, r, primitive
-        )
-        if sig.error is None and call is not None:
-            known[call] = (sig, src, dst)
-            while len(known) > 64:
-                known.pop(next(iter(known)))
-    if in_full:
-        agreed = agree_in_full(sig, group, x.device)
-    else:
-        agreed = agree(sig, group, x.device, fold=fold)
-    if agreed.folded:  # the predicted call, as agreed before: its meta is this rank's plan's
-        if src_length is None and src_sizes is None:
-            record_size_sync(group)  # traced like the unfolded call
-        return agreed.entry.plan.meta, agreed
+    sig, src, dst = _switch_signature(
+        x, src, dst, src_length, src_sizes, dst_sizes, n, r, primitive
+    )
+    src_sizes = None if src_sizes is None else [int(s) for s in src_sizes]
+    dst_sizes = None if dst_sizes is None else [int(s) for s in dst_sizes]
+    agreed = agree(sig, group, x.device, needs_rows=src_length is None and src_sizes is None)
     rows = f"rows of dim {src}"
     if src_sizes is not None:
         want, how = src_sizes, f"src_sizes {src_sizes}"
@@ -331,129 +276,9 @@ def _switch_signature(
         sig.tensor("x", x, sharded=(src,)).local(f"rows of dim {src}", x.shape[src])
         _check_sizes("src_sizes", src_sizes, n, src_length)
         _check_sizes("dst_sizes", dst_sizes, n, x.shape[dst])
-        cuts = dst_sizes if dst_sizes is not None else shard_sizes(x.shape[dst], n)
-        sig.local(_PACKS, int(not blocks_in_place(x, dst, cuts, _keep(n, r))))
     except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
     return sig, src, dst
-
-
-_PACKS = "packs its send"  # the free word: 1 when this rank's send needs a layout copy anyway
-
-
-def _keep(n: int, r: int) -> range:
-    """The blocks a rank sends through the all-to-all (the end ranks copy their own in place)."""
-    return range(1, n) if r == 0 else range(n - 1) if r == n - 1 else range(n)
-
-
-class _FoldedPlan:
-    """This rank's part in a rehearsed switch (:mod:`.rehearsal`): enough to run it folded, and
-    to take part with zeros when its own call is not the predicted one (:meth:`miss`)."""
-
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def meta(self) -> _SwitchMeta:
-        raise NotImplementedError
-
-    def exchange(
-        self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
-    ) -> tuple[torch.Tensor | None, bool]:
-        """``(result, every rank sent OK)``; the result is ``None`` unless all did."""
-        raise NotImplementedError
-
-    def miss(self, group: Any) -> None:
-        like = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.exchange(None, like, group, MISS)
-
-
-@dataclass(frozen=True)
-class _FoldedSwitch(_FoldedPlan):
-    """A rehearsed packed switch: a status header per chunk of its all-to-all (:mod:`.folded`)."""
-
-    layout: FoldedLayout
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def meta(self) -> _SwitchMeta:
-        return self.layout.meta
-
-    def exchange(
-        self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
-    ) -> tuple[torch.Tensor | None, bool]:
-        return exchange_with_headers(x, self.layout, like, group, status)
-
-
-@dataclass(frozen=True)
-class _DirectFoldedSwitch(_FoldedPlan):
-    """A rehearsed switch on the direct path (:mod:`.direct`): its status words travel as one
-    small message per peer, posted before the data."""
-
-    direct: DirectPlan
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def meta(self) -> _SwitchMeta:
-        return self.direct.meta
-
-    def exchange(
-        self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
-    ) -> tuple[torch.Tensor | None, bool]:
-        y, work = exchange_direct(
-            None if x is None else x.contiguous(), self.direct, like, group, status
-        )
-        work.wait()
-        assert work.statuses is not None
-        ok = x is not None and status == OK and all(s == OK for s in work.statuses.tolist())
-        return (y if ok else None), ok
-
-
-@dataclass(frozen=True)
-class _ShmFoldedSwitch(_FoldedPlan):
-    """A rehearsed switch through shared memory (:mod:`.shm`): its status word rides in the
-    header of every chunk."""
-
-    shm: ShmPlan
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def meta(self) -> _SwitchMeta:
-        return self.shm.meta
-
-    def exchange(
-        self, x: torch.Tensor | None, like: torch.Tensor, group: Any, status: int
-    ) -> tuple[torch.Tensor | None, bool]:
-        y, work = exchange_shm(x, self.shm, like, group, status)
-        work.wait()
-        assert work.statuses is not None
-        ok = x is not None and status == OK and all(s == OK for s in work.statuses.tolist())
-        return (y if ok else None), ok
-
-
-def _may_fold(agreed: Agreed, x: torch.Tensor, meta: _SwitchMeta, group: Any) -> None:
-    """Let the group fold this call next time when that costs (almost) nothing.
-
-    Through shared memory (:mod:`.shm`) the status word rides in every chunk's header; on
-    the direct path (:mod:`.direct`) it is one more small message per peer.
-    Otherwise only if every rank packs its send anyway: the header then rides in the pack copy;
-    a rank whose blocks lie in place would pay a copy it does not make today, more than the
-    separate agreement at large sizes. CPU only: the folded exchange reads the status words on
-    the host.
-    """
-    if agreed.entry is None or x.device.type != "cpu":
-        return
-    shm = shm_plan(meta, x, group)
-    direct = None if shm is not None else direct_plan(meta, x, group)
-    if shm is not None:
-        agreed.entry.plan = _ShmFoldedSwitch(shm, x.dtype, x.device)
-    elif direct is not None:
-        agreed.entry.plan = _DirectFoldedSwitch(direct, x.dtype, x.device)
-    elif all(v[0] for v in agreed.local(_PACKS)):
-        agreed.entry.plan = _FoldedSwitch(FoldedLayout.build(meta, x.dtype), x.dtype, x.device)
 
 
 def _check_sizes(name: str, sizes: list[int] | None, n: int, length: int | None) -> None:
@@ -478,31 +303,19 @@ def _start(
     dst_sizes: list[int] | None = None,
     checked: bool = True,
 ) -> SwitchHandle:
-    """Agree on the arguments (unless ``checked`` is off), launch the forward exchange, return its handle.
-
-    A synchronous checked switch that the group rehearsed (:mod:`.rehearsal`) runs folded: its
-    status word travels in the all-to-all itself (:mod:`.folded`); if some rank did not match,
-    every rank agrees in full (raising the same error everywhere, or redoing the call when the
-    prediction was only stale).
-    """
+    """Agree on the arguments (unless ``checked`` is off or the call is trusted), launch the
+    forward exchange, return its handle."""
     primitive = "switch_async" if async_op else "switch"
     region = current_region()
-    if checked:
+    lengthless = src_length is None and src_sizes is None
+    if checked and (lengthless or not skips_agreement(group)):
         args = (x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
-        meta, agreed = agree_switch(*args, fold=not async_op)
-        if agreed.folded:
-            handle = _run_folded(x, meta, group, region, agreed.entry)
-            if handle is not None:
-                return handle
-            meta, agreed = agree_switch(*args, in_full=True)
-        if not async_op:
-            _may_fold(agreed, x, meta, group)
+        meta, _ = agree_switch(*args)
     else:  # the caller has agreed on these arguments already
         meta = _unchecked_meta(x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
     handle = SwitchHandle(meta, group, region, primitive)
     with torch.no_grad(), guard(primitive, group, handle.region, x.device):
-        launched = _launch(x.detach(), meta, group, async_op)
-        handle._recv, handle.work, handle._send, handle._joined = launched
+        handle._recv, handle.work, handle._send = _launch(x.detach(), meta, group, async_op)
     record("all_to_all", meta.bytes_sent(x.element_size()), group, x, "forward", handle.region)
     handle._input = x
     return handle
@@ -536,23 +349,6 @@ def _unchecked_meta(
     return meta
 
 
-def _run_folded(
-    x: torch.Tensor, meta: _SwitchMeta, group: Any, region: str, entry: Entry
-) -> SwitchHandle | None:
-    """The rehearsed switch with its status folded in; ``None`` when some rank missed."""
-    rehearsal = SETTINGS.rehearsal(group)
-    with torch.no_grad(), guard("switch", group, region, x.device):
-        y, ok = entry.plan.exchange(x.detach(), x, group, OK)
-    if not ok:
-        rehearsal.missed()
-        return None
-    rehearsal.matched(entry)
-    record("all_to_all", meta.bytes_sent(x.element_size()), group, x, "forward", region)
-    handle = SwitchHandle(meta, group, region, "switch")
-    handle._input, handle._done = x, y
-    return handle
-
-
 def switch(
     x: torch.Tensor,
     src: int,
@@ -572,7 +368,7 @@ def switch(
     the source / destination dim when the sharding is some other contiguous partition.
 
     Before the exchange the ranks agree on the arguments (:mod:`.agreement`, one tiny
-    all-gather): a wrong shard, dtype, device, whole-axis size or length on any rank raises
+    all-gather, skipped inside the runtime's agreed forward): a wrong shard, dtype, device, whole-axis size or length on any rank raises
     the same :class:`~.agreement.CollectiveInputError` on every rank of ``group``.
     """
     if group_size(group) == 1:

@@ -1,4 +1,14 @@
-"""Group queries, argument normalisation, tracing and the small reductions of the SP group."""
+"""Group queries, the control side group of each data group, argument normalisation, tracing.
+
+**Control side group.** Agreements (:mod:`.agreement`) are a few ``int64`` words per rank. On a
+group whose backend moves CPU tensors (gloo, or torch's ``cpu:gloo,cuda:nccl`` default) they
+travel on the group itself as CPU tensors. A group on NCCL alone gets a gloo group over the same
+ranks beside it (:func:`register_control_group`, done by
+:func:`dspzoo.core.parallel.mesh.own_group` for every group a mesh builds), so an agreement never
+puts a small collective on the data communicator and never reads device memory back to the host.
+A NCCL-only group without one (a group the user built) still agrees, over the data group with
+device tensors: correct, with one host synchronisation per agreement.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +22,26 @@ from ..trace import record_comm
 # the single-tensor collectives under their current and older names
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_CONTROL: dict[int, tuple[Any, Any]] = {}  # id(data group) -> (data group, control group)
+
+
+def register_control_group(group: Any, control: Any) -> None:
+    """Agreements of ``group`` travel on ``control`` (a gloo group over the same ranks)."""
+    _CONTROL[id(group)] = (group, control)  # holding the group keeps its id from being reused
+
+
+def control_group(group: Any) -> tuple[Any, bool]:
+    """``(group to agree on, whether it moves CPU tensors)`` for data group ``group``."""
+    entry = _CONTROL.get(id(group))
+    if entry is not None and entry[0] is group:
+        return entry[1], True
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # not a registered process group (tests' fakes)
+        return group, True
+    return group, "gloo" in backend or "cpu:" in backend
 
 
 def group_size(group: Any) -> int:

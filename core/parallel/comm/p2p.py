@@ -11,9 +11,7 @@ Receive shapes may differ per rank (uneven shards); the receiver names them (``r
 since it knows the sender's shard size from the layout. Tensors with no elements are not put on
 the wire (sender and receiver agree on that from the shapes). Ranks are group-local; peers are
 mapped to global ranks with ``dist.get_global_rank``. Each transfer is traced as ``"p2p"`` with
-the bytes this rank *sends*. Between the processes of one host on gloo the tensors go through
-the group's shared-memory channel (:mod:`.shm`), as switches do; the setting that picks that
-path is compared by every agreement (:func:`~.agreement.agree`).
+the bytes this rank *sends*.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from torch.autograd.function import once_differentiable
 from ..trace import current_region
 from .agreement import Signature, agree, guard, ranks_text
 from .group import group_rank, group_size, record
-from .shm import start_exchange, transfer_channel
 
 
 def _global(group: Any, rank: int) -> int:
@@ -48,14 +45,10 @@ class PeerTransfer:
     unmodified until :meth:`wait`. Traced as one ``"p2p"`` record per tensor sent to another
     rank.
 
-    Every rank of the group constructs it, even with nothing to send or receive (the first
-    transfer on a group sets up its shared-memory channel, a collective), with the same
-    ``device`` (it picks the transport: shared memory between the processes of one host on
-    gloo, else ``batch_isend_irecv``). Between two ranks messages are matched in order: the
-    sender lists what it sends to a peer in the order the peer lists what it receives from it
-    (shapes and dtypes alike), and transfers in flight together between the same two ranks are
-    started in the same order on both (the shared-memory channel ignores tags). On the
-    ``batch_isend_irecv`` path tensor ``i`` of a peer's list travels with tag ``tag + i``.
+    One ``batch_isend_irecv``. Between two ranks messages are matched in order: the sender
+    lists what it sends to a peer in the order the peer lists what it receives from it (shapes
+    and dtypes alike), and transfers in flight together between the same two ranks are started
+    in the same order on both; tensor ``i`` of a peer's list travels with tag ``tag + i``.
     ``what`` names the transfer in a timeout's or a failed peer's error.
     """
 
@@ -92,11 +85,6 @@ class PeerTransfer:
             return
         for _, t in out:
             record("p2p", t.numel() * t.element_size(), group, t, phase, region)
-        channel = transfer_channel(group, device)
-        if channel is not None:
-            with guard(f"{what} ({phase})", group, region):
-                self._works = [start_exchange(channel, out, into, what)]
-            return
         ops = []
         for where, pairs in ((dist.isend, out), (dist.irecv, into)):
             index: dict[int, int] = {}
@@ -180,7 +168,7 @@ def ring_exchange(
     if n > 1:
         sig = Signature("ring_exchange").arg("shift", int(shift) % n).tensor("x", x, range(x.dim()))
         sig.local("shape", x.shape).local("recv_shape", recv_shape)
-        agreed = agree(sig, group, x.device)
+        agreed = agree(sig, group, x.device, needs_rows=True)
         shapes, wanted = agreed.local("shape"), agreed.local("recv_shape")
         bad = [r for r in range(n) if wanted[r] != shapes[(r - shift) % n]]
         if bad:

@@ -4,14 +4,11 @@
 shards, unpadded when the length divides evenly and padded to the longest shard otherwise.
 Outputs are fresh tensors, never views of the input, so in-place ops on them are allowed.
 Every forward first agrees on its arguments across the group (:mod:`.agreement`), so a bad
-input on one rank raises the same error on every rank. Between the processes of one host on
-gloo the all-gather and the reduce-scatter go through the group's shared-memory channel
-(:mod:`.shm`): no padding, the reduction summed in rank order.
+input on one rank raises the same error on every rank.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Any
 
@@ -32,7 +29,6 @@ from .group import (
     reduce_scatter_single,
 )
 from .settings import SETTINGS
-from .shm import ShmReduceScatter, start_blocks, transfer_channel
 
 
 def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -97,7 +93,7 @@ def agree_sharded(
         sig.local(f"rows of dim {dim}", x.shape[dim])
     except (ValueError, TypeError) as exc:  # shared with every rank by the agreement
         sig.error = exc
-    agreed = agree(sig, group, x.device)
+    agreed = agree(sig, group, x.device, needs_rows=length is None)
     rows = f"rows of dim {dim}"
     if length is None:
         length = sum(v[0] for v in agreed.local(rows))
@@ -156,16 +152,6 @@ def all_gather_along(
             f"{sum(sizes)} over {n} ranks gives it {sizes[r]} (callers must agree first)"
         )
     longest = max(sizes)
-    channel = transfer_channel(group, x.device)
-    if channel is not None:  # one host: through shared memory, no padding, no pack
-        out = torch.empty(_rows(x.shape, dim, sum(sizes)), dtype=x.dtype, device=x.device)
-        starts = offsets(sizes)
-        receives = [out.narrow(dim, starts[p], sizes[p]) for p in range(n)]
-        with guard(f"all_gather ({phase})", group, region, x.device):
-            start_blocks(channel, [x] * n, receives, "all_gather").wait()
-        chunk = math.prod(_rows(x.shape, dim, longest)) * x.element_size()
-        record("all_gather", (n - 1) * chunk, group, x, phase, region)
-        return out
     send = pack_blocks(x, dim, [x.shape[dim]], pad_to=longest)
     shape = _rows(x.shape, dim, sum(sizes))
     recv = empty_blocks(shape, dim, sizes, x, pad_to=longest)
@@ -194,19 +180,6 @@ def reduce_scatter_along(
     """Sum ``grad`` (full on ``dim``) over the group and keep this rank's shard of ``dim``."""
     n, r = group_size(group), group_rank(group)
     longest = max(sizes)
-    channel = transfer_channel(group, grad.device)
-    if channel is not None:  # one host: through shared memory, summed in rank order
-        starts = offsets(sizes)
-        mine = _rows(grad.shape, dim, sizes[r])
-        sends = [grad.narrow(dim, starts[q], sizes[q]) for q in range(n)]
-        out = torch.empty(mine, dtype=grad.dtype, device=grad.device)
-        with guard(f"reduce_scatter ({phase})", group, region, grad.device):
-            exchange = ShmReduceScatter(channel, sends, out)
-            exchange.wait()
-        exchange.total()
-        chunk = math.prod(_rows(grad.shape, dim, longest)) * grad.element_size()
-        record("reduce_scatter", (n - 1) * chunk, group, out, phase, region)
-        return out
     send = pack_blocks(grad, dim, sizes, pad_to=longest)
     out = torch.empty(_rows(grad.shape, dim, longest), dtype=grad.dtype, device=grad.device)
     with guard(f"reduce_scatter ({phase})", group, region, grad.device):

@@ -67,7 +67,6 @@ from ..comm.agreement import guard
 from ..comm.group import all_gather_single, record, reduce_scatter_single
 from ..comm.p2p import PeerTransfer
 from ..comm.replicate import gather_for_local_use_agreed
-from ..comm.shm import ShmReduceScatter, start_blocks, transfer_channel
 from ..layout import shard_sizes
 from ..trace import comm_region, current_region
 from .blockwise import stats_dtype
@@ -295,8 +294,6 @@ class _Pending:
         if self._work is not None:
             with guard(*self._where):
                 self._work.wait()
-            if isinstance(self._work, ShmReduceScatter):
-                self._work.total()  # its local sum, outside the guard (ShmReduceScatter)
             self._work = None
         self._send = None
         return self.result
@@ -304,8 +301,7 @@ class _Pending:
 
 def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _Pending:
     """All-gather every rank's ``[B, seq_j, Hkv, 2D]`` padded to ``rows`` → ``[N, B, rows, …]``
-    (started, not waited; traced as one forward ``all_gather`` of the padded block). Between
-    the processes of one host through shared memory, like every collective of the library."""
+    (started, not waited; traced as one forward ``all_gather`` of the padded block)."""
     n = group_size(group)
     send = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, rows - kv.shape[1])).contiguous()
     recv = torch.empty((n, *send.shape), dtype=send.dtype, device=send.device)
@@ -314,11 +310,8 @@ def _start_kv_gather(kv: torch.Tensor, rows: int, group: Any, region: str) -> _P
     record(
         "all_gather", (n - 1) * send.numel() * send.element_size(), group, send, "forward", region
     )
-    channel = transfer_channel(group, send.device) if n > 1 else None
     return _Pending(
-        (lambda: start_blocks(channel, [send] * n, list(recv), "all_gather"))
-        if channel is not None
-        else lambda: all_gather_single(recv.flatten(0, 1), send, group=group, async_op=True),
+        lambda: all_gather_single(recv.flatten(0, 1), send, group=group, async_op=True),
         send,
         recv,
         "all_gather (forward)",
@@ -339,11 +332,8 @@ def _start_kv_reduce_scatter(
         recv.copy_(send[0])
     record("reduce_scatter", (n - 1) * recv.numel() * recv.element_size(), group, recv,
            "backward", region)  # fmt: skip
-    channel = transfer_channel(group, send.device) if n > 1 else None
     return _Pending(
-        (lambda: ShmReduceScatter(channel, list(send), recv))
-        if channel is not None
-        else lambda: reduce_scatter_single(recv, send.flatten(0, 1), group=group, async_op=True),
+        lambda: reduce_scatter_single(recv, send.flatten(0, 1), group=group, async_op=True),
         send,
         recv,
         "reduce_scatter (backward)",
@@ -352,7 +342,7 @@ def _start_kv_reduce_scatter(
     )
 
 
-# p2p tags of the row loans (the gloo path; the shared-memory channel matches in order)
+# p2p tags of the row loans
 _LOAN_TAG = 64
 
 
@@ -399,9 +389,7 @@ class _LssAttention(torch.autograd.Function):
     what arrived. Saves ``q``, the gathered blocks, ``out`` and ``lse``.
 
     With row loans (``loans``, :mod:`.lss_offload`) the owner computes only its rows before
-    ``row0``; the lent rows start first, then the gather, which on the shared-memory channel
-    is waited for at once (both ranks wait, so the channel moves it without one rank idling on
-    the other's compute; gloo's threads move it meanwhile, and the overlap stays), and the
+    ``row0``; the lent rows start first, then the gather, and the
     helper computes the lent rows after its own, on every block, and sends them back
     finished. Backward sends their ``dO`` first; the helper adds their
     ``dK``/``dV`` before its reduce-scatter starts and sends their ``dQ`` back at the end.
@@ -435,12 +423,6 @@ class _LssAttention(torch.autograd.Function):
             incoming = ((bf, take.rows, h, q.shape[-1]), q.dtype) if take is not None else None
             lent = _lend(loans, r, q[:, keep:], incoming, True, where, _LOAN_TAG)
         pending = _start_kv_gather(torch.cat([k, v], dim=-1), max(lengths), group, region)
-        if loans and transfer_channel(group, q.device) is not None:
-            # on shared memory a rank moves its side of a transfer only while it waits, and
-            # here the own blocks differ in work (the helper's is the largest): waiting now
-            # keeps the owner from idling until the helper's own block is done (55 ms of a
-            # 250 ms forward at 8K/SP 2). Gloo's threads move it meanwhile: no wait there.
-            pending.wait()
         got = lent.wait() if lent is not None else None
         acc = LseAccumulator(bf, keep, h, dv, q.dtype, q.device)
         q_own, pos_own = q[:, :keep], positions[r][:keep]

@@ -1,0 +1,135 @@
+"""Count the reads of data-path tensors back to the host during a step (a test and audit tool).
+
+On a CUDA device every read of a tensor's values by the host — ``.item()``, ``bool(t)``,
+``.tolist()``, ``.numpy()``, ``.cpu()``, and the ops whose output shape depends on the data
+(``nonzero``, ``masked_select``, ``unique``, …) — waits for the GPU to finish everything queued
+before it. The library's hot path must make none. On a CPU machine nothing distinguishes the
+device from the host, so :class:`DataReads` tells them apart by *taint*: the tensors given to it
+(the model's parameters and inputs) are data, and so is every tensor an op computes from data;
+tensors the host builds from nothing (``arange`` positions, an agreement's words, an index
+order) are host bookkeeping. A read of a data tensor is what would stall a GPU, on any device.
+
+::
+
+    with DataReads(model.parameters(), x) as reads:
+        loss = model(x, sp=sp).sum()
+        loss.backward()
+    assert reads.count == 0, reads.where
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+
+#: ops whose result the host must wait for: a scalar read or a data-dependent output shape
+SYNCING_OPS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.unique_dim.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+}
+
+#: methods that copy a tensor's values to Python or to the host without dispatching an op
+HOST_METHODS = ("tolist", "numpy", "cpu", "__array__")
+
+
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, sparse)
+        return None
+
+
+class DataReads(TorchDispatchMode):
+    """Count host reads of data-path tensors inside the block (see the module docstring).
+
+    ``count`` is the number of reads; ``where`` one line per read (the op, and the innermost
+    frame outside torch that made it).
+    """
+
+    def __init__(self, *data: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.tainted: set[int] = set()
+        for item in data:
+            for t in [item] if isinstance(item, torch.Tensor) else item:
+                self._taint(t)
+        self.where: list[str] = []
+        self._patched: dict[str, Any] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self.where)
+
+    def _taint(self, t: torch.Tensor) -> None:
+        key = _key(t)
+        if key is not None:
+            self.tainted.add(key)
+
+    def is_data(self, t: torch.Tensor) -> bool:
+        return _key(t) in self.tainted
+
+    def _read(self, what: str) -> None:
+        frame = next(
+            (
+                f"{f.filename}:{f.lineno} {f.name}"
+                for f in reversed(traceback.extract_stack()[:-2])
+                if "/torch/" not in f.filename and "host_reads" not in f.filename
+            ),
+            "?",
+        )
+        self.where.append(f"{what} at {frame}")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        data_in = any(self.is_data(t) for t in inputs)
+        if data_in and func in SYNCING_OPS:
+            self._read(str(func))
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for i, arg in enumerate(func._schema.arguments):  # in-place and out= arguments
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if written:
+                outputs += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+        for t in outputs:
+            key = _key(t)
+            if key is None:
+                continue
+            if data_in:
+                self.tainted.add(key)
+            else:  # built by the host (a freed data storage may be reused for it)
+                self.tainted.discard(key)
+        return out
+
+    def __enter__(self) -> DataReads:
+        for name in HOST_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._patched[name] = original
+
+            def reading(t: torch.Tensor, *a: Any, _name: str = name, _orig: Any = original, **k: Any) -> Any:
+                if self.is_data(t):
+                    self._read(f"Tensor.{_name}")
+                return _orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, reading)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for name, original in self._patched.items():
+                setattr(torch.Tensor, name, original)
+            self._patched.clear()
