@@ -28,6 +28,7 @@ from torch import nn
 
 from dspzoo.core.durable import fsync_path
 
+from ..core.errors import MissingFileError
 from . import shipped
 from .registry import family_info, family_of, resolve_name
 from .shipped import CARD_FILE, _card_from_json, resolve_pretrained
@@ -129,17 +130,17 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         aside = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
         if aside:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"checkpoint folder {path} does not exist: a save was interrupted after moving "
                 f"the previous checkpoint aside to {aside[-1].name} (rename it back to "
                 f"{path.name} to use it)"
             )
-        raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+        raise MissingFileError(f"checkpoint folder {path} does not exist")
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
-        raise FileNotFoundError(f"checkpoint {path} has no {CONFIG_FILE}")
+        raise MissingFileError(f"checkpoint {path} has no {CONFIG_FILE}")
     if not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"checkpoint {path} has no {WEIGHTS_FILE}")
+        raise MissingFileError(f"checkpoint {path} has no {WEIGHTS_FILE}")
     try:
         meta = json.loads(config_file.read_text())
         meta["family"], meta["config"]  # noqa: B018 - presence check

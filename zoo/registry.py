@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..core.argparser import suggestion
+from ..core.errors import UnknownNameError
 from .families import (
     BUILTIN_WHERE,
     HOW_TO_REGISTER,
@@ -149,7 +150,7 @@ def _family(family: str) -> Family:
     if key is not None:
         return _FAMILIES[key]
     hint = suggestion(_close(family, list(_FAMILIES)))
-    raise KeyError(
+    raise UnknownNameError(
         f"unknown model family {family!r}{hint} (registered: {', '.join(sorted(_FAMILIES))}); "
         + HOW_TO_REGISTER
     )
@@ -163,7 +164,7 @@ def family_of(model: nn.Module) -> str:
                 return fam.name
         if load is not None:
             load()
-    raise KeyError(f"{type(model).__name__} is not a registered zoo model class")
+    raise UnknownNameError(f"{type(model).__name__} is not a registered zoo model class")
 
 
 def family_info(family: str) -> Family:
@@ -204,7 +205,7 @@ def resolve_name(name: str) -> str:
     if key is None:
         known = list_models(fam.name)
         hint = suggestion(_close(name, known))
-        raise KeyError(f"unknown model {name!r}{hint} (known: {', '.join(known)})")
+        raise UnknownNameError(f"unknown model {name!r}{hint} (known: {', '.join(known)})")
     return f"{fam.name}-{key}"
 
 

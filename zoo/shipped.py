@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..core.argparser import suggestion
+from ..core.errors import MissingFileError
 from .registry import _close, _match
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -84,7 +85,7 @@ def pretrained_path(name: str) -> Path:
     key = _match(name, names)
     if key is None:
         hint = suggestion(_close(name, names))
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no checkpoint folder or shipped weights named {name!r}{hint or '.'} Shipped models: "
             f"{', '.join(names) or 'none'} "
             f"(`dspzoo list --pretrained`); a zoo config name such as 'stdit-mini' builds an "

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import fsync_path, fsync_tree, write_json_durably
+from ..errors import MissingFileError
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def read_progress(ckpt: Path) -> dict[str, Any]:
     """The ``progress.json`` of checkpoint ``ckpt``, with a clear error if it is missing."""
     path = ckpt / PROGRESS_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{ckpt} is not a complete checkpoint (no {PROGRESS_FILE}); pick another with --resume"
         )
     return json.loads(path.read_text())

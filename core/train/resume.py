@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ExistingFileError, MissingFileError
 from ..parallel.mesh import SPMesh, seed_everything
 from ..parallel.rng import mix_key
 from .checkpoint import (
@@ -54,7 +55,7 @@ def find_checkpoint(
             barrier()
         ckpt = latest_checkpoint(ckpt_dir, recover=False)
     if ckpt is None or not ckpt.exists():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"--resume latest: no checkpoint in {ckpt_dir}"
             if resume == "latest"
             else f"--resume {resume}: no checkpoint folder {Path(resume).resolve()} (give an "
@@ -79,7 +80,7 @@ def refuse_stale_checkpoints(mesh: SPMesh, ckpt_dir: Path, device: torch.device 
         dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=mesh.grad_group)
     if int(stale):
         names = ", ".join(p.name for p in found[-3:]) or f"{int(stale)} on another machine"
-        raise FileExistsError(
+        raise ExistingFileError(
             f"{ckpt_dir} already holds checkpoints of an earlier run ({names}): pass --resume "
             f"latest to continue it, or give another --output-dir (or delete the old one)"
         )

@@ -28,6 +28,8 @@ from torch.utils.data import Dataset
 
 from dspzoo.core.durable import fsync_path
 
+from ...core.errors import MissingFileError
+
 STDLIB_CAP_BYTES = 16 * 2**20
 CORPUS_FORMAT = 1  # bump when the way the corpus is built changes (new cache file)
 SPLITS = ("train", "val")
@@ -56,7 +58,7 @@ class ByteWindows(Dataset):
     ) -> None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"byte data file {path} does not exist (or is not a file)")
+            raise MissingFileError(f"byte data file {path} does not exist (or is not a file)")
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if seq_len < 1:
@@ -115,7 +117,7 @@ def stdlib_sources() -> tuple[Path, list[Path]]:
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise FileNotFoundError(f"the Python standard library folder {root} does not exist")
+        raise MissingFileError(f"the Python standard library folder {root} does not exist")
     files = [
         p
         for p in root.rglob("*.py")

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ...core.errors import MissingFileError
+
 logger = logging.getLogger(__name__)
 
 SHAPES = ("square", "circle", "triangle", "cross")
@@ -136,14 +138,14 @@ class VideoFolderDataset(Dataset):
     ) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
-            raise FileNotFoundError(f"video folder {self.root} does not exist")
+            raise MissingFileError(f"video folder {self.root} does not exist")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.files = sorted(
             p for p in self.root.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file()
         )
         if not self.files:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"no videos in {self.root} (looked for {', '.join(VIDEO_EXTENSIONS)})"
             )
         self.classes = sorted({self._class_name(p) for p in self.files})
