@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import MissingFileError
+from .errors import MissingFileError, UsageError
 
 
-class ConversionError(ValueError):
+class ConversionError(UsageError):
     """A folder or state dict that is not a convertible checkpoint of the expected kind."""
 
 

@@ -100,7 +100,7 @@ def _pieces(rank: int, mib: float) -> tuple[dict[str, Callable[[], object]], tup
 def _run(rank: int, mib: float, iters: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    keep_freed_memory()  # as every launch through setup_accelerate does on CPU
+    keep_freed_memory()  # as setup_accelerate does on CPU with DSPZOO_KEEP_FREED_MEMORY=1
     dist.init_process_group("gloo", rank=rank, world_size=2)
     fns, shape = _pieces(rank, mib)
     for fn in fns.values():

@@ -94,7 +94,7 @@ def test_a_two_rank_text_run_says_each_line_once(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     err = proc.stderr
-    assert err.count("set glibc malloc") == 1, err
+    assert "malloc" not in err, err  # no process-wide allocator change by default
     assert "Removed shared tensor" not in err, err
     assert "Grad strides do not match" not in err and "Traceback" not in err, err
     # a checkpoint at steps 1 and 2: one line each, naming the final folder, none of

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..core.argparser import suggestion
-from ..core.errors import UnknownNameError
+from ..core.errors import UnknownNameError, UsageError
 from .families import (
     BUILTIN_WHERE,
     HOW_TO_REGISTER,
@@ -186,7 +186,7 @@ def split_name(name: str) -> tuple[str, str]:
     if not sep or not config:
         fam = _match(family, _FAMILIES)
         close = list_models(fam) if fam is not None else _close(name, list_models())
-        raise ValueError(
+        raise UsageError(
             f"model names look like 'family-config' (e.g. 'stdit-tiny'), got {name!r}"
             f"{suggestion(close)} (known: {', '.join(list_models())})"
         )
@@ -220,7 +220,7 @@ def override_config(config: Any, **overrides: Any) -> Any:
     names = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(overrides) - names)
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"unknown config field(s) {unknown} for {type(config).__name__}; valid fields: {sorted(names)}"
         )
     return dataclasses.replace(config, **overrides)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..core.argparser import suggestion
-from ..core.errors import MissingFileError
+from ..core.errors import MissingFileError, UsageError
 from .registry import _close, _match
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -61,7 +61,7 @@ def _card_from_json(name: str, raw: dict[str, Any]) -> ModelCard:
     known = {f for f in ModelCard.__dataclass_fields__ if f not in ("name", "extra")}
     missing = [k for k in CARD_KEYS if k not in raw]
     if missing:
-        raise ValueError(f"model card of {name!r} lacks {missing}")
+        raise UsageError(f"model card of {name!r} lacks {missing}")
     return ModelCard(
         name=name,
         **{k: raw[k] for k in known if k in raw},

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ...core.errors import MissingFileError
+from ...core.errors import MissingFileError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class MovingShapesDataset(Dataset):
 
     def __init__(self, config: MovingShapesConfig = MovingShapesConfig()) -> None:
         if config.height < 8 or config.width < 8 or config.frames < 1:
-            raise ValueError(
+            raise UsageError(
                 f"moving shapes need frames >= 1 and frames of at least 8×8, got {config}"
             )
         self.config = config
@@ -110,7 +110,7 @@ class MovingShapesDataset(Dataset):
         return (lo + np.where(folded > span, 2 * span - folded, folded)).astype(np.float32)
 
 
-class VideoDecodeError(ValueError):
+class VideoDecodeError(UsageError):
     """A video file could not be decoded."""
 
 

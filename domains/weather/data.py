@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ...core.errors import MissingFileError
+from ...core.errors import MissingFileError, UsageError
 
 SPLITS = ("train", "test")
 LAT_NAMES = ("lat", "latitude", "y", "nav_lat", "grid_latitude")
@@ -76,7 +76,7 @@ INSTALL_HINT = {
 }
 
 
-class WeatherDataError(ValueError):
+class WeatherDataError(UsageError):
     """A data source that cannot be used as asked; the message names the file and field."""
 
 
