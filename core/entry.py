@@ -66,6 +66,7 @@ __all__ = [
     "report_bad_input",
     "report_internal_error",
     "run_entry_point",
+    "tell_launcher",
 ]
 
 BAD_INPUT_STATUS = 2
@@ -193,7 +194,7 @@ def report_bad_input(prog: str, exc: BaseException) -> int:
             time.sleep(0.02)
         if not _any_reported(store, range(rank)) and store.add(f"{_KEY}printed", 1) == 1:
             print(line, file=sys.stderr, flush=True)
-            _tell_launcher(line)
+            tell_launcher(line)
         while store.add(f"{_KEY}count", 0) < world and time.monotonic() < deadline:
             time.sleep(0.02)
     except Exception:  # the store is gone (its host exited): say it here rather than nowhere
@@ -227,7 +228,7 @@ def report_internal_error(prog: str, exc: BaseException) -> None:
         failed = rank
     if first:
         traceback.print_exception(exc)
-        _tell_launcher(
+        tell_launcher(
             f"{prog}: internal error on rank {rank}: {type(exc).__name__}: "
             f"{error_message(exc)} (its traceback is in the ranks' output above)"
         )
@@ -254,7 +255,7 @@ def _board_says_internal_error() -> int | None:
         return None
 
 
-def _tell_launcher(line: str) -> None:
+def tell_launcher(line: str) -> None:
     """Write ``line`` as this rank's error for the launcher's report of failed ranks.
 
     ``torchrun`` (and ``accelerate launch``, which runs it) names a file per rank in
@@ -266,7 +267,10 @@ def _tell_launcher(line: str) -> None:
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            # torch's own record format (a message with its "call stack": here the line), so
+            # the launcher neither warns about the format nor fails to set the exit code
+            info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
     except OSError:
         pass  # the report then says "error_file: <N/A>": the line above still stands
 
