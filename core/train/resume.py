@@ -20,6 +20,7 @@ from ..parallel.rng import mix_key
 from .checkpoint import (
     complete_checkpoints,
     latest_checkpoint,
+    quiet_accelerate_state,
     read_progress,
     recover_interrupted_save,
 )
@@ -103,7 +104,8 @@ def resume_from(
     """
     ckpt = find_checkpoint(resume, ckpt_dir, mesh.is_main, accelerator.wait_for_everyone)
     progress = read_progress(ckpt)
-    accelerator.load_state(str(ckpt))
+    with quiet_accelerate_state():  # no "All ... loaded successfully" line per kind of state
+        accelerator.load_state(str(ckpt))
     step = int(progress["step"])
     seed_everything(mesh, mix_key(seed, step, "global-rng"))
     if mesh.is_main:
