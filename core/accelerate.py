@@ -16,11 +16,11 @@ contract of :mod:`dspzoo.core.loss` that is exactly the data-parallel average of
 single-process gradients, so no extra scaling is needed. ``accelerator.prepare`` builds DDP on
 ``mesh.grad_group`` (all ranks, a communicator of its own; see :mod:`dspzoo.core.parallel.mesh`), so its
 bucket all-reduces never share a communicator with the SP group's collectives. On a machine without CUDA the
-Accelerator is built with ``cpu=True`` and gloo (``--multi_gpu`` still starts N processes),
-and glibc malloc's thresholds are raised process-wide (logged at INFO by the first rank of the
-launch; opt out with ``keep_freed_memory=False`` or ``DSPZOO_KEEP_FREED_MEMORY=0``, see
-:func:`setup_accelerate`). Accelerate's checkpoint note on a weight the model ties itself is
-recognised and not printed (:mod:`dspzoo.core.quiet`).
+Accelerator is built with ``cpu=True`` and gloo (``--multi_gpu`` still starts N processes).
+Nothing process-wide changes by default: glibc malloc's thresholds are raised only on request
+(``keep_freed_memory=True`` or ``DSPZOO_KEEP_FREED_MEMORY=1``, see :func:`setup_accelerate`).
+Accelerate's checkpoint note on a weight the model ties itself is recognised and not printed
+(:mod:`dspzoo.core.quiet`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
 from . import perf
+from .errors import UsageError
 from .parallel.mesh import SPMesh, build_mesh, seed_everything
 from .parallel.runtime import SeqParallel
 from .quiet import FirstRankOnly, recognise_tied_weights
@@ -46,16 +47,17 @@ logger.addFilter(FirstRankOnly())  # its lines are the same on every rank: say t
 KEEP_FREED_MEMORY_ENV = "DSPZOO_KEEP_FREED_MEMORY"
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
+_MESH_INPUTS = ("sp_size", "ulysses_size", "the collective timeout")
 
 
-def _env_allows_keep_freed_memory() -> bool:
-    """``DSPZOO_KEEP_FREED_MEMORY``: unset or empty or 1/true/yes/on → allowed; 0/false/no/off → not."""
+def _env_asks_keep_freed_memory() -> bool:
+    """``DSPZOO_KEEP_FREED_MEMORY``: 1/true/yes/on → on; unset, empty or 0/false/no/off → off."""
     value = os.environ.get(KEEP_FREED_MEMORY_ENV, "").strip().lower()
-    if value in _FALSE:
+    if value == "" or value in _FALSE:
         return False
-    if value == "" or value in _TRUE:
+    if value in _TRUE:
         return True
-    raise ValueError(
+    raise UsageError(
         f"{KEEP_FREED_MEMORY_ENV}={os.environ[KEEP_FREED_MEMORY_ENV]!r}: expected one of "
         f"{list(_TRUE + _FALSE)}"
     )
@@ -70,7 +72,7 @@ def setup_accelerate(
     ulysses_size: int | None = None,
     mixed_precision: str = "no",
     cpu: bool | None = None,
-    keep_freed_memory: bool = True,
+    keep_freed_memory: bool | None = None,
     **accelerator_kwargs: Any,
 ) -> tuple[Accelerator, SPMesh, SeqParallel]:
     """Build ``(accelerator, mesh, sp)``, and seed RNGs per DP group.
@@ -84,20 +86,23 @@ def setup_accelerate(
             :func:`default_ulysses_size`).
         mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` (GPU), passed to Accelerate.
         cpu: force CPU; default: CPU when CUDA is unavailable.
-        keep_freed_memory: on CPU, call :func:`dspzoo.core.perf.keep_freed_memory`.
+        keep_freed_memory: on CPU, call :func:`dspzoo.core.perf.keep_freed_memory` (``True``),
+            or not (``False``); ``None`` (the default) follows ``DSPZOO_KEEP_FREED_MEMORY``.
 
-    **Process-wide side effect (CPU only).** By default, on CPU this raises glibc malloc's mmap
-    and trim thresholds (``M_MMAP_THRESHOLD`` 1 GiB, ``M_TRIM_THRESHOLD`` 2 GiB) for the whole
-    process, so freed activation-sized blocks are reused instead of page-faulting fresh ones
-    for every tensor; the process then keeps up to that much freed memory instead of returning
-    it to the OS. What was done is logged at INFO on this module's logger. Opt out with
-    ``keep_freed_memory=False`` or the environment variable ``DSPZOO_KEEP_FREED_MEMORY=0``
-    (``0/false/no/off``; either one disables it). GPU runs never touch the host allocator.
+    **Process-wide side effect (CPU only, opt-in).** Asked for with ``keep_freed_memory=True``
+    or the environment variable ``DSPZOO_KEEP_FREED_MEMORY=1`` (``1/true/yes/on``; the
+    argument wins over the variable), on CPU this raises glibc malloc's mmap and trim
+    thresholds (``M_MMAP_THRESHOLD`` 1 GiB, ``M_TRIM_THRESHOLD`` 2 GiB) for the whole process,
+    so freed activation-sized blocks are reused instead of page-faulting fresh ones for every
+    tensor (large CPU switches run faster); the process then keeps up to that much freed memory
+    instead of returning it to the OS. When asked for, what was done is logged at INFO on this
+    module's logger; by default nothing is changed and nothing is logged. GPU runs never touch
+    the host allocator.
     """
     if cpu is None:
         cpu = not torch.cuda.is_available()
     if cpu and mixed_precision == "fp16":  # Accelerate would quietly run fp32 on a CPU
-        raise ValueError(
+        raise UsageError(
             "--mixed-precision fp16 needs a CUDA GPU (on a CPU the steps would quietly run in "
             "fp32); use bf16 (CPU autocast) or no"
         )
@@ -107,7 +112,14 @@ def setup_accelerate(
     recognise_tied_weights(accelerator)  # no "Removed shared tensor" note for a tied head
     if strategy == "usp" and ulysses_size is None:
         ulysses_size = default_ulysses_size(sp_size)
-    mesh = build_mesh(sp_size, accelerator, ulysses_size=ulysses_size)
+    try:
+        mesh = build_mesh(sp_size, accelerator, ulysses_size=ulysses_size)
+    except ValueError as exc:
+        # build_mesh (core.parallel) refuses the sizes given (--sp, a Ulysses degree, the
+        # collective timeout) with a plain ValueError: bad input. Any other is a bug.
+        if isinstance(exc, UsageError) or not str(exc).startswith(_MESH_INPUTS):
+            raise
+        raise UsageError(str(exc)) from exc
     if mesh.grad_group is not None:
         accelerator.ddp_handler = GroupDDPKwargs.on_group(mesh.grad_group, accelerator.ddp_handler)
     seed_everything(mesh, seed)
@@ -151,25 +163,20 @@ def default_ulysses_size(sp_size: int) -> int:
     return min(d for d in range(1, sp_size + 1) if sp_size % d == 0 and d * d >= sp_size)
 
 
-def _maybe_keep_freed_memory(requested: bool) -> None:
-    env_ok = _env_allows_keep_freed_memory()
-    if not (requested and env_ok):
-        why = (
-            "keep_freed_memory=False"
-            if not requested
-            else f"{KEEP_FREED_MEMORY_ENV}={os.environ[KEEP_FREED_MEMORY_ENV]}"
-        )
-        logger.info("dspzoo: left glibc malloc settings unchanged (%s)", why)
-        return
+def _maybe_keep_freed_memory(requested: bool | None) -> None:
+    env = _env_asks_keep_freed_memory()  # a bad value is refused even when the argument wins
+    if not (env if requested is None else requested):
+        return  # the default: the process's allocator is left as it is, and nothing is said
     if perf.keep_freed_memory():
         gib = perf.DEFAULT_KEEP_LIMIT / 2**30
         logger.info(
             "dspzoo: set glibc malloc M_MMAP_THRESHOLD=%g GiB and M_TRIM_THRESHOLD=%g GiB "
-            "(process-wide) so freed CPU tensors are reused; opt out with "
-            "setup_accelerate(keep_freed_memory=False) or %s=0",
+            "(process-wide, as asked by %s) so freed CPU tensors are reused",
             gib,
             2 * gib,
-            KEEP_FREED_MEMORY_ENV,
+            "setup_accelerate(keep_freed_memory=True)"
+            if requested
+            else f"{KEEP_FREED_MEMORY_ENV}={os.environ[KEEP_FREED_MEMORY_ENV]}",
         )
     else:
         logger.info(

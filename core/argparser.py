@@ -90,6 +90,9 @@ class CommandParser(argparse.ArgumentParser):
         if first_of_launch():
             line = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
             self._print_message(line, sys.stderr)
+            from .entry import tell_launcher  # the launcher's report ends with it, too
+
+            tell_launcher(line.strip())
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             signal.signal(signal.SIGTERM, lambda *_: os._exit(USAGE_STATUS))
             time.sleep(PEER_WAIT_S)

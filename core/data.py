@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .errors import UsageError
 from .parallel.mesh import SPMesh, mix_dp_rank, sp_generator
 from .parallel.rng import keyed_generator, mix_key
 
@@ -67,7 +68,7 @@ class SPBatchSampler(Sampler[list[int]]):
         self.global_batch = self.batch_size * self.dp_size
         self.steps_per_epoch = self.num_samples // self.global_batch
         if self.steps_per_epoch == 0:
-            raise ValueError(
+            raise UsageError(
                 f"dataset of {num_samples} samples is too small for one global batch of "
                 f"{self.global_batch} (batch_size={batch_size} × {dp_size} data-parallel groups)"
             )

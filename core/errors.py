@@ -14,3 +14,25 @@ from __future__ import annotations
 
 class UsageError(ValueError):
     """Bad usage: a flag, file, shape or config the user must change (one line, exit status 2)."""
+
+
+class UnknownNameError(UsageError, KeyError):
+    """A name the user gave (a model, a family, a strategy) that is not known.
+
+    Also a ``KeyError``, the lookup's error before the usage family existed, so callers that
+    catch ``KeyError`` around a registry lookup keep working. Its ``str()`` is the repr of the
+    message, as for any ``KeyError``: print ``exc.args[0]``
+    (:func:`dspzoo.core.entry.error_message`)."""
+
+
+class MissingFileError(UsageError, FileNotFoundError):
+    """A file or folder the user named (by a flag, a config or a model name) is absent.
+
+    Also a ``FileNotFoundError``, so callers that catch it (an optional file, a fallback) keep
+    working. A ``FileNotFoundError`` that is *not* this class (a file the library itself
+    should have written) is a bug, reported with its traceback."""
+
+
+class ExistingFileError(UsageError, FileExistsError):
+    """An output the user named already exists and would be overwritten (the message says which
+    flag continues or replaces it). Also a ``FileExistsError``."""

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .errors import UsageError
 from .parallel.mesh import SPMesh, build_mesh
 from .parallel.methods.registry import METHODS
 from .parallel.runtime import SeqParallel
@@ -463,11 +464,11 @@ def check_model(
     """
     sizes = tuple(sorted(set(sp_sizes)))
     if not sizes or sizes[0] < 2:
-        raise ValueError(f"sp_sizes must be SP sizes >= 2, got {tuple(sp_sizes)}")
+        raise UsageError(f"sp_sizes must be SP sizes >= 2, got {tuple(sp_sizes)}")
     known = (*STRATEGIES, "auto")
     unknown = [s for s in strategies or () if s not in known]
     if unknown:
-        raise ValueError(f"unknown strategies {unknown}; available: {sorted(known)}")
+        raise UsageError(f"unknown strategies {unknown}; available: {sorted(known)}")
     case = _Case(
         make_model,
         make_inputs,

@@ -2,8 +2,9 @@
 of the libraries are recognised instead of repeated at every checkpoint.
 
 * :func:`first_of_launch`: whether this process speaks for the launch (``RANK`` unset or 0).
-* :class:`FirstRankOnly`: a logging filter for lines that are the same on every rank (the glibc
-  malloc line of :func:`dspzoo.core.accelerate.setup_accelerate`, argument errors).
+* :class:`FirstRankOnly`: a logging filter for lines that are the same on every rank (the
+  opt-in glibc malloc line of :func:`dspzoo.core.accelerate.setup_accelerate`, argument
+  errors).
 * :class:`TiedWeightsNote`: Accelerate's ``save_state`` writes safetensors, which cannot hold
   one tensor under two names, so it drops the second name of a tied weight and warns "Removed
   shared tensor {'head.weight'} while saving … check … while reloading" at every checkpoint.

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
+from .errors import MissingFileError, UsageError
 
-class ConversionError(ValueError):
+
+class ConversionError(UsageError):
     """A folder or state dict that is not a convertible checkpoint of the expected kind."""
 
 
@@ -45,7 +47,7 @@ def _weights_entry(folder: Path, stem: str, pickled_glob: str, variants: bool) -
             f"{folder} holds pickled weights {pickled}; only safetensors are read: re-save the "
             f"model with save_pretrained(..., safe_serialization=True)"
         )
-    raise FileNotFoundError(f"{folder} has no {single.name} (nor a sharded {index.name})")
+    raise MissingFileError(f"{folder} has no {single.name} (nor a sharded {index.name})")
 
 
 def weight_files(
@@ -71,7 +73,7 @@ def weight_files(
         raise ConversionError(f"{entry} is not a safetensors index (no weight_map): {exc}") from exc
     absent = [p.name for p in files if not p.is_file()]
     if absent:
-        raise FileNotFoundError(f"{entry.name} lists shards missing from {folder}: {absent}")
+        raise MissingFileError(f"{entry.name} lists shards missing from {folder}: {absent}")
     return files
 
 

@@ -12,13 +12,16 @@
 #      times of the video and the text benchmark models, and the video model under bf16 and
 #      fp16 autocast (--mixed-precision; fp16 runs only on a GPU);
 #   4. one af2-width Evoformer block forward at R = 4096 (chunked, SP 1): its peak memory beside
-#      scripts/protein_memory.py's model.
+#      scripts/protein_memory.py's model;
+#   5. sync_free: a stdit-mini training step (forward, loss, backward) at SP 1 under
+#      torch.cuda.set_sync_debug_mode("error") after a warm-up step: no host synchronisation
+#      anywhere in it, else the op that synchronised (scripts/check_sync_free.py).
 #
 #   bash scripts/gpu_checks.sh [OUTDIR]      # default: $OUT, else outputs/gpu
 #   GPU_CHECKS_STEPS=tests,kernels_bfloat16 bash scripts/gpu_checks.sh   # only these steps
 #
 # Steps: env, tests, bench_video, bench_text, bench_video_bf16, bench_video_fp16,
-# kernels_float32, kernels_bfloat16, kernels_float16, protein.
+# kernels_float32, kernels_bfloat16, kernels_float16, protein, sync_free.
 #
 # Runs ${PYTHON:-python3}: the first python3 on PATH (an activated .venv's, else the machine's),
 # which needs a CUDA build of torch, pytest, accelerate and einops; without a CUDA device it
@@ -47,7 +50,7 @@ budget_end=$((SECONDS + ${GPU_CHECKS_BUDGET_S:-780}))
 
 # the steps asked for (GPU_CHECKS_STEPS: names separated by commas or spaces; unset: all). A
 # misspelt or empty list would make every step return early and the run look green: refuse it
-STEPS="env tests bench_video bench_text bench_video_bf16 bench_video_fp16 kernels_float32 kernels_bfloat16 kernels_float16 protein"
+STEPS="env tests bench_video bench_text bench_video_bf16 bench_video_fp16 kernels_float32 kernels_bfloat16 kernels_float16 protein sync_free"
 wanted=" $STEPS "
 if [ -n "${GPU_CHECKS_STEPS+set}" ]; then
     read -ra asked <<<"${GPU_CHECKS_STEPS//,/ }"
@@ -131,6 +134,9 @@ done
 step protein 180 "$py" scripts/protein_memory.py --one-block 4096 --device cuda --msa-depth 8 \
     --chunk-size 8 --channel-chunk 8 --json "$out/protein_r4096.json"
 tail -n 20 "$log" | grep -E "^\|"
+
+step sync_free 90 "$py" scripts/check_sync_free.py --frames 4 --latent 16 --batch 2
+grep "^check_sync_free.py:" "$log" | tail -n 1
 
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$log" | tail -n 20
 echo "== $failed step(s) failed; log: $log" | tee -a "$log"

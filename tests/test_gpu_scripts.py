@@ -169,3 +169,40 @@ def test_a_closed_pipe_ends_a_script_quietly() -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_gpu_checks_lists_each_step_once_in_its_header_and_runs_it():
+    """The header's step list, the STEPS the script accepts and the steps it runs agree, and
+    the sync_free step runs scripts/check_sync_free.py."""
+    text = (ROOT / "scripts" / "gpu_checks.sh").read_text()
+    header = re.search(r"^# Steps: (.*?)\.\n#\n", text, re.S | re.M).group(1)
+    listed = [name.strip() for name in header.replace("#", " ").split(",")]
+    accepted = re.search(r'^STEPS="([^"]*)"', text, re.M).group(1).split()
+    assert listed == accepted, (listed, accepted)
+    run = re.findall(r'^\s*step "?([\w$]+)"? ', text, re.M)
+    expanded = []
+    for name in run:  # the loops' steps: bench_$name, bench_video_$precision, kernels_$dtype
+        if name == "bench_$name":
+            expanded += ["bench_video", "bench_text"]
+        elif name == "bench_video_$precision":
+            expanded += ["bench_video_bf16", "bench_video_fp16"]
+        elif name == "kernels_$dtype":
+            expanded += ["kernels_float32", "kernels_bfloat16", "kernels_float16"]
+        else:
+            expanded.append(name)
+    assert expanded == accepted, (expanded, accepted)
+    assert re.search(r"^step sync_free \d+ \"\$py\" scripts/check_sync_free\.py", text, re.M)
+    assert "sync_free" in text.split("set -uo pipefail")[0].split("# Steps:")[0]  # described
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_check_sync_free_is_one_line_with_status_2_without_cuda():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_sync_free.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.startswith("check_sync_free.py: error: no CUDA device (torch ")
+    assert done.stderr.count("\n") == 1, done.stderr

@@ -12,6 +12,7 @@ import torch
 
 from dspzoo.core import accelerate as accel_module
 from dspzoo.core import perf
+from dspzoo.core.errors import UsageError
 from dspzoo.core.parallel.mesh import seed_everything, single_process_mesh
 from dspzoo.core.parallel.runtime import SeqParallel
 
@@ -46,37 +47,36 @@ def _setup(caplog, env: str | None, **kwargs):
     return len(calls), caplog.text
 
 
-def test_keep_freed_memory_is_on_by_default_and_logged(caplog) -> None:
+def test_keep_freed_memory_is_off_by_default_and_silent(caplog) -> None:
+    """No process-wide side effect unless asked for, and no line about it."""
     called, log = _setup(caplog, None)
-    assert called == 1
-    assert "M_MMAP_THRESHOLD" in log and "process-wide" in log
-    assert "DSPZOO_KEEP_FREED_MEMORY=0" in log  # says how to opt out
+    assert called == 0 and "malloc" not in log
 
 
 @pytest.mark.parametrize(
     ("env", "kwargs"),
-    [
-        ("0", {}),
-        ("false", {}),
-        ("off", {}),
-        (None, {"keep_freed_memory": False}),
-        ("1", {"keep_freed_memory": False}),
-    ],
+    [("0", {}), ("false", {}), ("off", {}), ("", {}), ("1", {"keep_freed_memory": False})],
 )
-def test_keep_freed_memory_opt_out(caplog, env, kwargs) -> None:
+def test_keep_freed_memory_stays_off(caplog, env, kwargs) -> None:
     called, log = _setup(caplog, env, **kwargs)
-    assert called == 0
-    assert "left glibc malloc settings unchanged" in log
-    assert ("keep_freed_memory=False" if kwargs else f"DSPZOO_KEEP_FREED_MEMORY={env}") in log
+    assert called == 0 and "malloc" not in log
 
 
-@pytest.mark.parametrize("env", ["1", "yes", "", "true"])
-def test_keep_freed_memory_env_enables(caplog, env) -> None:
-    assert _setup(caplog, env)[0] == 1
+@pytest.mark.parametrize("env", ["1", "yes", "true", "on"])
+def test_keep_freed_memory_env_enables_and_is_logged(caplog, env) -> None:
+    called, log = _setup(caplog, env)
+    assert called == 1
+    assert "M_MMAP_THRESHOLD" in log and "process-wide" in log
+    assert f"DSPZOO_KEEP_FREED_MEMORY={env}" in log  # says what asked for it
+
+
+def test_keep_freed_memory_argument_enables(caplog) -> None:
+    called, log = _setup(caplog, "0", keep_freed_memory=True)  # the argument wins
+    assert called == 1 and "setup_accelerate(keep_freed_memory=True)" in log
 
 
 def test_keep_freed_memory_bad_env_value_is_an_error(caplog) -> None:
-    with pytest.raises(ValueError, match="DSPZOO_KEEP_FREED_MEMORY"):
+    with pytest.raises(UsageError, match="DSPZOO_KEEP_FREED_MEMORY"):
         _setup(caplog, "maybe")
 
 
@@ -86,7 +86,7 @@ def test_allocator_refusal_is_logged(caplog) -> None:
         mock.patch.object(perf, "keep_freed_memory", return_value=False),
         caplog.at_level(logging.INFO, logger=accel_module.__name__),
     ):
-        accel_module.setup_accelerate(1, cpu=True)
+        accel_module.setup_accelerate(1, cpu=True, keep_freed_memory=True)
     assert "left glibc malloc settings unchanged (allocator is not glibc" in caplog.text
 
 

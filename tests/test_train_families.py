@@ -171,9 +171,11 @@ def test_under_a_two_process_launch_the_line_is_printed_once(tmp_path: Path) -> 
         "text trains bytelm models"
     )
     assert done.returncode != 0
-    assert output.count(line) == 1 and output.count(": error: ") == 1, output
+    # once from the ranks, once again as the root cause at the end of the launcher's report
+    assert output.count(line) == 2 and output.count(": error: ") == 2, output
     assert re.findall(r"exitcode\s+:\s*(-?\d+) \(pid", output) == ["2", "2"], output
     assert output.count("Traceback") == 1, output  # the launcher's own report of the ranks
-    assert "ChildFailedError" in output[output.index("Traceback") :], output
+    before, report = output.split("Traceback")
+    assert line in before and "ChildFailedError" in report and f"traceback : {line}" in report
     assert "AttributeError" not in output and "usage:" not in output, output
     assert list(tmp_path.iterdir()) == []

@@ -26,7 +26,7 @@ import importlib
 import os
 from importlib.metadata import entry_points
 
-from ..core.entry import UsageError
+from ..core.errors import UsageError
 
 BUILTIN_MODULES = (
     "dspzoo.domains.toy",
@@ -55,7 +55,7 @@ class FamilyImportError(UsageError, ImportError):
     training script's flags say it in one line, once per launch, status 2."""
 
 
-class FamilyClashError(ValueError):
+class FamilyClashError(UsageError):
     """A family name registered twice (by the registry; its message names both sources)."""
 
 

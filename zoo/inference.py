@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..core.errors import UsageError
+
 VIDEO_FAMILIES = ("stdit", "latte", "videomamba")
 TEXT_FAMILIES = ("bytelm", "mambalm", "mamba2lm", "hybridlm")
 WEATHER_FAMILIES = ("weathertx", "weathermamba")
@@ -108,7 +110,7 @@ def default_output_folder(model_ref: str | os.PathLike) -> Path:
 def _check_family(saved: str, wanted: str | tuple[str, ...] | None, where: Any) -> None:
     allowed = (wanted,) if isinstance(wanted, str) else wanted
     if allowed is not None and saved not in allowed:
-        raise ValueError(f"{where} holds a {saved!r} model; this takes {list(allowed)} models")
+        raise UsageError(f"{where} holds a {saved!r} model; this takes {list(allowed)} models")
 
 
 def _loaded(ref: ModelRef, family: str | tuple[str, ...], device: Any = None) -> LoadedModel:
@@ -167,10 +169,10 @@ def sample_video(
 
     loaded = _loaded(model, VIDEO_FAMILIES)
     if steps < 1 or per_class < 1:
-        raise ValueError(f"steps and per_class must be >= 1, got {steps} and {per_class}")
+        raise UsageError(f"steps and per_class must be >= 1, got {steps} and {per_class}")
     settings = loaded.extra.get("sampling", {})
     if not settings and (frames is None or size is None):
-        raise ValueError(
+        raise UsageError(
             f"{loaded.folder} holds no sampling settings (frames, size, codec; training saves "
             f"them with the final model): give frames and size"
         )
@@ -182,13 +184,13 @@ def sample_video(
     side = math.lcm(ph, pw)
     step = codec.factor * side  # pixels per patch side, through the codec
     if size % step:
-        raise ValueError(
+        raise UsageError(
             f"size {size} px does not fit this model: it must be a multiple of {step} (the "
             f"codec's factor {codec.factor} times the patch side {side}), e.g. "
             f"{max(step, size // step * step)}"
         )
     if frames % pt:
-        raise ValueError(f"frames {frames} must be a multiple of the temporal patch {pt}")
+        raise UsageError(f"frames {frames} must be a multiple of the temporal patch {pt}")
     if labels is None:
         labels = torch.arange(max(1, config.num_classes)).repeat_interleave(per_class)
     shape = (len(labels), config.in_channels, frames, size // codec.factor, size // codec.factor)
@@ -264,7 +266,7 @@ def generate_text(
     loaded = _loaded(model, TEXT_FAMILIES)
     prompt = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
     if not prompt or max_new < 0 or temperature < 0 or (top_k or 0) < 0:
-        raise ValueError(
+        raise UsageError(
             "generate_text needs a non-empty prompt and max_new, temperature, top_k >= 0"
         )
     generator = torch.Generator().manual_seed(seed)
@@ -383,7 +385,7 @@ def forecast_weather(
 
     loaded = _loaded(model, WEATHER_FAMILIES)
     if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+        raise UsageError(f"steps must be >= 1, got {steps}")
     extra = dict(loaded.extra)
     if "weather" not in extra:
         raise WeatherDataError(f"{loaded.folder}: no 'weather' settings in its config.json extra")

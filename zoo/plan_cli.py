@@ -63,6 +63,7 @@ from dspzoo.core.parallel.strategies import STRATEGIES
 
 from ..core.argparser import CommandParser, corrections, positive_int, positive_int_list
 from ..core.entry import reader_gone
+from ..core.errors import UsageError
 from .registry import (
     _match,
     count_parameters,
@@ -204,7 +205,7 @@ def _hw(text: str, scale: int = 1, flag: str = "--size") -> tuple[int, int]:
     except ValueError:
         sides = (0, 0)
     if min(sides) < 1:
-        raise ValueError(
+        raise UsageError(
             f"{flag} takes H or HxW in positive integers (e.g. 256 or 128x256), got {text!r}"
         )
     return sides[0] // scale, sides[1] // scale
@@ -217,7 +218,7 @@ def _video_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any],
     elif args.size is not None:
         stride = args.vae_stride or DEFAULT_VAE_STRIDE
         if min(_hw(args.size)) < stride:
-            raise ValueError(
+            raise UsageError(
                 f"--size {args.size} is smaller than one latent pixel (--vae-stride {stride})"
             )
         spatial = _hw(args.size, stride)
@@ -252,9 +253,9 @@ def _mamba_lm_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, An
 
 def _weather_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     if args.grid is not None and args.latent is not None:
-        raise ValueError("give the weather grid once: --grid (or its alias --latent)")
+        raise UsageError("give the weather grid once: --grid (or its alias --latent)")
     if args.history is not None and args.frames is not None:
-        raise ValueError("give the weather history once: --history (or its alias --frames)")
+        raise UsageError("give the weather history once: --history (or its alias --frames)")
     notes = []
     grid = args.grid if args.grid is not None else args.latent
     if grid is None:
@@ -274,7 +275,7 @@ def _builder_sizes(config: Any, args: argparse.Namespace) -> tuple[dict[str, Any
     ``--latent`` alike: a family of yours has no VAE that ``--vae-stride`` would describe; its
     builder turns pixels into tokens itself)."""
     if args.size is not None and args.latent is not None:
-        raise ValueError("give the size once: --size or --latent (the same for a family of yours)")
+        raise UsageError("give the size once: --size or --latent (the same for a family of yours)")
     kwargs: dict[str, Any] = {"frames": args.frames, "seq_len": args.seq_len}
     if args.latent is not None:
         kwargs["spatial"] = _hw(args.latent, flag="--latent")
@@ -315,7 +316,7 @@ def _check_flags(name: str, sizing: Sizing, args: argparse.Namespace) -> None:
     if wrong:
         own = ", ".join(f"--{f.replace('_', '-')}" for f in sizing.flags)
         given = ", ".join(f"--{f.replace('_', '-')}" for f in wrong)
-        raise ValueError(
+        raise UsageError(
             f"{name} is a {sizing.kind} model: its sizes are {own} (or --dims name=tokens,...); "
             f"{given} is not one of them"
         )
@@ -334,9 +335,9 @@ def parse_dims(text: str | None) -> dict[str, int]:
         except ValueError:
             length = 0
         if not sep or not dim or length < 1:
-            raise ValueError(f"--dims takes name=tokens pairs like h=64,w=64, got {item!r}")
+            raise UsageError(f"--dims takes name=tokens pairs like h=64,w=64, got {item!r}")
         if dim in dims:
-            raise ValueError(f"--dims names {dim!r} twice")
+            raise UsageError(f"--dims names {dim!r} twice")
         dims[dim] = length
     return dims
 
@@ -365,7 +366,7 @@ def workload_from_args(
             overrides=overrides,
         ).with_(stream_itemsize=getattr(args, "stream_bytes", None))
     except ValueError as exc:
-        raise ValueError(
+        raise UsageError(
             str(exc).replace("dims names", "--dims names").replace("with dims", "with --dims")
         ) from None
     empty = [d for d, n in zip(wl.dims, wl.lengths) if n < 1]
@@ -375,7 +376,7 @@ def workload_from_args(
             for f in sizing.flags
             if getattr(args, f) is not None
         )
-        raise ValueError(
+        raise UsageError(
             f"{name} gets no token along {', '.join(empty)} from {given or 'its default sizes'}: "
             "one token covers more than that; give a larger size"
         )
@@ -524,11 +525,11 @@ def _protein(
     from dspzoo.domains.protein.workload import DEFAULT_MSA_DEPTH, DEFAULT_RESIDUES, plan_table
 
     if args.strategies and {s.strip() for s in args.strategies.split(",") if s.strip()} != {"dsp"}:
-        raise ValueError(f"{name} runs under the dsp strategy only; drop --strategies")
+        raise UsageError(f"{name} runs under the dsp strategy only; drop --strategies")
     dims = parse_dims(args.dims)
     unknown = sorted(set(dims) - {"s", "r"})
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"{name} has token dims s (MSA rows) and r (residues; the pair's i and j follow it); "
             f"--dims names {unknown}"
         )
@@ -585,7 +586,7 @@ def _run(args: argparse.Namespace) -> int:
     known = ("auto", *STRATEGIES, "ulysses_flat")
     unknown = [s for s in strategies if s not in known]
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from "
             f"{', '.join(known)} (ulysses_flat: the reference code's Ulysses, predicted only)"
             + corrections(unknown, known)

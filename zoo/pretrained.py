@@ -28,6 +28,7 @@ from torch import nn
 
 from dspzoo.core.durable import fsync_path
 
+from ..core.errors import MissingFileError, UsageError
 from . import shipped
 from .registry import family_info, family_of, resolve_name
 from .shipped import CARD_FILE, _card_from_json, resolve_pretrained
@@ -36,7 +37,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UsageError):
     """A checkpoint does not fit the model it is loaded into."""
 
 
@@ -129,22 +130,22 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         aside = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
         if aside:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"checkpoint folder {path} does not exist: a save was interrupted after moving "
                 f"the previous checkpoint aside to {aside[-1].name} (rename it back to "
                 f"{path.name} to use it)"
             )
-        raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+        raise MissingFileError(f"checkpoint folder {path} does not exist")
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
-        raise FileNotFoundError(f"checkpoint {path} has no {CONFIG_FILE}")
+        raise MissingFileError(f"checkpoint {path} has no {CONFIG_FILE}")
     if not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"checkpoint {path} has no {WEIGHTS_FILE}")
+        raise MissingFileError(f"checkpoint {path} has no {WEIGHTS_FILE}")
     try:
         meta = json.loads(config_file.read_text())
         meta["family"], meta["config"]  # noqa: B018 - presence check
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(
+        raise UsageError(
             f"{config_file} is corrupt or not a dspzoo checkpoint config: {exc}"
         ) from exc
     return meta
@@ -196,7 +197,7 @@ def _load_state(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"{path / WEIGHTS_FILE} is corrupt or truncated: {exc}") from exc
+        raise UsageError(f"{path / WEIGHTS_FILE} is corrupt or truncated: {exc}") from exc
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> nn.Module:
@@ -267,30 +268,30 @@ def check_device(device: str | torch.device | None, *, flag: str | None = None) 
     except (RuntimeError, TypeError, ValueError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(
+        raise UsageError(
             f"{shown}: not a device a dspzoo model runs on (this machine has "
             f"{', '.join(here)}); {use(best)}"
         )
     if dev.type == "cuda" and not cuda:
         built = torch.version.cuda is not None or torch.version.hip is not None
         why = "no GPU is visible to it" if built else "it is built without CUDA"
-        raise ValueError(
+        raise UsageError(
             f"{shown}: this PyTorch has no CUDA device (torch.cuda.is_available() is False: "
             f"{why}); {use(best)}"
         )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        raise ValueError(
+        raise UsageError(
             f"{shown}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
             f"{use('cuda:0')}"
         )
     if dev.type == "mps" and not mps:
-        raise ValueError(
+        raise UsageError(
             f"{shown}: this PyTorch has no MPS device (torch.backends.mps.is_available() is "
             f"False); {use(best)}"
         )
     if dev.type == "mps" and dev.index not in (None, 0):
-        raise ValueError(f"{shown}: there is one MPS device, mps:0; {use('mps')}")
+        raise UsageError(f"{shown}: there is one MPS device, mps:0; {use('mps')}")
     return dev
 
 

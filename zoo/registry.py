@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..core.argparser import suggestion
+from ..core.errors import UnknownNameError, UsageError
 from .families import (
     BUILTIN_WHERE,
     HOW_TO_REGISTER,
@@ -149,7 +150,7 @@ def _family(family: str) -> Family:
     if key is not None:
         return _FAMILIES[key]
     hint = suggestion(_close(family, list(_FAMILIES)))
-    raise KeyError(
+    raise UnknownNameError(
         f"unknown model family {family!r}{hint} (registered: {', '.join(sorted(_FAMILIES))}); "
         + HOW_TO_REGISTER
     )
@@ -163,7 +164,7 @@ def family_of(model: nn.Module) -> str:
                 return fam.name
         if load is not None:
             load()
-    raise KeyError(f"{type(model).__name__} is not a registered zoo model class")
+    raise UnknownNameError(f"{type(model).__name__} is not a registered zoo model class")
 
 
 def family_info(family: str) -> Family:
@@ -185,7 +186,7 @@ def split_name(name: str) -> tuple[str, str]:
     if not sep or not config:
         fam = _match(family, _FAMILIES)
         close = list_models(fam) if fam is not None else _close(name, list_models())
-        raise ValueError(
+        raise UsageError(
             f"model names look like 'family-config' (e.g. 'stdit-tiny'), got {name!r}"
             f"{suggestion(close)} (known: {', '.join(list_models())})"
         )
@@ -204,7 +205,7 @@ def resolve_name(name: str) -> str:
     if key is None:
         known = list_models(fam.name)
         hint = suggestion(_close(name, known))
-        raise KeyError(f"unknown model {name!r}{hint} (known: {', '.join(known)})")
+        raise UnknownNameError(f"unknown model {name!r}{hint} (known: {', '.join(known)})")
     return f"{fam.name}-{key}"
 
 
@@ -219,7 +220,7 @@ def override_config(config: Any, **overrides: Any) -> Any:
     names = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(overrides) - names)
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"unknown config field(s) {unknown} for {type(config).__name__}; valid fields: {sorted(names)}"
         )
     return dataclasses.replace(config, **overrides)

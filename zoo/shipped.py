@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..core.argparser import suggestion
+from ..core.errors import MissingFileError, UsageError
 from .registry import _close, _match
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -60,7 +61,7 @@ def _card_from_json(name: str, raw: dict[str, Any]) -> ModelCard:
     known = {f for f in ModelCard.__dataclass_fields__ if f not in ("name", "extra")}
     missing = [k for k in CARD_KEYS if k not in raw]
     if missing:
-        raise ValueError(f"model card of {name!r} lacks {missing}")
+        raise UsageError(f"model card of {name!r} lacks {missing}")
     return ModelCard(
         name=name,
         **{k: raw[k] for k in known if k in raw},
@@ -84,7 +85,7 @@ def pretrained_path(name: str) -> Path:
     key = _match(name, names)
     if key is None:
         hint = suggestion(_close(name, names))
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no checkpoint folder or shipped weights named {name!r}{hint or '.'} Shipped models: "
             f"{', '.join(names) or 'none'} "
             f"(`dspzoo list --pretrained`); a zoo config name such as 'stdit-mini' builds an "

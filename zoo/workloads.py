@@ -9,6 +9,7 @@ from typing import Any
 
 from dspzoo.core.costmodel.workload import Workload, workload_builder
 
+from ..core.errors import UsageError
 from .registry import count_parameters, create_model, get_config, override_config, resolve_name
 
 
@@ -51,7 +52,7 @@ def workload_for(
         wl = _smallest(builder, name, config, common, exc)
         missing = [d for d in wl.dims if d not in dims]
         if missing:
-            raise ValueError(
+            raise UsageError(
                 f"{name} has token dims {list(wl.dims)}: with dims alone name all of them "
                 f"(missing {missing}), or give its sizes ({exc})"
             ) from None
@@ -74,8 +75,8 @@ def with_dims(wl: Workload, dims: dict[str, int]) -> Workload:
     model does not have, or a length below 1)."""
     unknown = sorted(set(dims) - set(wl.dims))
     if unknown:
-        raise ValueError(f"{wl.name} has token dims {list(wl.dims)}; dims names {unknown}")
+        raise UsageError(f"{wl.name} has token dims {list(wl.dims)}; dims names {unknown}")
     bad = {d: n for d, n in dims.items() if not isinstance(n, int) or n < 1}
     if bad:
-        raise ValueError(f"token lengths must be integers >= 1, got {bad}")
+        raise UsageError(f"token lengths must be integers >= 1, got {bad}")
     return wl.with_(lengths=tuple(dims.get(d, n) for d, n in zip(wl.dims, wl.lengths)))

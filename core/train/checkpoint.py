@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import fsync_path, fsync_tree, write_json_durably
+from ..errors import MissingFileError
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def read_progress(ckpt: Path) -> dict[str, Any]:
     """The ``progress.json`` of checkpoint ``ckpt``, with a clear error if it is missing."""
     path = ckpt / PROGRESS_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{ckpt} is not a complete checkpoint (no {PROGRESS_FILE}); pick another with --resume"
         )
     return json.loads(path.read_text())
@@ -98,7 +99,7 @@ def save_checkpoint(
         if tmp.exists():  # debris of a save that died
             shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    with _quiet_accelerate_saving():  # its lines name the temporary folder, one per file
+    with quiet_accelerate_state():  # its lines name the temporary folder, one per file
         accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if is_main:
@@ -119,10 +120,12 @@ def save_checkpoint(
 
 
 @contextlib.contextmanager
-def _quiet_accelerate_saving() -> Iterator[None]:
+def quiet_accelerate_state() -> Iterator[None]:
     """Accelerate's ``save_state`` logs a line per file it writes (at INFO, naming the
-    temporary folder this module renames); hold its logger at WARNING meanwhile, so that a
-    checkpoint is one line (:func:`save_checkpoint`'s) and its warnings still show."""
+    temporary folder this module renames), and ``load_state`` one per kind of state ("All
+    model weights loaded successfully", ...); hold its loggers at WARNING meanwhile, so that a
+    checkpoint or a resume is one line (:func:`save_checkpoint`'s, ``resumed from ...``) and
+    their warnings still show."""
     loggers = [logging.getLogger(f"accelerate.{name}") for name in ("checkpointing", "accelerator")]
     levels = [log.level for log in loggers]
     for log, level in zip(loggers, levels):

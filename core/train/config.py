@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..durable import write_json_durably
+from ..errors import UsageError
 from ..parallel.strategies import STRATEGIES
 from .flags import check_values, flag
 
@@ -104,16 +105,16 @@ class RunConfig:
             non_negative=("save_every", "keep_checkpoints", "num_workers", "warmup"),
         )
         if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
+            raise UsageError(f"--stop-after must be >= 1, got {self.stop_after}")
         if self.activation_checkpointing and not (self.fsdp or self.MODEL_CHECKPOINTING):
-            raise ValueError("--activation-checkpointing applies to --fsdp runs; add --fsdp")
+            raise UsageError("--activation-checkpointing applies to --fsdp runs; add --fsdp")
         if self.fsdp and self.sp_strategy == "megatron_sp":
-            raise ValueError(
+            raise UsageError(
                 "--fsdp shards the weights over dp × sp, and --sp-strategy megatron_sp shards "
                 "them over the SP group already: drop --fsdp or pick another strategy"
             )
         if self.sp_strategy in NOT_WIRED:
-            raise ValueError(
+            raise UsageError(
                 f"--sp-strategy {self.sp_strategy}: the training scripts do not drive it yet; "
                 f"choose one of {[s for s in STRATEGIES if s not in NOT_WIRED]}"
             )
@@ -132,12 +133,12 @@ def model_of_weights(init_from: str, model: str, default: str = "") -> str:
 
     saved = _read_meta(resolve_pretrained(init_from)).get("config_name")
     if not saved:
-        raise ValueError(
+        raise UsageError(
             f"--init-from {init_from}: the folder does not record its zoo config name; pass "
             f"--model as well"
         )
     if model and model != default and resolve_name(model) != resolve_name(saved):
-        raise ValueError(
+        raise UsageError(
             f"--init-from {init_from} holds a {saved} model but --model is {model}; drop "
             f"--model (it comes from the weights) or pick weights of {model}"
         )
@@ -205,7 +206,7 @@ def start_run(cfg: RunConfig) -> tuple[Any, Any, Any, Path]:
         cfg.sp, seed=cfg.seed, strategy=cfg.sp_strategy, mixed_precision=cfg.mixed_precision
     )
     if cfg.global_batch % mesh.dp_size:
-        raise ValueError(
+        raise UsageError(
             f"--global-batch {cfg.global_batch} is not divisible by the {mesh.dp_size} "
             f"data-parallel groups ({mesh.world_size} processes / SP {cfg.sp}); choose a "
             f"multiple of {mesh.dp_size}"
@@ -229,7 +230,7 @@ def record_run_config(cfg: RunConfig, mesh: Any, device: Any = "cpu") -> None:
             output_dir.mkdir(parents=True, exist_ok=True)
             write_json_durably(output_dir / "train_config.json", asdict(cfg))
         except OSError as exc:
-            raise ValueError(f"--output-dir {output_dir} cannot be written: {exc}") from exc
+            raise UsageError(f"--output-dir {output_dir} cannot be written: {exc}") from exc
 
     group = mesh.grad_group if mesh.world_size > 1 else None
     validate_collectively(write, group, "the run's output folder", device)

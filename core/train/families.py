@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ..entry import UsageError
+from ..errors import UsageError
 from .config import _default_model
 
 if TYPE_CHECKING:

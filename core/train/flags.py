@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..argparser import CommandParser, flag_given
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     from .task import Task
@@ -46,15 +47,15 @@ def check_values(cfg: Any, positive: Iterable[str] = (), non_negative: Iterable[
     for f in dataclasses.fields(cfg):
         choices = f.metadata.get("choices")
         if choices and getattr(cfg, f.name) not in choices:
-            raise ValueError(
+            raise UsageError(
                 f"{_option(f.name)} must be one of {list(choices)}, got {getattr(cfg, f.name)!r}"
             )
     for name in positive:
         if getattr(cfg, name) < 1:
-            raise ValueError(f"{_option(name)} must be >= 1, got {getattr(cfg, name)}")
+            raise UsageError(f"{_option(name)} must be >= 1, got {getattr(cfg, name)}")
     for name in non_negative:
         if getattr(cfg, name) < 0:
-            raise ValueError(f"{_option(name)} must be >= 0, got {getattr(cfg, name)}")
+            raise UsageError(f"{_option(name)} must be >= 0, got {getattr(cfg, name)}")
 
 
 def build_parser(

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import UsageError
+
 PRECISIONS = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -149,7 +151,7 @@ class FullyShardedTraining:
         from ..parallel.context import recompute_contexts
 
         if not hasattr(model, "config"):
-            raise ValueError(
+            raise UsageError(
                 f"--fsdp: {type(model).__name__} has no .config; the final model is rebuilt "
                 f"as {type(model).__name__}(model.config) with the full weights"
             )

@@ -14,11 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ExistingFileError, MissingFileError
 from ..parallel.mesh import SPMesh, seed_everything
 from ..parallel.rng import mix_key
 from .checkpoint import (
     complete_checkpoints,
     latest_checkpoint,
+    quiet_accelerate_state,
     read_progress,
     recover_interrupted_save,
 )
@@ -54,7 +56,7 @@ def find_checkpoint(
             barrier()
         ckpt = latest_checkpoint(ckpt_dir, recover=False)
     if ckpt is None or not ckpt.exists():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"--resume latest: no checkpoint in {ckpt_dir}"
             if resume == "latest"
             else f"--resume {resume}: no checkpoint folder {Path(resume).resolve()} (give an "
@@ -79,7 +81,7 @@ def refuse_stale_checkpoints(mesh: SPMesh, ckpt_dir: Path, device: torch.device 
         dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=mesh.grad_group)
     if int(stale):
         names = ", ".join(p.name for p in found[-3:]) or f"{int(stale)} on another machine"
-        raise FileExistsError(
+        raise ExistingFileError(
             f"{ckpt_dir} already holds checkpoints of an earlier run ({names}): pass --resume "
             f"latest to continue it, or give another --output-dir (or delete the old one)"
         )
@@ -102,7 +104,8 @@ def resume_from(
     """
     ckpt = find_checkpoint(resume, ckpt_dir, mesh.is_main, accelerator.wait_for_everyone)
     progress = read_progress(ckpt)
-    accelerator.load_state(str(ckpt))
+    with quiet_accelerate_state():  # no "All ... loaded successfully" line per kind of state
+        accelerator.load_state(str(ckpt))
     step = int(progress["step"])
     seed_everything(mesh, mix_key(seed, step, "global-rng"))
     if mesh.is_main:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import UsageError
 from .fsdp import FullyShardedTraining, ShardingSettings
 from .tensor_parallel import TensorParallelTraining
 
@@ -58,7 +59,7 @@ class GradientSync:
         self.accelerator, self.mesh = accelerator, mesh
         self.tp = TensorParallelTraining(accelerator, mesh, sp)
         if sharding is not None and self.tp.active:
-            raise ValueError(
+            raise UsageError(
                 f"--fsdp shards the weights over dp × sp, and --sp-strategy {sp.strategy.name} "
                 f"shards them over the SP group already: drop --fsdp or pick another strategy"
             )

@@ -20,6 +20,7 @@ import torch
 
 from dspzoo.core.safetensors_folder import ConversionError, load_tensors, weight_files
 
+from ...core.errors import MissingFileError
 from .lm import MambaLM, MambaLMConfig, lm_class
 
 CONFIG_FILE = "config.json"
@@ -151,7 +152,7 @@ def read_folder(folder: str | os.PathLike) -> tuple[MambaLMConfig, dict[str, tor
     """The config and tensors of a transformers Mamba folder (``save_pretrained``'s output)."""
     path = Path(folder)
     if not (path / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: not a transformers model folder")
+        raise MissingFileError(f"{path} has no {CONFIG_FILE}: not a transformers model folder")
     config = config_from_transformers(_read_json(path / CONFIG_FILE))
     state = load_tensors(weight_files(path, WEIGHTS_STEM, pickled_glob="pytorch_model*.bin"))
     return config, state

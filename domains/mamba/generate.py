@@ -24,6 +24,7 @@ from torch import nn
 from dspzoo.core.layers.mamba import MixerState
 from dspzoo.domains.text.model import sample_next
 
+from ...core.errors import UsageError
 from .hybrid import AttentionLayer, HybridLM
 from .lm import MambaLM, MambaLMBlock
 
@@ -176,11 +177,11 @@ def generate_bytes(
     if isinstance(prompt, str):
         prompt = prompt.encode("utf-8")
     if not prompt:
-        raise ValueError("generate needs a prompt of at least one byte")
+        raise UsageError("generate needs a prompt of at least one byte")
     if max_new < 0 or temperature < 0:
-        raise ValueError(f"need max_new >= 0 and temperature >= 0, got {max_new}, {temperature}")
+        raise UsageError(f"need max_new >= 0 and temperature >= 0, got {max_new}, {temperature}")
     if model.config.vocab_size < 256:
-        raise ValueError(
+        raise UsageError(
             f"a byte-level LM needs vocab_size >= 256; this model has {model.config.vocab_size}"
         )
     was_training = model.training

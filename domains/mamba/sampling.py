@@ -20,6 +20,7 @@ from dspzoo.domains.video.diffusion import TIMESTEP_SCALE
 from dspzoo.domains.video.evaluation import heldout_flow_loss, sample_metrics
 from dspzoo.domains.video.sampling import SampleResult, euler_flow, guided_labels, initial_noise
 
+from ...core.errors import UsageError
 from .video import VideoMamba
 
 
@@ -40,7 +41,7 @@ def sample_video(
     (null label) branches run in one doubled batch.
     """
     if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+        raise UsageError(f"steps must be >= 1, got {steps}")
     if labels is not None and labels.shape != (shape[0],):
         raise ValueError(f"labels must be [B={shape[0]}], got {tuple(labels.shape)}")
     start = time.perf_counter()

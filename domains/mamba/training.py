@@ -17,6 +17,8 @@ from dspzoo.core.parallel.strategies import STRATEGIES
 from dspzoo.core.train import flag, load_initial_weights, train_task
 from dspzoo.domains.text.training import TextTask, TextTrainConfig
 
+from ...core.errors import UsageError
+
 LM_FAMILIES = ("mambalm", "mamba2lm", "hybridlm")
 
 
@@ -49,7 +51,7 @@ def build_model(cfg: MambaTrainConfig) -> torch.nn.Module:
         torch.manual_seed(cfg.seed)
         model = create_model(cfg.model, checkpoint=cfg.model_checkpointing())
     if model.config.vocab_size < 256:
-        raise ValueError(
+        raise UsageError(
             f"{cfg.model} has vocab_size {model.config.vocab_size}; byte data needs at least 256"
         )
     return load_initial_weights(model, cfg)

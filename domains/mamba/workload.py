@@ -21,6 +21,7 @@ from dspzoo.core.layers.mamba import Mamba1Config, Mamba2Config
 from dspzoo.core.layers.scan import MAX_SCAN_CHUNK
 from dspzoo.core.parallel.plan import Stage
 
+from ...core.errors import UsageError
 from .hybrid import HybridLMConfig, hybrid_stages
 from .layers import build_mixer
 from .lm import MambaLMConfig, lm_stages
@@ -104,7 +105,7 @@ def mamba_lm_workload(
 ) -> Workload:
     """One step of a Mamba LM on ``batch`` sequences of ``seq_len`` tokens."""
     if seq_len is None:
-        raise ValueError(f"{name} is a language model: give seq_len (--seq-len)")
+        raise UsageError(f"{name} is a language model: give seq_len (--seq-len)")
     heads = config.num_heads if config.version == 2 else 1
     stages = lm_stages(config)
     layer = (
@@ -153,7 +154,7 @@ def video_mamba_workload(
 ) -> Workload:
     """One step on ``frames`` latent frames of a ``spatial`` latent ``(H, W)`` (or square)."""
     if frames is None or spatial is None:
-        raise ValueError(f"{name} is a video model: give frames and spatial (latent size)")
+        raise UsageError(f"{name} is a video model: give frames and spatial (latent size)")
     h, w = (spatial, spatial) if isinstance(spatial, int) else spatial
     pt, ph, pw = config.patch
     stages = layer_stages(config)
@@ -253,7 +254,7 @@ def hybrid_lm_workload(
     """One step of a hybrid LM on ``batch`` sequences of ``seq_len`` tokens: per layer a scan
     stage (Mamba layers) or an attention and an MLP stage (attention layers)."""
     if seq_len is None:
-        raise ValueError(f"{name} is a language model: give seq_len (--seq-len)")
+        raise UsageError(f"{name} is a language model: give seq_len (--seq-len)")
     stages = {s.name: s for s in hybrid_stages(config)}
     attention = config.attention_config()
     scan_heads = config.num_heads if config.version == 2 else 1

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from ...core.errors import UsageError
 from .model import Evoformer, EvoformerConfig
 
 _BLOCK = re.compile(r"^evoformer\.blocks\.(\d+)\.(.+)$")
@@ -138,7 +139,7 @@ def infer_config(
     pre = "evoformer.blocks.0."
     need = f"{pre}msa_att_row.linear_z.weight"
     if need not in sd:
-        raise ValueError(
+        raise UsageError(
             f"not an Evoformer state dict: no {ours_to_openfold_key(need)!r} (keys start "
             f"{sorted(state_dict)[:3]})"
         )
@@ -189,14 +190,14 @@ def from_openfold(
             continue
         if name not in ours:
             if _BLOCK.match(name) or not stack_only:
-                raise ValueError(
+                raise UsageError(
                     f"OpenFold key {key!r} (as {name!r}) has no place in this model; is it an "
                     f"AF2 Evoformer with fuse_projection_weights=False and ReLU transitions?"
                 )
             conv.ignored.append(key)
             continue
         if tuple(value.shape) != tuple(ours[name].shape):
-            raise ValueError(
+            raise UsageError(
                 f"OpenFold key {key!r}: shape {tuple(value.shape)} but this model's {name!r} is "
                 f"{tuple(ours[name].shape)}; build the model with infer_config(state_dict)"
             )
@@ -210,7 +211,7 @@ def from_openfold(
         elif stack_only and not name.startswith("evoformer."):
             out[name] = value.detach().clone()
         else:
-            raise ValueError(f"the OpenFold state dict has no weights for {name!r} "
+            raise UsageError(f"the OpenFold state dict has no weights for {name!r} "
                              f"(OpenFold name {ours_to_openfold_key(name)!r})")  # fmt: skip
     return conv
 

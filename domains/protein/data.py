@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...core.errors import UsageError
+
 RESTYPES = "ARNDCQEGHILKMFPSTWYV"
 """The 20 standard residues in AlphaFold-2 order (``aatype`` 0..19)."""
 X_ID, GAP_ID, MASK_ID = 20, 21, 22
@@ -48,7 +50,7 @@ _MSA_LETTER_TO_ID = {**_LETTER_TO_ID, "-": GAP_ID}
 STRUCTURE_SUFFIXES = (".cif", ".mmcif", ".pdb", ".ent")
 
 
-class ProteinDataError(ValueError):
+class ProteinDataError(UsageError):
     """A protein input file is corrupt or inconsistent; the message names the file."""
 
 

@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 
 from dspzoo.core.parallel.rng import keyed_generator, mix_key
 
+from ...core.errors import UsageError
 from .data import (
     MSA,
     STRUCTURE_SUFFIXES,
@@ -125,7 +126,7 @@ class ProteinDataset(Dataset):
         held_out_entries: Sequence[str] | None = None,
     ) -> None:
         if split not in ("train", "held_out", "all"):
-            raise ValueError(f"split must be 'train', 'held_out' or 'all', got {split!r}")
+            raise UsageError(f"split must be 'train', 'held_out' or 'all', got {split!r}")
         self.folder = Path(folder)
         self.samples: list[Sample] = []
         for path in structure_files(self.folder):
@@ -178,7 +179,7 @@ def sample_msa_rows(depth: int, max_rows: int, gen: torch.Generator) -> np.ndarr
     """Row indices of an MSA subsample: the query (row 0) and up to ``max_rows - 1`` other rows
     drawn without replacement, in random order (AF2's MSA sampling, without clustering)."""
     if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        raise UsageError(f"max_rows must be >= 1, got {max_rows}")
     rest = torch.randperm(depth - 1, generator=gen)[: max_rows - 1].numpy() + 1
     return np.concatenate([[0], rest]).astype(np.int64)
 

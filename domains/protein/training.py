@@ -39,6 +39,7 @@ from dspzoo.core.train import (
     train_task,
 )
 
+from ...core.errors import UsageError
 from .dataset import (
     BUILTIN_DATA,
     ProteinDataset,
@@ -105,14 +106,14 @@ class ProteinTrainConfig(RunConfig):
             non_negative=("eval_every", "min_observed"),
         )
         if self.sp_strategy != "dsp":
-            raise ValueError(
+            raise UsageError(
                 f"--sp-strategy {self.sp_strategy}: the Evoformer runs under 'dsp' only (its MSA "
                 f"and pair activations are planned together, core/parallel/multiplan.py)"
             )
         if not 0.0 < self.held_out_fraction < 1.0:
-            raise ValueError(f"--held-out-fraction must be in (0, 1), got {self.held_out_fraction}")
+            raise UsageError(f"--held-out-fraction must be in (0, 1), got {self.held_out_fraction}")
         if self.num_recycles is not None and self.num_recycles < 0:
-            raise ValueError(f"--num-recycles must be >= 0, got {self.num_recycles}")
+            raise UsageError(f"--num-recycles must be >= 0, got {self.num_recycles}")
 
 
 def data_folder(data: str) -> Path:
@@ -385,7 +386,7 @@ def evaluate_pretrained(
     model = from_pretrained(folder, expected_family="evoformer")
     held_out = held_out_of(settings)
     if held_out.names != settings["held_out"]:
-        raise ValueError(
+        raise UsageError(
             f"{model_dir}: the held-out chains rebuilt from the saved settings "
             f"({held_out.names}) differ from those recorded ({settings['held_out']})"
         )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from dspzoo.core.parallel.trace import format_bytes
 
+from ...core.errors import UsageError
 from .model import EvoformerConfig, evoformer_plan
 
 # AlphaFold 2's initial training crop: 256 residues, 128 MSA cluster rows
@@ -34,7 +35,7 @@ def plan_table(
     blocks) that rank 0 sends, forward and (``training``) backward; then the largest SP size's
     plan stage by stage. ``itemsize``: activation bytes (bf16: 2)."""
     if residues < 1 or msa_depth < 1:
-        raise ValueError(
+        raise UsageError(
             f"--residues and --msa-depth must be positive, got {residues}, {msa_depth}"
         )
     blocks = config.num_blocks

@@ -28,6 +28,8 @@ from torch.utils.data import Dataset
 
 from dspzoo.core.durable import fsync_path
 
+from ...core.errors import MissingFileError, UsageError
+
 STDLIB_CAP_BYTES = 16 * 2**20
 CORPUS_FORMAT = 1  # bump when the way the corpus is built changes (new cache file)
 SPLITS = ("train", "val")
@@ -56,20 +58,20 @@ class ByteWindows(Dataset):
     ) -> None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"byte data file {path} does not exist (or is not a file)")
+            raise MissingFileError(f"byte data file {path} does not exist (or is not a file)")
         if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+            raise UsageError(f"split must be one of {SPLITS}, got {split!r}")
         if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+            raise UsageError(f"seq_len must be >= 1, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise UsageError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if split == "val" and val_fraction == 0.0:
-            raise ValueError("val_fraction 0 holds nothing out: there is no val split")
+            raise UsageError("val_fraction 0 holds nothing out: there is no val split")
         size = path.stat().st_size
         val_start = size - int(size * val_fraction)
         start, stop = (0, val_start) if split == "train" else (val_start, size)
         if stop - start < seq_len + 1:
-            raise ValueError(
+            raise UsageError(
                 f"{path} has {size} bytes; its {split} split ({stop - start} bytes) is shorter "
                 f"than one window of seq_len + 1 = {seq_len + 1} bytes"
             )
@@ -115,7 +117,7 @@ def stdlib_sources() -> tuple[Path, list[Path]]:
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise FileNotFoundError(f"the Python standard library folder {root} does not exist")
+        raise MissingFileError(f"the Python standard library folder {root} does not exist")
     files = [
         p
         for p in root.rglob("*.py")
@@ -150,7 +152,7 @@ def stdlib_corpus(cap_bytes: int = STDLIB_CAP_BYTES, folder: Path | None = None)
         used.append(rel)
         total += len(piece)
     if not parts:
-        raise ValueError(f"no standard-library source fits in {cap_bytes} bytes under {root}")
+        raise UsageError(f"no standard-library source fits in {cap_bytes} bytes under {root}")
     folder.mkdir(parents=True, exist_ok=True)
     manifest = {
         "source": str(root),

@@ -35,6 +35,7 @@ from dspzoo.core.train import (
     train_task,
 )
 
+from ...core.errors import UsageError
 from .data import ByteWindows, resolve_data
 from .model import lm_loss
 
@@ -94,9 +95,9 @@ class TextTrainConfig(RunConfig):
         check_values(self, positive=("seq_len", "eval_windows"), non_negative=("eval_every",))
 
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+            raise UsageError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.val_fraction == 0.0 and self.eval_every:
-            raise ValueError(
+            raise UsageError(
                 "--val-fraction 0 holds no bytes out to evaluate on: pass --eval-every 0 too "
                 "(no validation), or keep a validation share"
             )
@@ -111,7 +112,7 @@ def build_model(cfg: TextTrainConfig) -> torch.nn.Module:
         model = create_model(cfg.model, checkpoint=cfg.model_checkpointing())
     mc = model.config
     if mc.position == "learned" and cfg.seq_len > mc.max_len:
-        raise ValueError(
+        raise UsageError(
             f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s learned position table "
             f"(max_len={mc.max_len}); pick a rotary model or a shorter --seq-len"
         )

@@ -8,6 +8,7 @@ from typing import Any
 
 from dspzoo.core.costmodel.workload import StageSpec, Workload
 
+from ...core.errors import UsageError
 from .model import STAGES
 
 
@@ -61,7 +62,7 @@ def lm_workload(
 ) -> Workload:
     """The registered builder of ``bytelm``: :func:`text_workload` after checking ``seq_len``."""
     if seq_len is None:
-        raise ValueError(f"{name} is a text model: give seq_len")
+        raise UsageError(f"{name} is a text model: give seq_len")
     return text_workload(
         name, config, seq_len=seq_len, batch=batch, itemsize=itemsize, params=params
     )

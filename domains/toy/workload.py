@@ -11,6 +11,7 @@ from typing import Any
 
 from dspzoo.core.costmodel.workload import StageSpec, Workload
 
+from ...core.errors import UsageError
 from .model import SEQ_DIMS, STAGES, Toy2DConfig
 
 
@@ -29,7 +30,7 @@ def toy_workload(
     ``S = spatial`` tokens (an ``(h, w)`` pair counts ``h·w``; default ``config.max_s``).
     Every layer: attention over ``s``, attention over ``t``, the MLP (no adaLN)."""
     if unused.get("seq_len") is not None:
-        raise ValueError(f"{name} has token dims (t, s): give --dims t=…,s=… , not --seq-len")
+        raise UsageError(f"{name} has token dims (t, s): give --dims t=…,s=… , not --seq-len")
     t = config.max_t if frames is None else frames
     s = config.max_s if spatial is None else math.prod(_pair(spatial))
     layer = (

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ...core.errors import MissingFileError, UsageError
+
 logger = logging.getLogger(__name__)
 
 SHAPES = ("square", "circle", "triangle", "cross")
@@ -69,7 +71,7 @@ class MovingShapesDataset(Dataset):
 
     def __init__(self, config: MovingShapesConfig = MovingShapesConfig()) -> None:
         if config.height < 8 or config.width < 8 or config.frames < 1:
-            raise ValueError(
+            raise UsageError(
                 f"moving shapes need frames >= 1 and frames of at least 8×8, got {config}"
             )
         self.config = config
@@ -108,7 +110,7 @@ class MovingShapesDataset(Dataset):
         return (lo + np.where(folded > span, 2 * span - folded, folded)).astype(np.float32)
 
 
-class VideoDecodeError(ValueError):
+class VideoDecodeError(UsageError):
     """A video file could not be decoded."""
 
 
@@ -136,14 +138,14 @@ class VideoFolderDataset(Dataset):
     ) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
-            raise FileNotFoundError(f"video folder {self.root} does not exist")
+            raise MissingFileError(f"video folder {self.root} does not exist")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.files = sorted(
             p for p in self.root.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file()
         )
         if not self.files:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"no videos in {self.root} (looked for {', '.join(VIDEO_EXTENSIONS)})"
             )
         self.classes = sorted({self._class_name(p) for p in self.files})

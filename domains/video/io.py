@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from einops import rearrange
 
+from ...core.errors import UsageError
+
 
 def to_uint8_frames(video: torch.Tensor, upscale: int = 1) -> np.ndarray:
     """``[C, T, H, W]`` in [-1, 1] → ``[T, H·upscale, W·upscale, 3]`` uint8 (nearest upscaling)."""
@@ -51,7 +53,7 @@ def write_video(video: torch.Tensor, path: str | Path, fps: int = 8, upscale: in
     elif suffix == ".mp4":
         _write_mp4(frames, path, fps)
     else:
-        raise ValueError(f"unsupported video suffix {suffix!r}; use .gif or .mp4")
+        raise UsageError(f"unsupported video suffix {suffix!r}; use .gif or .mp4")
     return path
 
 

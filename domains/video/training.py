@@ -23,6 +23,7 @@ from dspzoo.core import sp_mse
 from dspzoo.core.parallel.rng import SampleRandom
 from dspzoo.core.train import RunConfig, Task, check_values, flag, load_initial_weights, train_task
 
+from ...core.errors import UsageError
 from .codec import PixelUnshuffleCodec
 from .diffusion import TIMESTEP_SCALE, FlowConfig, keyed_t, noisy_pair
 
@@ -59,9 +60,9 @@ class VideoTrainConfig(RunConfig):
         super().validate()
         check_values(self, positive=("frames", "size", "frame_stride"))
         if not 0.0 <= self.class_dropout <= 1.0:
-            raise ValueError(f"--class-dropout must be in [0, 1], got {self.class_dropout}")
+            raise UsageError(f"--class-dropout must be in [0, 1], got {self.class_dropout}")
         if not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"--ema must be in [0, 1), got {self.ema}")
+            raise UsageError(f"--ema must be in [0, 1), got {self.ema}")
 
 
 def build_dataset(cfg: VideoTrainConfig):

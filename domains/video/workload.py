@@ -11,6 +11,7 @@ from typing import Any
 from dspzoo.core.costmodel.workload import StageSpec, Workload
 from dspzoo.core.parallel.plan import Stage
 
+from ...core.errors import UsageError
 from .latte import Latte
 from .latte1 import SEQ_DIMS, Latte1, Latte1Config
 from .stdit import layer_stages
@@ -39,10 +40,10 @@ def latte1_workload(
     MLP. The exit gathers ``p·p·channels_out`` outputs per token.
     """
     if unused.get("seq_len") is not None:
-        raise ValueError(f"{name} is a video model: give --frames and --size/--latent")
+        raise UsageError(f"{name} is a video model: give --frames and --size/--latent")
     frames = 1 if frames is None else frames
     if frames not in (1, config.video_length):
-        raise ValueError(
+        raise UsageError(
             f"{name} takes video_length={config.video_length} latent frames or 1 (an image); "
             f"got --frames {frames}"
         )
@@ -187,7 +188,7 @@ def dit_workload(
     """The registered builder of ``stdit`` and ``latte``: :func:`video_workload` after checking
     that the video sizes were given."""
     if frames is None or spatial is None:
-        raise ValueError(f"{name} is a video model: give frames and spatial (latent size)")
+        raise UsageError(f"{name} is a video model: give frames and spatial (latent size)")
     return video_workload(
         name, config, frames=frames, spatial=spatial, batch=batch, context=context,
         itemsize=itemsize, params=params,

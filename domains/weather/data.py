@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ...core.errors import MissingFileError, UsageError
+
 SPLITS = ("train", "test")
 LAT_NAMES = ("lat", "latitude", "y", "nav_lat", "grid_latitude")
 LON_NAMES = ("lon", "longitude", "x", "nav_lon", "grid_longitude")
@@ -74,7 +76,7 @@ INSTALL_HINT = {
 }
 
 
-class WeatherDataError(ValueError):
+class WeatherDataError(UsageError):
     """A data source that cannot be used as asked; the message names the file and field."""
 
 
@@ -114,7 +116,7 @@ def resolve_sources(spec: str) -> list[list[Path]]:
     for files in sources:
         for path in files:
             if not path.exists():
-                raise FileNotFoundError(
+                raise MissingFileError(
                     f"weather data file {path} does not exist (built-in names: {sorted(BUILTIN)})"
                 )
     return sources

@@ -30,6 +30,7 @@ from dspzoo.core import SavedTensorMeter, SeqParallel, build_mesh, trace_comm
 from dspzoo.core.costmodel import activation_bytes, comm_bytes
 from dspzoo.zoo import count_parameters, create_model, format_count
 
+from ...core.errors import UsageError
 from .model import SEQ_DIMS, WeatherTransformer
 from .workload import weather_workload
 
@@ -42,7 +43,7 @@ def parse_overrides(text: str) -> dict[str, Any]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--overrides: expected field=value, got {item!r}")
+            raise UsageError(f"--overrides: expected field=value, got {item!r}")
         if key == "variables":
             out[key] = tuple(value.split("+"))
         elif "x" in value and all(v.isdigit() for v in value.split("x")):

@@ -42,6 +42,7 @@ from dspzoo.core.train import (
     with_batch_offset,
 )
 
+from ...core.errors import UsageError
 from .data import (
     NORMALISATIONS,
     Fields,
@@ -77,7 +78,7 @@ def parse_overrides(text: str) -> dict[str, Any]:
     for item in parse_list(text):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--overrides: expected field=value, got {item!r}")
+            raise UsageError(f"--overrides: expected field=value, got {item!r}")
         value = value.strip()
         try:
             parsed: Any = json.loads(value.lower() if value.lower() in ("true", "false") else value)
@@ -141,12 +142,12 @@ class WeatherTrainConfig(RunConfig):
         try:
             leads = parse_list(self.leads, int)
         except ValueError as exc:
-            raise ValueError(f"--leads must be integers separated by commas: {exc}") from exc
+            raise UsageError(f"--leads must be integers separated by commas: {exc}") from exc
         if not leads or min(leads) < 1:
-            raise ValueError(f"--leads must name lead times >= 1, got {self.leads!r}")
+            raise UsageError(f"--leads must name lead times >= 1, got {self.leads!r}")
         parse_overrides(self.overrides)
         if not self.data.strip():
-            raise ValueError("--data is empty; e.g. --data a1b,e1")
+            raise UsageError("--data is empty; e.g. --data a1b,e1")
 
     def window(self) -> WindowSpec:
         return WindowSpec(self.history, self.stride, parse_list(self.leads, int), self.holdout_from)

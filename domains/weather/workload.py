@@ -11,6 +11,7 @@ from typing import Any
 
 from dspzoo.core.costmodel.workload import StageSpec, Workload
 
+from ...core.errors import UsageError
 from .layers import patch_grid
 from .model import WeatherConfig, layer_stages
 
@@ -38,7 +39,7 @@ def weather_workload(
     in docs/weather_model.md).
     """
     if unused.get("seq_len") is not None:
-        raise ValueError(
+        raise UsageError(
             f"{name} is a weather model: give --history (states) and --grid, not --seq-len"
         )
     grid = config.grid if spatial is None else spatial

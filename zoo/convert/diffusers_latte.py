@@ -32,6 +32,8 @@ from dspzoo.core.safetensors_folder import ConversionError, load_tensors, weight
 from dspzoo.domains.video.latte1 import ACTIVATIONS, Latte1, Latte1Config
 from dspzoo.zoo.pretrained import save_pretrained
 
+from ...core.errors import MissingFileError
+
 CLASS_NAME = "LatteTransformer3DModel"
 CONFIG_FILE = "config.json"
 WEIGHTS_STEM = "diffusion_pytorch_model"
@@ -64,9 +66,9 @@ def model_folder(folder: str | os.PathLike) -> Path:
     """The diffusers model folder to read: ``folder`` itself or a pipeline's ``transformer/``."""
     path = Path(folder)
     if not path.exists():
-        raise FileNotFoundError(f"diffusers folder {path} does not exist")
+        raise MissingFileError(f"diffusers folder {path} does not exist")
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{path} is a file; pass the diffusers model folder that holds {CONFIG_FILE} and "
             f"{WEIGHTS_STEM}.safetensors"
         )
@@ -74,7 +76,7 @@ def model_folder(folder: str | os.PathLike) -> Path:
         return path
     if (path / "transformer" / CONFIG_FILE).is_file():
         return path / "transformer"
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"{path} has no {CONFIG_FILE} (a diffusers model folder holds {CONFIG_FILE} and "
         f"{WEIGHTS_STEM}.safetensors; a pipeline folder, its transformer/ subfolder)"
     )
