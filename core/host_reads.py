@@ -15,11 +15,15 @@ order) are host bookkeeping. A read of a data tensor is what would stall a GPU, 
         loss = model(x, sp=sp).sum()
         loss.backward()
     assert reads.count == 0, reads.where
+
+Inside the block :func:`values_readable` answers as on a GPU, so input checks that read values
+only where that costs nothing (CPU tensors) are skipped as they would be on a device.
 """
 
 from __future__ import annotations
 
 import traceback
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,11 +48,26 @@ SYNCING_OPS = {
 HOST_METHODS = ("tolist", "numpy", "cpu", "__array__")
 
 
-def _key(t: torch.Tensor) -> int | None:
+_DEVICE_LIKE = [0]  # > 0 inside a DataReads block: host-only checks behave as on a GPU
+
+
+def values_readable(t: torch.Tensor) -> bool:
+    """Whether a model may read ``t``'s values for an input check without stalling a device:
+    ``t`` lives on the CPU (and no :class:`DataReads` block simulates a device).
+
+    On a GPU a value check (token ids in range, a mask's content) makes the host wait for
+    every kernel queued before it; models skip such checks there (out-of-range ids then fail
+    in the embedding's own device-side check) and run them on CPU tensors.
+    """
+    return t.device.type == "cpu" and _DEVICE_LIKE[0] == 0
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
-        return t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # tensors without storage (meta, sparse)
         return None
+    return storage if storage.data_ptr() else None  # empty storages share address 0
 
 
 class DataReads(TorchDispatchMode):
@@ -72,12 +91,16 @@ class DataReads(TorchDispatchMode):
         return len(self.where)
 
     def _taint(self, t: torch.Tensor) -> None:
-        key = _key(t)
-        if key is not None:
-            self.tainted.add(key)
+        storage = _storage(t)
+        if storage is None or storage.data_ptr() in self.tainted:
+            return
+        key = storage.data_ptr()
+        self.tainted.add(key)
+        weakref.finalize(storage, self.tainted.discard, key)  # an address freed is no data
 
     def is_data(self, t: torch.Tensor) -> bool:
-        return _key(t) in self.tainted
+        storage = _storage(t)
+        return storage is not None and storage.data_ptr() in self.tainted
 
     def _read(self, what: str) -> None:
         frame = next(
@@ -103,22 +126,20 @@ class DataReads(TorchDispatchMode):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             if written:
                 outputs += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-        for t in outputs:
-            key = _key(t)
-            if key is None:
-                continue
-            if data_in:
-                self.tainted.add(key)
-            else:  # built by the host (a freed data storage may be reused for it)
-                self.tainted.discard(key)
+        if data_in:
+            for t in outputs:
+                self._taint(t)
         return out
 
     def __enter__(self) -> DataReads:
+        _DEVICE_LIKE[0] += 1
         for name in HOST_METHODS:
             original = getattr(torch.Tensor, name)
             self._patched[name] = original
 
-            def reading(t: torch.Tensor, *a: Any, _name: str = name, _orig: Any = original, **k: Any) -> Any:
+            def reading(
+                t: torch.Tensor, *a: Any, _name: str = name, _orig: Any = original, **k: Any
+            ) -> Any:
                 if self.is_data(t):
                     self._read(f"Tensor.{_name}")
                 return _orig(t, *a, **k)
@@ -130,6 +151,7 @@ class DataReads(TorchDispatchMode):
         try:
             super().__exit__(*exc)
         finally:
+            _DEVICE_LIKE[0] -= 1
             for name, original in self._patched.items():
                 setattr(torch.Tensor, name, original)
             self._patched.clear()

@@ -74,7 +74,10 @@ def _canonical(obj: Any) -> Any:
         return ("dict", sorted(((repr(k), _canonical(v)) for k, v in obj.items()), key=repr))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = dataclasses.fields(obj)
-        return (type(obj).__name__, tuple((f.name, _canonical(getattr(obj, f.name))) for f in fields))
+        return (
+            type(obj).__name__,
+            tuple((f.name, _canonical(getattr(obj, f.name))) for f in fields),
+        )
     return obj
 
 

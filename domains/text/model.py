@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dspzoo.core import SeqParallel, SeqSpec, SeqTensor, Stage, comm_region, sp_mean
+from dspzoo.core.host_reads import values_readable
 from dspzoo.core.layers.attention import attend
 from dspzoo.core.parallel.validate import validate_collectively
 
@@ -295,7 +296,9 @@ class ByteLM(nn.Module):
             raise TypeError(f"tokens must be an integer tensor of byte values, got {tokens.dtype}")
         if tokens.dim() != 2 or tokens.shape[1] < 1:
             raise ValueError(f"tokens must be [batch, length >= 1], got {tuple(tokens.shape)}")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+        # the ids' range is read on the host only for CPU tokens (no device sync)
+        in_range = not tokens.numel() or not values_readable(tokens)
+        if not in_range and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
             raise ValueError(
                 f"token values must lie in [0, {self.config.vocab_size}), got "
                 f"[{int(tokens.min())}, {int(tokens.max())}]"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..trace import current_region
-from .agreement import Signature, agree, guard, ranks_text
+from .agreement import Signature, agree, guard, ranks_text, skips_agreement
 from .group import group_rank, group_size, record
 
 
@@ -165,7 +165,7 @@ def ring_exchange(
     """
     recv_shape = tuple(x.shape) if recv_shape is None else tuple(int(s) for s in recv_shape)
     n = group_size(group)
-    if n > 1:
+    if n > 1 and not skips_agreement(group):  # the runtime's calls were agreed at its entry
         sig = Signature("ring_exchange").arg("shift", int(shift) % n).tensor("x", x, range(x.dim()))
         sig.local("shape", x.shape).local("recv_shape", recv_shape)
         agreed = agree(sig, group, x.device, needs_rows=True)

@@ -91,7 +91,8 @@ def unfold_scan_dims(
     others = [first + i for i, n in enumerate(spec.names) if n not in over]
     perm = [*range(first), *others, *over_axes, first + count]
     moved = out.reshape(*moved_shape[:-1], out.shape[-1])
-    return moved.permute(torch.argsort(torch.tensor(perm)).tolist())
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    return moved.permute(inverse)
 
 
 # -- the links --------------------------------------------------------------------------------
