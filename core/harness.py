@@ -236,7 +236,6 @@ class _Case:
     forward: Forward
     strategies: tuple[str, ...] | None
     workload: Any
-    validates_inputs: bool
     rtol: float
     atol: float
     seed: int
@@ -311,7 +310,6 @@ def _byte_failures(
         mesh.sp_size,
         mesh.sp_rank,
         ulysses_size=mesh.ulysses_size if strategy == "usp" else 1,
-        validate=case.validates_inputs,
     )
     keys = set(traced) | {k for k, v in want.items() if v != [0, 0]}
     failures = []
@@ -430,7 +428,6 @@ def check_model(
     strategies: Sequence[str] | None = None,
     sp_sizes: Sequence[int] = (2, 3, 4),
     workload: Any = None,
-    validates_inputs: bool = True,
     rtol: float = 1e-5,
     atol: float = 1e-12,
     seed: int = 0,
@@ -454,8 +451,6 @@ def check_model(
             runs Ulysses 2 × Ring).
         workload: a cost-model :class:`~dspzoo.core.costmodel.Workload` describing the model
             at these inputs; when given, traced bytes must equal the plan's on every rank.
-        validates_inputs: the model calls ``validate_collectively`` once per forward (the
-            4-byte all-reduce the plan counts).
         rtol, atol: relative tolerance (fp32: ``1e-5``) and the floor of the error's scale.
         raise_on_failure: raise ``AssertionError`` listing every failure (else just return).
 
@@ -475,7 +470,6 @@ def check_model(
         forward,
         None if strategies is None else tuple(strategies),
         workload,
-        validates_inputs,
         rtol,
         atol,
         seed,

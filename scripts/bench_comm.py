@@ -138,7 +138,9 @@ def main() -> None:
             med = times.median(dim=0).values * 1e3
             print(f"{format_bytes(nbytes):>10} " + " ".join(f"{m:>20.3f}" for m in med.tolist()))
         print("\nratios per repetition (both variants timed back to back): median [25%-75%]")
-        print(f"{'local':>10} {'switch / bare':>24} {'direct call / bare':>24} {'naive / bare':>24}")
+        print(
+            f"{'local':>10} {'switch / bare':>24} {'direct call / bare':>24} {'naive / bare':>24}"
+        )
         for nbytes, times in rows:
             cells = [paired(times, v, "bare") for v in VARIANTS[1:]]
             print(f"{format_bytes(nbytes):>10} " + " ".join(f"{c:>24}" for c in cells))

@@ -135,7 +135,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 
 # -- the LM crossover sweep ---------------------------------------------------------------------
-MODEL_OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")  # as core/bench
+MODEL_OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p")  # as core/bench
 
 
 def method_plan(workload, method: str, world: int):

@@ -347,12 +347,12 @@ def test_the_cost_models_walk_of_the_dsp_plan() -> None:
     n = 2
     wl = workload_for("stdit-tiny", frames=16, spatial=16, overrides={"cond_dim": 0})
     unit = wl.batch * wl.tokens * wl.hidden * wl.itemsize / n * (n - 1) / n
-    dsp = comm_bytes(wl, "dsp", n, 0, exit_gather=False, validate=False)
+    dsp = comm_bytes(wl, "dsp", n, 0, exit_gather=False)
     # two switches per axial layer; the entry split saves the first layer's first one
     assert dsp.bytes("all_to_all", "forward") == (2 * wl.depth - 1) * unit
     assert dsp.bytes("all_to_all", "backward") == (2 * wl.depth - 1) * unit
     # an embedded strategy on s: one Ulysses attention per layer, no switch
-    uly = comm_bytes(wl, "ulysses", n, 1, exit_gather=False, validate=False)
+    uly = comm_bytes(wl, "ulysses", n, 1, exit_gather=False)
     assert uly.bytes(phase="forward") == uly.bytes(phase="backward") == 4 * unit * wl.depth
 
 

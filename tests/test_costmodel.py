@@ -42,7 +42,7 @@ VIDEO = {"hidden": 32, "heads": 4, "depth": 2, "full_attention_every": 2, "num_c
 TEXT = {"hidden": 24, "heads": 4, "depth": 2}
 STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "usp", "megatron_sp")
 TEXT_STRATEGIES = ("dsp", "ulysses", "ring", "ring_zigzag", "lss", "usp")  # no TP hooks in ByteLM
-OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
+OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p")
 
 
 # -- the models and their workloads ------------------------------------------------------------
@@ -526,15 +526,15 @@ def test_bench_auto_column() -> None:
 @pytest.mark.parametrize("strategy", ["dsp", "ulysses", "lss", "ring"])
 def test_recomputation_sends_the_forwards_collectives_again(strategy: str) -> None:
     """Activation checkpointing reruns each block's forward, communication included: the
-    prediction adds the forward's bytes and collectives (not the per-step validate) once."""
+    prediction adds the forward's bytes and collectives once."""
     wl = text_workload("bytelm-tiny", get_config("bytelm-tiny"), batch=2, seq_len=64)
     counts = comm_bytes(wl, strategy, 2, 0, exit_gather=False)  # training: the loss on the shard
     plain = predict(wl, strategy, 2, "h100-nvlink-ib", exact_ranks=False)
     again = predict(wl, strategy, 2, "h100-nvlink-ib", recompute=True, exact_ranks=False)
-    forward = counts.bytes(phase="forward") - counts.bytes(op="validate", phase="forward")
+    forward = counts.bytes(phase="forward")
     assert forward > 0
     assert again.bytes == plain.bytes + forward
-    forward_calls = counts.count(phase="forward") - counts.count(op="validate")
+    forward_calls = counts.count(phase="forward")
     assert again.collectives == plain.collectives + forward_calls
     assert again.comm_s > plain.comm_s
 
@@ -558,10 +558,10 @@ def test_recomputation_does_not_resend_the_exit_gather(name: str, strategy: str)
     plain = predict(wl, strategy, 3, "h100-nvlink-ib", exact_ranks=False)
     again = predict(wl, strategy, 3, "h100-nvlink-ib", recompute=True, exact_ranks=False)
     assert plain.bytes == counts.bytes()  # the step's exit gather is counted ...
-    blocks = counts.bytes(phase="forward") - counts.bytes(op="validate") - exit_bytes
+    blocks = counts.bytes(phase="forward") - exit_bytes
     assert blocks > 0
     assert again.bytes == plain.bytes + blocks  # ... and not rerun
-    calls = counts.count(phase="forward") - counts.count(op="validate") - 1
+    calls = counts.count(phase="forward") - 1
     assert again.collectives == plain.collectives + calls
 
 

@@ -351,9 +351,7 @@ def test_the_toy2d_workload_predicts_the_traced_bytes_of_every_strategy() -> Non
 
     wl = workload_for("toy2d-tiny", batch=2, frames=7, spatial=10)
     assert wl.lengths == (7, 10)
-    report = check_model(
-        make_toy, toy_inputs, workload=wl, sp_sizes=(3,), validates_inputs=False, timeout=200
-    )
+    report = check_model(make_toy, toy_inputs, workload=wl, sp_sizes=(3,), timeout=200)
     assert {c.strategy for c in report.checks} >= {"dsp", "ulysses", "ring", "megatron_sp"}
     assert all(c.traced_bytes == c.plan_bytes > 0 for c in report.checks)
 

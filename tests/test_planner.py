@@ -133,7 +133,7 @@ def test_one_and_several_activations_agree_and_the_cost_model_prefers_the_answer
     wl, cluster = _d3_workload(), get_cluster("h100-nvlink-ib")
 
     def predicted(plan: Plan) -> float:
-        count = comm_bytes(wl, plan, 2, 0, validate=False, exit_gather=False)
+        count = comm_bytes(wl, plan, 2, 0, exit_gather=False)
         comm = cluster.transfer_time(count.bytes(), 2, count.count())
         return flops_per_rank(wl, plan) / cluster.flops + comm
 

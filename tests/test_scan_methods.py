@@ -136,7 +136,7 @@ def _case(
             failures.append(f"{where}: gradient of {name} error {err:.2e}")
     workload = _workload(model, names, lengths, over)
     plan = sp.plan(names, lengths, model.stages)
-    want = comm_bytes(workload, plan, mesh.sp_size, mesh.sp_rank, validate=False)
+    want = comm_bytes(workload, plan, mesh.sp_size, mesh.sp_rank)
     expected = {k: tuple(v) for k, v in want.items() if v != [0, 0]}
     traced = _traced(tracer)
     if traced != expected:

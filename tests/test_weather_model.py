@@ -26,7 +26,7 @@ from dspzoo.zoo import create_model, from_pretrained, save_pretrained
 
 GRID = (37, 49)
 WORLD = 4
-OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
+OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p")
 # (spatial, strategy, history, dropout): axial and full under DSP and two embedded methods;
 # full at T = 2 is a hybrid plan at SP 3 and 4 (t = 2 cannot feed every rank); keyed dropout
 CASES = [

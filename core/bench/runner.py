@@ -57,7 +57,7 @@ from .stats import paired_ratios, spread
 
 MODES = ("sp", "weak", "strong", "end-to-end")
 # ops the cost model's comm_bytes counts (the loss's all-reduce is outside it)
-MODEL_OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
+MODEL_OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p")
 TRAIN_LR = 1e-4  # end-to-end mode: AdamW's learning rate
 __all__ = [
     "MODES",

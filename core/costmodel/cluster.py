@@ -148,9 +148,8 @@ class Cluster:
             nodes = -(-group // max(self.gpus_per_node, 1))
         if not self.coll_step_lat_intra:
             return self.inter_lat if nodes > 1 else self.intra_lat
-        if op in ("all_gather", "reduce_scatter", "validate"):
-            steps = (group - 1) * (2 if op == "validate" else 1)
-            inter = (nodes - 1) * (2 if op == "validate" else 1)
+        if op in ("all_gather", "reduce_scatter"):
+            steps, inter = group - 1, nodes - 1
             return (
                 self.coll_base_lat
                 + (steps - inter) * self.coll_step_lat_intra

@@ -20,7 +20,6 @@ plan's entry dim, and adds every collective the runtime issues, with the tracer'
   ``R`` on the ring segments;
 * Megatron-SP: per linear pair an all-gather and a reduce-scatter of the stage's input, forward
   and backward (``N−1`` padded chunks each);
-* ``validate``: the 4-byte input-validation all-reduce (``2·(N−1)·4 // N``), once per forward;
 * the exit all-gather of the output (``exit_width`` per token, padded chunk; one row of each
   ``exit_last`` dim).
 
@@ -55,7 +54,7 @@ from ..parallel.plan import Plan
 from ..parallel.strategies import Strategy, get_strategy
 from .workload import StageSpec, Workload
 
-OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p", "validate")
+OPS = ("all_to_all", "all_gather", "reduce_scatter", "p2p")
 PHASES = ("forward", "backward")
 
 
@@ -84,7 +83,6 @@ def comm_bytes(
     ulysses_size: int = 1,
     dim: str | None = None,
     exit_gather: bool = True,
-    validate: bool = True,
 ) -> CommCount:
     """Bytes and collectives rank ``rank`` sends in one forward + backward (module doc).
 
@@ -107,8 +105,6 @@ def comm_bytes(
     def rest(exclude: tuple[str, ...]) -> int:
         return b * math.prod(v for k, v in lengths.items() if k not in exclude)
 
-    if validate:
-        out.add("validate", "forward", 2 * (n - 1) * 4 // n)
     cur, gathered = plan.entry, False
     for layer in workload.layers:
         for spec in layer:

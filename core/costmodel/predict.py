@@ -129,12 +129,12 @@ def _with_recomputation(counts: CommCount, exit_gather: int = 0) -> CommCount:
     """``counts`` plus the forward's collectives again in phase ``"recompute"``: activation
     checkpointing reruns each block's forward, its all-to-alls and gathers included, before
     that block's backward. What runs once per step outside the blocks is not rerun: the
-    ``validate`` all-reduce, and the output's exit all-gather (``exit_gather``: its bytes, one
+    output's exit all-gather (``exit_gather``: its bytes, one
     of the forward's ``all_gather`` calls; 0 where the step sends none)."""
     out = CommCount()
     for (op, phase), (count, nbytes) in counts.items():
         out.add(op, phase, nbytes, count)
-        if phase == "forward" and op != "validate":
+        if phase == "forward":
             out.add(op, "recompute", nbytes, count)
     if exit_gather:
         out.add("all_gather", "recompute", -exit_gather, -1)

@@ -21,7 +21,7 @@ from ..layout import shard_sizes
 from ..trace import current_region
 from .agreement import Agreed, Signature, agree, guard, skips_agreement
 from .blocks import empty_blocks, offsets, pack_blocks, unpack_blocks
-from .group import group_rank, group_size, norm_dim, record, record_size_sync
+from .group import group_rank, group_size, norm_dim, record
 from .settings import SETTINGS
 
 
@@ -238,7 +238,6 @@ def agree_switch(
         want, how = shard_sizes(src_length, n), f"a global length of {src_length} over {n} ranks"
     else:  # the length is the sum of the shards, which must then be balanced
         src_length = sum(v[0] for v in agreed.local(rows))
-        record_size_sync(group)
         want, how = shard_sizes(src_length, n), f"balanced shards of their sum {src_length}"
     agreed.check_rows(rows, want, how)
     length = sum(src_sizes) if src_sizes is not None else src_length
@@ -301,17 +300,16 @@ def _start(
     async_op: bool,
     src_sizes: list[int] | None = None,
     dst_sizes: list[int] | None = None,
-    checked: bool = True,
 ) -> SwitchHandle:
-    """Agree on the arguments (unless ``checked`` is off or the call is trusted), launch the
-    forward exchange, return its handle."""
+    """Agree on the arguments (unless the call is trusted), launch the forward exchange, return
+    its handle."""
     primitive = "switch_async" if async_op else "switch"
     region = current_region()
     lengthless = src_length is None and src_sizes is None
-    if checked and (lengthless or not skips_agreement(group)):
+    if lengthless or not skips_agreement(group):
         args = (x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
         meta, _ = agree_switch(*args)
-    else:  # the caller has agreed on these arguments already
+    else:  # trusted: agreed at the runtime's (or the method's) entry
         meta = _unchecked_meta(x, src, dst, group, src_length, src_sizes, dst_sizes, primitive)
     handle = SwitchHandle(meta, group, region, primitive)
     with torch.no_grad(), guard(primitive, group, handle.region, x.device):
@@ -392,22 +390,3 @@ def switch_async(
         handle._result = x
         return handle
     return _start(x, src, dst, group, src_length, async_op=True)
-
-
-def switch_agreed(
-    x: torch.Tensor,
-    src: int,
-    dst: int,
-    group: Any,
-    src_length: int | None = None,
-    src_sizes: list[int] | None = None,
-    dst_sizes: list[int] | None = None,
-) -> torch.Tensor:
-    """:func:`switch` without its agreement, for callers that agreed on these arguments already.
-
-    An attention method agrees once on ``q``, ``k``, ``v`` and the sequence lengths at its
-    entry; its inner switches then cannot disagree. ``src_length`` or ``src_sizes`` is required.
-    """
-    if group_size(group) == 1:
-        return x
-    return _start(x, src, dst, group, src_length, False, src_sizes, dst_sizes, checked=False).wait()

@@ -68,14 +68,3 @@ def record(
 ) -> None:
     """Report one collective to the active tracer (see :mod:`dspzoo.core.parallel.trace`)."""
     record_comm(op, bytes_sent, group_size(group), x, phase=phase, region=region)
-
-
-def record_size_sync(group: Any) -> None:
-    """Trace the length resolution of a call without a length (8 bytes, as an all-reduce).
-
-    The global length is the sum of the shards, which the call's agreement already carries;
-    the record keeps the traced bytes of such calls what they have always been.
-    """
-    n = group_size(group)
-    one = torch.zeros(1, dtype=torch.long)
-    record("size_sync", 8 * 2 * (n - 1) // n, group, one, "forward", None)

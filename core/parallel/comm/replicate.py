@@ -25,7 +25,6 @@ from .group import (
     group_size,
     norm_dim,
     record,
-    record_size_sync,
     reduce_scatter_single,
 )
 from .settings import SETTINGS
@@ -97,7 +96,6 @@ def agree_sharded(
     rows = f"rows of dim {dim}"
     if length is None:
         length = sum(v[0] for v in agreed.local(rows))
-        record_size_sync(group)
         how = f"balanced shards of their sum {length}"
     else:
         length = int(length)
@@ -205,13 +203,6 @@ def gather(x: torch.Tensor, dim: int, group: Any, length: int | None = None) -> 
     return _Gather.apply(x, dim, group, length)
 
 
-def gather_agreed(x: torch.Tensor, dim: int, group: Any, length: int) -> torch.Tensor:
-    """:func:`gather` without its agreement, for callers that agreed on the arguments already."""
-    if group_size(group) == 1:
-        return x
-    return _Gather.apply(x, dim % x.dim(), group, int(length))
-
-
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any, length: int) -> torch.Tensor:
@@ -242,13 +233,6 @@ def gather_for_local_use(
         return _one_process(x, dim, "gather_for_local_use")
     dim, length = agree_sharded(x, dim, group, length, "gather_for_local_use")
     return _GatherForLocalUse.apply(x, dim, group, length, current_region())
-
-
-def gather_for_local_use_agreed(x: torch.Tensor, dim: int, group: Any, length: int) -> torch.Tensor:
-    """:func:`gather_for_local_use` without its agreement (the caller agreed already)."""
-    if group_size(group) == 1:
-        return x
-    return _GatherForLocalUse.apply(x, dim % x.dim(), group, int(length), current_region())
 
 
 class _GatherForLocalUse(torch.autograd.Function):

@@ -50,8 +50,3 @@ SETTINGS = CommSettings()
 def set_debug(enabled: bool) -> None:
     """Debug mode (:attr:`CommSettings.debug`): every collective agrees on its arguments."""
     SETTINGS.debug = bool(enabled)
-
-
-def debug_enabled() -> bool:
-    """Whether debug mode is on (:func:`set_debug`)."""
-    return SETTINGS.debug

@@ -63,10 +63,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ...layers.attention import attend
 from ..comm import group_rank, group_size
-from ..comm.agreement import guard
+from ..comm.agreement import guard, trusted_calls
 from ..comm.group import all_gather_single, record, reduce_scatter_single
 from ..comm.p2p import PeerTransfer
-from ..comm.replicate import gather_for_local_use_agreed
+from ..comm.replicate import gather_for_local_use
 from ..layout import shard_sizes
 from ..trace import comm_region, current_region
 from .blockwise import stats_dtype
@@ -104,11 +104,13 @@ def _gather_kv(
         p.numel() == 0 or int(p[0]) == sum(seq_lengths[:j]) for j, p in enumerate(positions)
     )
     if contiguous and seq_lengths == shard_sizes(total, n):
-        return gather_for_local_use_agreed(kv, 1, group, total)
+        with trusted_calls(group):  # agreed at the method's entry
+            return gather_for_local_use(kv, 1, group, total)
     # any other split or layout: pad every segment to the longest, gather, put rows in order
     rows = max(seq_lengths)
     padded = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, rows - kv.shape[1]))
-    full = gather_for_local_use_agreed(padded, 1, group, rows * n)
+    with trusted_calls(group):
+        full = gather_for_local_use(padded, 1, group, rows * n)
     index = torch.empty(total, dtype=torch.long)
     for j, pos in enumerate(positions):
         index[pos] = torch.arange(j * rows, j * rows + seq_lengths[j])

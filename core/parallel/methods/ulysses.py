@@ -46,8 +46,8 @@ import torch
 
 from ...layers.attention import attend
 from ..comm import group_rank, group_size
-from ..comm.agreement import Signature, agree
-from ..comm.exchange import switch_agreed
+from ..comm.agreement import Signature, agree, trusted_calls
+from ..comm.exchange import switch
 from ..layout import shard_sizes
 from ..trace import comm_region
 
@@ -173,11 +173,13 @@ class _SeqLayout:
 
     def to_heads(self, x: torch.Tensor, group: Any) -> torch.Tensor:
         """``[B, seq_r, heads, D]`` → ``[B, L, heads_r, D]``."""
-        return switch_agreed(x, 1, 2, group, src_sizes=self.lengths)
+        with trusted_calls(group):  # agreed at the method's entry
+            return switch(x, 1, 2, group, src_sizes=self.lengths)
 
     def to_sequence(self, y: torch.Tensor, heads: int, group: Any) -> torch.Tensor:
         """``[B, L, heads_r, D]`` → ``[B, seq_r, heads, D]`` (the inverse of :meth:`to_heads`)."""
-        return switch_agreed(y, 2, 1, group, src_length=heads, dst_sizes=self.lengths)
+        with trusted_calls(group):
+            return switch(y, 2, 1, group, src_length=heads, dst_sizes=self.lengths)
 
 
 def kv_heads_aligned(heads: int, kv_heads: int, n: int) -> bool:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..comm.agreement import Signature, agree
-from ..comm.exchange import switch_agreed
+from ..comm.agreement import Signature, agree, trusted_calls
+from ..comm.exchange import switch
 from ..comm.group import group_rank, group_size
 from ..layout import shard_offset, shard_sizes
 from .ring import ring_attention_agreed, ring_positions, ring_signature
@@ -85,10 +85,11 @@ def usp_attention(
         v = v.repeat_interleave(heads // kv_heads, dim=2)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    qh, kh, vh = (switch_agreed(t, 1, 2, ulysses_group, src_sizes=split) for t in (q, k, v))
-    positions = [ring_positions(seq_lengths, j, layout) for j in range(len(seq_lengths))]
-    out = ring_attention_agreed(qh, kh, vh, ring_group, positions, causal, scale)
-    return switch_agreed(out, 2, 1, ulysses_group, src_length=heads, dst_sizes=split)
+    with trusted_calls(ulysses_group):  # agreed above: the inner switches exchange nothing
+        qh, kh, vh = (switch(t, 1, 2, ulysses_group, src_sizes=split) for t in (q, k, v))
+        positions = [ring_positions(seq_lengths, j, layout) for j in range(len(seq_lengths))]
+        out = ring_attention_agreed(qh, kh, vh, ring_group, positions, causal, scale)
+        return switch(out, 2, 1, ulysses_group, src_length=heads, dst_sizes=split)
 
 
 def _agree(
