@@ -151,7 +151,9 @@ def _back_to_back(fns: dict[str, Callable[[], object]], iters: int) -> torch.Ten
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--size-mib", type=float, default=1.0)
     parser.add_argument("--iters", type=int, default=200)

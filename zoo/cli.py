@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from ..core.argparser import CommandParser
+from ..core.argparser import UNRECOGNIZED, CommandParser, flag_suggestion
 from ..core.entry import reader_gone
 from .families import FamilyImportError, load_builtin_families
 from .registry import (
@@ -101,8 +101,9 @@ def _main(argv: list[str] | None) -> int:
         from ..core.bench.launch import misplaced_flags_message
 
         bench.error(misplaced_flags_message(argv[argv.index("bench") + 1 :]))
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # the hint names the command's own flags (``dspzoo list --pretraind``)
+        hint = flag_suggestion(unknown, sub.choices[args.command])
+        parser.error(f"{UNRECOGNIZED}{' '.join(unknown)}{hint}")
     if args.command == "convert":
         load_domains()
         return run_convert(args, convert)

@@ -110,7 +110,9 @@ def _resolve(name: str, argv: list[str]) -> tuple[Callable[[], object], list[str
                 f"{key!r} is a {family!r} model; `dspzoo {name}` takes "
                 f"{sorted(set(cmd.scripts))} models"
             )
-        given = flag_given(cmd.model_flag, rest)  # the flag would replace the positional model
+        # the flag would replace the positional model; "--model" (which no by-model script
+        # takes) means the same to whoever types it
+        given = flag_given(cmd.model_flag, rest) or flag_given("--model", rest)
         if given:
             raise UsageError(
                 f"the model is given once: `dspzoo {name} <model or folder>` takes it as its "
