@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from dspzoo.core.argparser import CommandParser, flag_given
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,3 +80,106 @@ def test_every_parser_of_the_package_refuses_abbreviations() -> None:
             if not (isinstance(value, ast.Constant) and value.value is False):
                 lax.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not lax, f"argparse.ArgumentParser without allow_abbrev=False: {lax}"
+
+
+# -- the weather domain: a year of daily data ---------------------------------------------------
+
+
+def _daily_year(folder: Path, *, times: bool = True) -> Path:
+    """200 daily steps from 2000-01-01 of ``t`` and ``u`` on a 6 × 8 grid, as NetCDF3 (without
+    the time coordinate, only the dimension, if not ``times``)."""
+    import numpy as np
+
+    xr = pytest.importorskip("xarray")
+    n = 200
+    rng = np.random.default_rng(0)
+    coords = {"lat": np.linspace(-40, 40, 6), "lon": np.linspace(0, 315, 8)}
+    if times:
+        coords["time"] = ("time", np.arange(n, dtype=float), {"units": "days since 2000-01-01"})
+    fields = {
+        name: (("time", "lat", "lon"), rng.normal(280, 2, (n, 6, 8)).astype(np.float32))
+        for name in ("t", "u")
+    }
+    path = folder / ("daily.nc" if times else "no_times.nc")
+    xr.Dataset(fields, coords=coords).to_netcdf(path, format="NETCDF3_64BIT", engine="scipy")
+    return path
+
+
+def test_a_single_year_is_held_out_by_a_date_or_a_fraction(tmp_path: Path) -> None:
+    from dspzoo.domains.weather.data import (
+        WeatherDataError,
+        WindowSpec,
+        load_fields,
+        sample_index,
+        train_time_index,
+    )
+
+    fields = load_fields(str(_daily_year(tmp_path)), ["t"])
+    with pytest.raises(WeatherDataError) as exc:  # the year 2000 is all of the data
+        train_time_index(fields, WindowSpec(holdout_from=2000))
+    message = str(exc.value)
+    assert (
+        "every time is held out (from 2000; the data covers 2000-01-01–2000-07-18, 200 times)"
+        in message
+    )
+    assert "--holdout-from a calendar year or a date" in message and "2000-06-01" in message
+    assert "--holdout-fraction (e.g. 0.2)" in message
+    by_date = WindowSpec(history=2, holdout_from="2000-06-01")
+    assert train_time_index(fields, by_date).tolist() == list(range(152))  # Jan–May of 2000
+    assert min(target for _, target, _ in sample_index(fields, by_date, "test")) == 151
+    by_fraction = WindowSpec(history=2, holdout_fraction=0.2)
+    assert train_time_index(fields, by_fraction).tolist() == list(range(160))
+    assert WindowSpec(holdout_from="2000-06").holdout_from == "2000-06-01"
+    assert WindowSpec(holdout_from="2060").holdout_from == 2060  # a year stays a year
+    for bad in ("June", "2000-13-01"):
+        with pytest.raises(WeatherDataError, match="a calendar year .* or a date"):
+            WindowSpec(holdout_from=bad)
+    with pytest.raises(WeatherDataError, match=r"--holdout-fraction must be in \[0, 1\)"):
+        WindowSpec(holdout_fraction=1.0)
+
+
+def test_a_single_year_trains_with_a_held_out_fraction(tmp_path: Path) -> None:
+    import math
+
+    import dspzoo.domains.weather  # noqa: F401  (registers weathertx)
+    from dspzoo.domains.weather.training import WeatherTrainConfig, train
+
+    cfg = WeatherTrainConfig(
+        model="weathertx-tiny",
+        sp=1,
+        data=str(_daily_year(tmp_path)),
+        variables="t",
+        history=2,
+        leads="1",
+        holdout_fraction=0.2,
+        steps=2,
+        global_batch=2,
+        warmup=1,
+        eval_every=0,
+        log_every=1,
+        save_every=0,
+        output_dir=str(tmp_path / "run"),
+    )
+    result = train(cfg)
+    assert len(result["losses"]) == 2 and all(math.isfinite(v) for v in result["losses"])
+
+
+def test_the_weather_flags_take_a_date_and_name_the_variables(tmp_path: Path, capsys) -> None:
+    from dspzoo.domains.weather.data import WeatherDataError, load_fields
+    from dspzoo.domains.weather.training import WeatherTrainConfig
+
+    path = _daily_year(tmp_path)
+    cfg = WeatherTrainConfig(data=str(path), holdout_from="2000-06-01")
+    cfg.validate()
+    assert cfg.window().holdout_from == "2000-06-01"
+    with pytest.raises(WeatherDataError) as exc:  # no --variables for a file of its own
+        cfg.channel_variables()
+    assert str(exc.value) == (
+        f"--data {path}: name the variables to use (--variables); its gridded variables: t, u"
+    )
+    with pytest.raises(WeatherDataError) as exc:
+        load_fields(str(_daily_year(tmp_path, times=False)), ["t"])
+    assert "no_times.nc: no time coordinate" in str(exc.value)
+    assert "looked for a coordinate variable named one of ['time', 't', 'valid_time']" in str(
+        exc.value
+    )
