@@ -4,6 +4,9 @@ imports, the weather hold-out, and smaller messages."""
 from __future__ import annotations
 
 import ast
+import json
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -139,8 +142,6 @@ def test_a_single_year_is_held_out_by_a_date_or_a_fraction(tmp_path: Path) -> No
 
 
 def test_a_single_year_trains_with_a_held_out_fraction(tmp_path: Path) -> None:
-    import math
-
     import dspzoo.domains.weather  # noqa: F401  (registers weathertx)
     from dspzoo.domains.weather.training import WeatherTrainConfig, train
 
@@ -160,8 +161,15 @@ def test_a_single_year_trains_with_a_held_out_fraction(tmp_path: Path) -> None:
         save_every=0,
         output_dir=str(tmp_path / "run"),
     )
+    umask = os.umask(0)
+    os.umask(umask)
     result = train(cfg)
     assert len(result["losses"]) == 2 and all(math.isfinite(v) for v in result["losses"])
+    # every file of the run, the checkpoint's model.safetensors included (it was 0600)
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" and "checkpoints" in p.parts for p in files)
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
 def test_the_weather_flags_take_a_date_and_name_the_variables(tmp_path: Path, capsys) -> None:
@@ -183,3 +191,35 @@ def test_the_weather_flags_take_a_date_and_name_the_variables(tmp_path: Path, ca
     assert "looked for a coordinate variable named one of ['time', 't', 'valid_time']" in str(
         exc.value
     )
+
+
+def test_config_json_is_json_with_infinities_read_back(tmp_path: Path) -> None:
+    """A Mamba-2 config's ``time_step_limit`` is ``(0.0, inf)``: ``config.json`` held a bare
+    ``Infinity`` (what ``dspzoo convert --from transformers`` writes too), which JSON has not."""
+    from dspzoo.zoo import create_model, load_config, save_pretrained
+
+    folder = save_pretrained(create_model("mamba2lm-tiny"), tmp_path / "m2")
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"config.json holds {constant}, which is not JSON")
+
+    meta = json.loads((folder / "config.json").read_text(), parse_constant=refuse)
+    assert meta["config"]["time_step_limit"] == [0.0, "Infinity"]
+    _, config = load_config(folder)
+    assert config.time_step_limit == (0.0, math.inf)
+
+
+def test_a_help_line_says_its_default_once() -> None:
+    """``--levels`` read ``(default: all) (default: )``: a help that says its default is not
+    given a second one, and an empty default reads ``none``."""
+    from dspzoo.core.train.flags import build_parser
+    from dspzoo.domains.protein.training import ProteinTrainConfig
+    from dspzoo.domains.weather.training import WeatherTrainConfig
+
+    for config_cls in (WeatherTrainConfig, ProteinTrainConfig):
+        helps = {a.dest: a.help for a in build_parser(config_cls, None)._actions}
+        assert all(h.count("(default") <= 1 for h in helps.values() if h), helps
+        assert not any("(default: )" in h for h in helps.values() if h), helps
+    helps = {a.dest: a.help for a in build_parser(WeatherTrainConfig, None)._actions}
+    assert helps["levels"].endswith("3-D variables (default: all)")
+    assert helps["static_variables"].endswith("(default: none)")
