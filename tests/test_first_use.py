@@ -223,3 +223,60 @@ def test_a_help_line_says_its_default_once() -> None:
     helps = {a.dest: a.help for a in build_parser(WeatherTrainConfig, None)._actions}
     assert helps["levels"].endswith("3-D variables (default: all)")
     assert helps["static_variables"].endswith("(default: none)")
+
+
+# -- start-up: a command imports what it needs ---------------------------------------------------
+
+HEAVY = ("torch", "accelerate", "matplotlib", "xarray")
+
+
+def _imported(args: list[str], env: dict[str, str] | None = None) -> tuple[str, set[str]]:
+    """stdout of ``python -X importtime -m dspzoo <args>`` and the top-level packages it
+    imported."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "dspzoo", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = {
+        line.rsplit("|", 1)[1].strip().split(".")[0]
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    return done.stdout, names
+
+
+def test_help_imports_neither_torch_nor_a_domain() -> None:
+    out, imported = _imported(["--help"])
+    assert "usage: dspzoo" in out
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_info_prints_its_kept_output_without_torch(tmp_path: Path) -> None:
+    """``dspzoo info`` (and ``list``) need torch and every domain; what they printed is kept
+    under a fingerprint of dspzoo's files, and printed again without importing torch."""
+    env = {"DSPZOO_CACHE_DIR": str(tmp_path), "DSPZOO_FAMILIES": ""}
+    first, imported = _imported(["info", "stdit-tiny"], env)
+    assert first.startswith("stdit-tiny: ") and "torch" in imported
+    again, imported = _imported(["info", "stdit-tiny"], env)
+    assert again == first and not imported & set(HEAVY)
+
+
+def test_the_fingerprint_follows_every_file(tmp_path: Path) -> None:
+    from dspzoo.zoo.cli_cache import fingerprint
+
+    (tmp_path / "zoo").mkdir()
+    code = tmp_path / "zoo" / "registry.py"
+    code.write_text("A = 1\n")
+    before = fingerprint(tmp_path)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("")  # not code the outputs depend on
+    assert fingerprint(tmp_path) == before
+    code.write_text("A = 22\n")
+    assert fingerprint(tmp_path) != before

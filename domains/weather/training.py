@@ -178,16 +178,19 @@ class WeatherTrainConfig(RunConfig):
                 for path in paths:
                     if file_format(path) is None:
                         open_file(path)  # raises, naming the file and why it cannot be read
-            have = sorted(
-                {
-                    v
-                    for p in sources[0]
-                    for v in gridded_variables(standardise(open_file(p), str(p))[0])
-                }
-            )
+            try:  # what to choose from (an unreadable file says why once the variables are named)
+                have = sorted(
+                    {
+                        v
+                        for path in sources[0]
+                        for v in gridded_variables(standardise(open_file(path), str(path))[0])
+                    }
+                )
+                listed = f"; its gridded variables: {', '.join(have) or 'none'}"
+            except WeatherDataError:
+                listed = ""
             raise WeatherDataError(
-                f"--data {self.data}: name the variables to use (--variables); its gridded "
-                f"variables: {', '.join(have) or 'none'}"
+                f"--data {self.data}: name the variables to use (--variables){listed}"
             )
         return chosen
 
