@@ -223,6 +223,7 @@ def test_a_help_line_says_its_default_once() -> None:
     helps = {a.dest: a.help for a in build_parser(WeatherTrainConfig, None)._actions}
     assert helps["levels"].endswith("3-D variables (default: all)")
     assert helps["static_variables"].endswith("(default: none)")
+    assert helps["holdout_fraction"].endswith("(default: 0.0)")  # a zero is no "none"
 
 
 # -- start-up: a command imports what it needs ---------------------------------------------------

@@ -73,7 +73,11 @@ def build_parser(
         kind = hints[f.name]
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
         choices = f.metadata.get("choices")
-        default = "optional" if f.default is None else f"default: {f.default or 'none'}"
+        default = (
+            "optional"
+            if f.default is None
+            else f"default: {'none' if f.default == '' else f.default}"
+        )
         default = shown.get(f.name, default)
         description = f.metadata.get("help", "")
         if "(default" not in description:  # a help that says its default says it once
