@@ -20,22 +20,35 @@ harness's into ``train/``; their old paths (``dspzoo.core.plan``, ``dspzoo.core.
 import importlib as _importlib
 import importlib.abc  # noqa: F401  (the finder below)
 import importlib.machinery  # noqa: F401
-import pkgutil as _pkgutil
 import sys as _sys
 import types as _types
+from typing import Any as _Any
 
-from .data import sp_dataloader
-from .loss import sp_mean, sp_mse, sp_report
-from .parallel.comm import gather, gather_for_local_use, set_debug, split, switch, switch_async
-from .parallel.layout import SeqSpec, shard_sizes
-from .parallel.mesh import SPMesh, build_mesh, seed_everything, single_process_mesh, sp_generator
-from .parallel.plan import Plan, Stage, plan_stages
-from .parallel.runtime import SeqParallel, SeqTensor
-from .parallel.sharded_rng import ShardBlock, shard_block, sharded_dropout, sharded_uniform
-from .parallel.trace import SavedTensorMeter, comm_region, trace_comm
+#: the public API, by the module that defines it: imported on first use (``dspzoo --help``
+#: imports :mod:`dspzoo.core.argparser`, and with it this package, but not torch)
+_API = {
+    "sp_dataloader": ".data",
+    **dict.fromkeys(("sp_mean", "sp_mse", "sp_report"), ".loss"),
+    **dict.fromkeys(
+        ("gather", "gather_for_local_use", "set_debug", "split", "switch", "switch_async"),
+        ".parallel.comm",
+    ),
+    **dict.fromkeys(("SeqSpec", "shard_sizes"), ".parallel.layout"),
+    **dict.fromkeys(
+        ("SPMesh", "build_mesh", "seed_everything", "single_process_mesh", "sp_generator"),
+        ".parallel.mesh",
+    ),
+    **dict.fromkeys(("Plan", "Stage", "plan_stages"), ".parallel.plan"),
+    **dict.fromkeys(("SeqParallel", "SeqTensor"), ".parallel.runtime"),
+    **dict.fromkeys(
+        ("ShardBlock", "shard_block", "sharded_dropout", "sharded_uniform"), ".parallel.sharded_rng"
+    ),
+    **dict.fromkeys(("SavedTensorMeter", "comm_region", "trace_comm"), ".parallel.trace"),
+}
 
-# the parallel layer's old module paths (dspzoo.core.runtime, …) name the moved modules
-for _name in (
+#: the parallel layer's old module paths (``dspzoo.core.runtime``, ``dspzoo.core.comm.shm``,
+#: …) name the moved modules of ``parallel/``
+_PARALLEL = (
     "comm",
     "context",
     "layout",
@@ -50,18 +63,29 @@ for _name in (
     "strategies",
     "trace",
     "validate",
-):
-    _module = _importlib.import_module(f".parallel.{_name}", __name__)
-    _sys.modules.setdefault(f"{__name__}.{_name}", _module)
-    globals().setdefault(_name, _module)
-    for _sub in _pkgutil.iter_modules(getattr(_module, "__path__", [])):
-        _full = _importlib.import_module(f".parallel.{_name}.{_sub.name}", __name__)
-        _sys.modules.setdefault(f"{__name__}.{_name}.{_sub.name}", _full)
+)
+
+
+def __getattr__(name: str) -> _Any:
+    """The public API and the old module paths, imported on first use."""
+    if name in _API:
+        value = getattr(_importlib.import_module(_API[name], __name__), name)
+        globals()[name] = value
+        return value
+    if name in _PARALLEL or name in _MovedModules.MOVED:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_API, *_PARALLEL})
 
 
 class _MovedModules(_importlib.abc.MetaPathFinder, _importlib.abc.Loader):
-    """Old paths of the training harness's modules (``dspzoo.core.loop``, …) import the moved
-    module itself, lazily (importing :mod:`dspzoo.core` does not import the Trainer)."""
+    """Old paths of moved modules import the moved module itself, lazily: the training
+    harness's (``dspzoo.core.loop``, …: importing :mod:`dspzoo.core` does not import the
+    Trainer) and the parallel layer's, submodules included (``dspzoo.core.comm.shm`` is
+    ``dspzoo.core.parallel.comm.shm``)."""
 
     MOVED = {
         "checkpoint": "train.checkpoint",
@@ -71,21 +95,31 @@ class _MovedModules(_importlib.abc.MetaPathFinder, _importlib.abc.Loader):
         "resume": "train.resume",
         "runconfig": "train.config",
         "tensor_parallel_training": "train.tensor_parallel",
+        **{name: f"parallel.{name}" for name in _PARALLEL},
     }
 
     def __init__(self) -> None:
         self._own_specs: dict[str, _importlib.machinery.ModuleSpec] = {}
 
+    def _target(self, fullname: str) -> str | None:
+        """The moved module that the old path ``fullname`` names, or ``None``."""
+        prefix = f"{__name__}."
+        if not fullname.startswith(prefix):
+            return None
+        first, dot, rest = fullname[len(prefix) :].partition(".")
+        if first not in self.MOVED or (dot and first not in _PARALLEL):
+            return None
+        return f"{__name__}.{self.MOVED[first]}{dot}{rest}"
+
     def find_spec(
         self, fullname: str, path: object = None, target: object = None
     ) -> _importlib.machinery.ModuleSpec | None:
-        package, _, name = fullname.rpartition(".")
-        if package != __name__ or name not in self.MOVED:
+        if self._target(fullname) is None:
             return None
         return _importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec: _importlib.machinery.ModuleSpec) -> _types.ModuleType:
-        module = _importlib.import_module(f"{__name__}.{self.MOVED[spec.name.rpartition('.')[2]]}")
+        module = _importlib.import_module(self._target(spec.name))  # type: ignore[arg-type]
         self._own_specs[module.__name__] = module.__spec__
         return module
 
@@ -96,7 +130,9 @@ class _MovedModules(_importlib.abc.MetaPathFinder, _importlib.abc.Loader):
 
 
 if not any(isinstance(_f, _MovedModules) for _f in _sys.meta_path):
-    _sys.meta_path.append(_MovedModules())
+    # first: an old submodule path (dspzoo.core.comm.shm) must not be found as a file of the
+    # moved package's folder and run a second time under the old name
+    _sys.meta_path.insert(0, _MovedModules())
 
 __all__ = [
     "Plan",

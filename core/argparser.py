@@ -12,6 +12,9 @@ stops every rank when one exits, does not stop the first rank before it has prin
 loaded machine its imports may finish seconds later); the launcher stops them as soon as the
 first rank exits, and stopped (SIGTERM) they exit with 2 as well. ``--help`` still prints the
 full usage. Subparsers made by ``add_subparsers`` are ``CommandParser`` s too.
+
+Flags are never abbreviated (``allow_abbrev=False``): ``--step`` is not taken for ``--steps``
+but refused, with the closest flag as a hint (``did you mean '--step' → '--steps'?``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class CommandParser(argparse.ArgumentParser):
     def __init__(self, *args: object, **kwargs: object) -> None:
         if not args and kwargs.get("prog") is None and _by_model(sys.argv[0]):
             kwargs["prog"] = sys.argv[0]  # not its basename: a folder's path stays whole
+        kwargs.setdefault("allow_abbrev", False)  # "--step" is not "--steps" (module docstring)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def add_argument(self, *names: str, **kwargs: object) -> argparse.Action:  # type: ignore[override]
@@ -87,6 +91,8 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         message += did_you_mean(message)
+        if message.startswith(UNRECOGNIZED) and "did you mean" not in message:
+            message += flag_suggestion(message[len(UNRECOGNIZED) :].split(), self)
         if first_of_launch():
             line = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
             self._print_message(line, sys.stderr)
@@ -118,17 +124,33 @@ def corrections(unknown: list[str], known: tuple[str, ...] | list[str]) -> str:
 
 
 def flag_given(flag: str, words: list[str]) -> str | None:
-    """The word of ``words`` (before a ``--``) that sets option ``flag``: ``--flag``,
-    ``--flag=x`` or an abbreviation argparse accepts (``--mod`` for ``--model``); ``None``."""
+    """The word of ``words`` (before a ``--``) that sets option ``flag``: ``--flag`` or
+    ``--flag=x`` (flags are never abbreviated); ``None``."""
     for word in words:
         if word == "--":
             return None
-        option = word.split("=", 1)[0]
-        # "--m" and shorter are left to argparse (in the training scripts "--m" is ambiguous:
-        # --mixed-precision, --model)
-        if len(option) > 3 and flag.startswith(option):
-            return option
+        if word.split("=", 1)[0] == flag:
+            return flag
     return None
+
+
+UNRECOGNIZED = "unrecognized arguments: "
+"""How argparse begins the error of words no argument takes."""
+
+
+def flag_suggestion(words: list[str], parser: argparse.ArgumentParser) -> str:
+    """For the flags among ``words`` (``--step``, ``--modle=x``), the closest long flags of
+    ``parser`` as ``"; did you mean '--step' → '--steps'?"`` (flags hidden from its help
+    left out); ``""`` when none is close."""
+    typed = [w.split("=", 1)[0] for w in words if w.startswith("--") and len(w) > 2]
+    known = [
+        option
+        for action in parser._actions
+        if action.help is not argparse.SUPPRESS
+        for option in action.option_strings
+        if option.startswith("--")
+    ]
+    return corrections(typed, known)
 
 
 def did_you_mean(message: str) -> str:

@@ -32,6 +32,16 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(folder))
 
 
+def chmod_files_like(root: Path, reference: Path) -> None:
+    """Give every file under ``root`` the permission bits of ``reference`` (a file created
+    with the umask-derived mode): writers that go through a private temporary file
+    (safetensors' 0600) leave files only their owner can read."""
+    mode = reference.stat().st_mode & 0o7777
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            os.chmod(Path(folder) / name, mode)
+
+
 def write_json_durably(path: Path, value: Any) -> None:
     """Write ``value`` as JSON to ``path`` through a temporary file, fsync, rename."""
     tmp = path.with_name(f".{path.name}.tmp")

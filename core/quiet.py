@@ -22,9 +22,10 @@ import logging
 import os
 import re
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # torch is imported by whoever passes a model: not by the CLI's parser
+    from torch import nn
 
 ACCELERATE_SAVE_LOGGER = "accelerate.utils.other"
 _REMOVED = re.compile(r"Removed shared tensor (\{.*?\}) while saving")

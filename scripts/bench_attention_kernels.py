@@ -166,7 +166,7 @@ def _worker(rank: int, world: int, shape: Shape, reps: int, configs: tuple) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--sp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reps", type=int, default=3)

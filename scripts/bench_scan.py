@@ -407,7 +407,7 @@ def peers() -> dict[str, bool]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument(
         "--kernels", nargs="+", choices=("mamba1", "ssd"), default=["mamba1", "ssd"]
     )

@@ -343,7 +343,7 @@ def plot(out: str, sources: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--mixer", choices=("mamba1", "mamba2"), default="mamba2")
     parser.add_argument("--length", type=int, default=4096, help="S, the scanned dim")
     parser.add_argument("--lines", type=int, default=2, help="T, the other dim")

@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     from dspzoo.zoo import count_parameters, create_model
 
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="stdit-small")
     parser.add_argument("--sp", type=int, default=1, help="ranks per SP group (default: 1)")

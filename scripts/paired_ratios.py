@@ -33,7 +33,7 @@ def paired_ratios(rows: list[dict], against: str) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="a bench run's results.json")
     parser.add_argument("--against", default="megatron_sp", help="the strategy to divide by")
     args = parser.parse_args()

@@ -57,6 +57,7 @@ def category(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         description=__doc__.split("\n\n")[0],
         epilog="Any other flag of the benchmark's case (--frames, --latent, ...) is passed on.",
     )

@@ -144,7 +144,9 @@ def main() -> None:
         run_entry_point(child, "stress_exit")
         return
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--runs", type=int, default=30, help="launches (default: 30)")
     parser.add_argument("--nproc", type=int, default=3, help="processes per launch (default: 3)")

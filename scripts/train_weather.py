@@ -7,11 +7,12 @@ r"""Train a weather transformer on gridded fields under sequence parallelism.
 mean near-surface air temperature over North America, 1860-2099, under the A1B and E1
 scenarios, two trajectories); any NetCDF/Zarr files work (--data path.nc, or u.nc+v.nc to merge
 files) with --variables naming the fields. Lead times are in time steps of the data (years
-here); the years from --holdout-from on are held out. Checkpoints go to
-<output-dir>/checkpoints/step_N (written aside, fsynced, swapped in), the final model with its
-normalisation statistics, grid and window settings to <output-dir>/final, and the evaluation
-table (model, persistence, climatology: RMSE and ACC per variable and lead on the held-out
-years) to <output-dir>/evaluation.md and .json. --resume latest continues a run exactly, at
+here); the times from --holdout-from (a year, or a date such as 2000-06-01) on are held out,
+or the last --holdout-fraction of them. Checkpoints go to <output-dir>/checkpoints/step_N
+(written aside, fsynced, swapped in), the final model with its normalisation statistics, grid
+and window settings to <output-dir>/final, and the evaluation table (model, persistence,
+climatology: RMSE and ACC per variable and lead on the held-out times) to
+<output-dir>/evaluation.md and .json. --resume latest continues a run exactly, at
 any layout.
 """
 

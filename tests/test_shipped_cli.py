@@ -274,7 +274,7 @@ def test_an_explicit_model_that_is_the_default_name_must_match_init_from(capsys)
         cli.parse_args(["--init-from", "stdit-mini-shapes", "--model", default])
     assert info.value.code == 2
     assert "holds a stdit-mini model but --model is stdit-tiny" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # abbreviated, as argparse allows
+    with pytest.raises(SystemExit):  # abbreviated: refused (flags are never abbreviated)
         cli.parse_args(["--init-from", "stdit-mini-shapes", "--mode", default])
     for same in (["--model", "stdit-mini"], ["--model=stdit-mini"], []):  # agreeing, or none
         assert cli.parse_args(["--init-from", "stdit-mini-shapes", *same]).model == "stdit-mini"

@@ -373,13 +373,13 @@ def forecast_weather(
 ) -> WeatherForecast:
     """Roll a weather model out ``steps`` times from the data it was trained on.
 
-    The initial state is the last time step of ``init_year`` (default: the last training year,
+    The initial state is the last time step of ``init_year`` (default: the last training time,
     so the forecast runs into the held-out years) of trajectory ``trajectory``; ``data``
     replaces the source (e.g. ``"e1"``, another scenario on the same grid). ``lead`` (time
     steps per forecast step) defaults to the shortest lead trained. Every step is scored
     against the truth, persistence and climatology.
     """
-    from dspzoo.domains.weather.data import WeatherDataError
+    from dspzoo.domains.weather.data import WeatherDataError, held_out_times
     from dspzoo.domains.weather.forecast import forecast_from
     from dspzoo.domains.weather.training import data_from_extra
 
@@ -394,12 +394,17 @@ def forecast_weather(
     dataset = data_from_extra(extra)
     window, fields = dataset.window, dataset.fields
     lead = lead or min(window.leads)
-    year = init_year if init_year is not None else window.holdout_from - 1
-    matches = np.flatnonzero(fields.years == year)
-    if matches.size == 0:
-        raise WeatherDataError(
-            f"initial year {year} is not in the data ({fields.years.min()}–{fields.years.max()})"
-        )
+    if init_year is None:  # the last training time (the hold-out may begin mid-year)
+        matches = np.flatnonzero(~held_out_times(fields, window))
+        if matches.size == 0:
+            raise WeatherDataError("no time before the held-out times to start the forecast at")
+    else:
+        matches = np.flatnonzero(fields.years == init_year)
+        if matches.size == 0:
+            raise WeatherDataError(
+                f"initial year {init_year} is not in the data "
+                f"({fields.years.min()}–{fields.years.max()})"
+            )
     t0 = int(matches[-1])
     model_fp32 = loaded.model.float().eval()
     with torch.no_grad():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import secrets
 import shutil
@@ -90,7 +91,7 @@ def save_pretrained(
         config_file = tmp / CONFIG_FILE
         fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(meta, indent=2))
+            f.write(json.dumps(json_safe(meta), indent=2, allow_nan=False))
             f.flush()
             os.fsync(f.fileno())
         weights = tmp / WEIGHTS_FILE
@@ -151,9 +152,29 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+NON_FINITE = ("Infinity", "-Infinity", "NaN")
+"""How ``config.json`` spells the floats JSON has no numbers for (:func:`json_safe`)."""
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as a string of :data:`NON_FINITE`: JSON has no
+    infinity or NaN (Python's ``json`` writes a bare ``Infinity`` that other readers refuse);
+    :func:`_from_json` turns them back into floats for a config's float fields."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def _from_json(tp: Any, value: Any) -> Any:
-    """Rebuild a dataclass field value from JSON (tuples and nested dataclasses)."""
+    """Rebuild a dataclass field value from JSON (tuples, nested dataclasses, and the
+    non-finite floats :func:`json_safe` wrote as strings)."""
     origin = typing.get_origin(tp)
+    if isinstance(value, str) and value in NON_FINITE and float in (tp, *typing.get_args(tp)):
+        return float(value)
     if dataclasses.is_dataclass(tp) and isinstance(value, dict):
         return _build_config(tp, value)
     if origin is tuple and isinstance(value, list):

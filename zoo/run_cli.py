@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..core.argparser import flag_given
-from ..core.entry import UsageError, run_entry_point
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,7 @@ def _usage(name: str) -> str:
 
 def _family_of_model(ref: str) -> str:
     """The model family of a shipped name or a checkpoint folder."""
+    from ..core.entry import UsageError
     from .pretrained import _read_meta
     from .shipped import resolve_pretrained
 
@@ -101,6 +101,8 @@ def _family_of_model(ref: str) -> str:
 
 def _resolve(name: str, argv: list[str]) -> tuple[Callable[[], object], list[str]]:
     """The script's ``main`` and the argv it should see."""
+    from ..core.entry import UsageError  # (torch: not imported for ``dspzoo --help``)
+
     cmd = COMMANDS[name]
     key, rest = argv[0], argv[1:]
     if cmd.by_family:
@@ -110,7 +112,9 @@ def _resolve(name: str, argv: list[str]) -> tuple[Callable[[], object], list[str
                 f"{key!r} is a {family!r} model; `dspzoo {name}` takes "
                 f"{sorted(set(cmd.scripts))} models"
             )
-        given = flag_given(cmd.model_flag, rest)  # the flag would replace the positional model
+        # the flag would replace the positional model; "--model" (which no by-model script
+        # takes) means the same to whoever types it
+        given = flag_given(cmd.model_flag, rest) or flag_given("--model", rest)
         if given:
             raise UsageError(
                 f"the model is given once: `dspzoo {name} <model or folder>` takes it as its "
@@ -130,6 +134,8 @@ def _resolve(name: str, argv: list[str]) -> tuple[Callable[[], object], list[str
 
 def run_passthrough(name: str, argv: list[str]) -> int:
     """Run ``dspzoo <name> <key> ...``; returns the exit status."""
+    from ..core.entry import UsageError, run_entry_point
+
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(name))
         return 0 if argv else 2

@@ -48,7 +48,7 @@ def side_by_side(before: dict[str, Any], after: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="results.json of the earlier run")
     parser.add_argument("after", help="results.json of the later run")
     args = parser.parse_args(argv)

@@ -119,7 +119,7 @@ def check_script_arguments(script_args: list[str]) -> None:
 
 
 def _precision_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     parser.add_argument("--mixed-precision", default=None)
     return parser
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..durable import fsync_path, fsync_tree, write_json_durably
+from ..durable import chmod_files_like, fsync_path, fsync_tree, write_json_durably
 from ..errors import MissingFileError
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,9 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     if is_main:
         write_json_durably(tmp / PROGRESS_FILE, {**progress, "step": step})
+        # model.safetensors comes 0600 (written through a private temporary file): every
+        # file gets the umask-derived mode progress.json was created with
+        chmod_files_like(tmp, tmp / PROGRESS_FILE)
         fsync_tree(tmp)
         old = ckpt_dir / f".old_step_{step}"
         if final.exists():

@@ -74,8 +74,15 @@ def build_parser(
         kind = hints[f.name]
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
         choices = f.metadata.get("choices")
-        default = "optional" if f.default is None else f"default: {f.default}"
+        default = (
+            "optional"
+            if f.default is None
+            else f"default: {'none' if f.default == '' else f.default}"
+        )
         default = shown.get(f.name, default)
+        description = f.metadata.get("help", "")
+        if "(default" not in description:  # a help that says its default says it once
+            description = f"{description} ({default})"
         switch = {"nargs": "?", "const": True} if base is bool else {}  # bare --fsdp: true
         parser.add_argument(
             _option(f.name),
@@ -83,7 +90,7 @@ def build_parser(
             default=f.default,
             choices=choices,
             metavar="{true,false}" if base is bool else (None if choices else f.name.upper()),
-            help=f"{f.metadata.get('help', '')} ({default})",
+            help=description,
             **switch,
         )
     return parser

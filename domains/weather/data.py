@@ -15,9 +15,11 @@ scenarios). Loading a source
 Channels are variables, or ``variable@level`` for each chosen pressure level. Samples are
 windows: ``history`` input states ``stride`` steps apart ending at ``t0`` and the target state
 ``lead`` steps after ``t0``; **lead times are in time steps of the data** (years for the Met
-Office A1B/E1 annual means). Splits are by the target's calendar year: ``train`` is every
-target before ``holdout_from``, ``test`` every target from it on (inputs of the first test
-windows may lie in training years; no test target is ever a training target). Normalisation
+Office A1B/E1 annual means). Splits are by the target's time: ``train`` is every target before
+``holdout_from`` (a calendar year, or a date such as ``2000-06-01``) or, with
+``holdout_fraction``, before the last such fraction of the time axis; ``test`` every target from
+there on (inputs of the first test windows may lie in training times; no test target is ever a
+training target). Normalisation
 statistics (per channel mean and standard deviation, NaN-aware) come from the training
 targets' times only.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -357,7 +360,7 @@ def _channels_of(
     out = []
     for name in variables:
         if name not in ds.data_vars:
-            have = sorted(v for v in ds.data_vars if {"lat", "lon"} <= set(ds[v].dims))
+            have = gridded_variables(ds)
             raise WeatherDataError(f"{where}: no variable {name!r} (gridded variables: {have})")
         da = ds[name]
         extra = set(da.dims) - {"time", "lat", "lon", "level"}
@@ -379,7 +382,18 @@ def _channels_of(
     return out
 
 
+def gridded_variables(ds: Any) -> list[str]:
+    """The variables of a :func:`standardise` d dataset on its lat/lon grid, sorted."""
+    return sorted(str(v) for v in ds.data_vars if {"lat", "lon"} <= set(ds[v].dims))
+
+
 def _time_parts(ds: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if "time" not in ds.coords:  # a time dimension without a variable of times
+        raise WeatherDataError(
+            f"{where}: no time coordinate: the time dimension has no values (looked for a "
+            f"coordinate variable named one of {list(TIME_NAMES)}; coordinates: "
+            f"{sorted(str(c) for c in ds.coords)})"
+        )
     time = ds["time"]
     if not hasattr(time, "dt"):
         raise WeatherDataError(f"{where}: times could not be decoded to dates (units, calendar?)")
@@ -593,23 +607,99 @@ def position_encodings(grid: GridInfo) -> np.ndarray:
 # -- the windowed dataset ----------------------------------------------------------------------
 
 
+HOLDOUT_ADVICE = (
+    "give --holdout-from a calendar year or a date inside the data (e.g. 2000-06-01), or hold "
+    "out the last part of the time axis with --holdout-fraction (e.g. 0.2)"
+)
+
+
+def holdout_start(value: int | str) -> int | str:
+    """``--holdout-from`` as a calendar year (an ``int``: ``2060``, ``"2060"``) or a date
+    (``"YYYY-MM-DD"``; ``"2000-06"`` is ``"2000-06-01"``); else a :class:`WeatherDataError`."""
+    text = str(value).strip()
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    date = re.fullmatch(r"(\d{1,4})-(\d{1,2})(?:-(\d{1,2}))?", text)
+    if date is not None:
+        year, month, day = int(date[1]), int(date[2]), int(date[3] or 1)
+        if 1 <= month <= 12 and 1 <= day <= 31:
+            return f"{year:04d}-{month:02d}-{day:02d}"
+    raise WeatherDataError(
+        f"--holdout-from must be a calendar year (e.g. 2060) or a date (e.g. 2000-06-01), got "
+        f"{value!r}"
+    )
+
+
 @dataclass(frozen=True)
 class WindowSpec:
     """How a sample is cut: ``history`` states ``stride`` steps apart, targets ``leads`` steps
-    after the last one; the split is by the target's year (``holdout_from`` on is ``test``)."""
+    after the last one; the split is by the target's time: from ``holdout_from`` (a year or a
+    date, :func:`holdout_start`) on is ``test``, or with ``holdout_fraction`` > 0 the last such
+    fraction of the times (:func:`held_out_times`)."""
 
     history: int = 4
     stride: int = 1
     leads: tuple[int, ...] = (1,)
-    holdout_from: int = 2060
+    holdout_from: int | str = 2060
+    holdout_fraction: float = 0.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "holdout_from", holdout_start(self.holdout_from))
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise WeatherDataError(
+                f"--holdout-fraction must be in [0, 1) (0: hold out from --holdout-from), got "
+                f"{self.holdout_fraction}"
+            )
         if self.history < 1 or self.stride < 1:
             raise WeatherDataError(
                 f"history ({self.history}) and stride ({self.stride}) must be >= 1"
             )
         if not self.leads or min(self.leads) < 1:
             raise WeatherDataError(f"lead times must be >= 1 step, got {self.leads}")
+
+
+def describe_holdout(window: WindowSpec) -> str:
+    """Where the held-out times begin, in words (``"from 2060"``, ``"the last 20% of the
+    times"``)."""
+    if window.holdout_fraction:
+        return f"the last {window.holdout_fraction:.0%} of the times"
+    return f"from {window.holdout_from}"
+
+
+def _date_keys(fields: Fields) -> np.ndarray:
+    """``YYYYMMDD`` of every time as an integer (days from the decoded times)."""
+    times = np.asarray(fields.times)
+    if np.issubdtype(times.dtype, np.datetime64):
+        days = (times.astype("datetime64[D]") - times.astype("datetime64[M]")).astype(int) + 1
+    else:  # cftime dates
+        days = np.array([t.day for t in times], dtype=int)
+    return fields.years.astype(np.int64) * 10000 + fields.months * 100 + days
+
+
+def _date_text(key: int) -> str:
+    return f"{key // 10000:04d}-{key // 100 % 100:02d}-{key % 100:02d}"
+
+
+def held_out_times(fields: Fields, window: WindowSpec) -> np.ndarray:
+    """bool ``[N]``: which times are held out (targets of the ``test`` split)."""
+    n = len(fields.years)
+    if window.holdout_fraction:
+        return np.arange(n) >= n - max(1, round(window.holdout_fraction * n))
+    if isinstance(window.holdout_from, int):
+        return fields.years >= window.holdout_from
+    year, month, day = (int(part) for part in window.holdout_from.split("-"))
+    return _date_keys(fields) >= year * 10000 + month * 100 + day
+
+
+def _covered(fields: Fields) -> str:
+    """``"2000-01-01–2000-07-18, 200 times"``: the span of the data, for messages."""
+    n = len(fields.years)
+    try:
+        keys = _date_keys(fields)
+        span = f"{_date_text(int(keys[0]))}–{_date_text(int(keys[-1]))}"
+    except (AttributeError, TypeError, ValueError):
+        span = f"{fields.years.min()}–{fields.years.max()}"
+    return f"{span}, {n} times"
 
 
 def sample_index(fields: Fields, window: WindowSpec, split: str) -> list[tuple[int, int, int]]:
@@ -619,11 +709,11 @@ def sample_index(fields: Fields, window: WindowSpec, split: str) -> list[tuple[i
         raise WeatherDataError(f"split must be one of {SPLITS}, got {split!r}")
     span = (window.history - 1) * window.stride
     n = fields.values.shape[1]
+    held_out = held_out_times(fields, window)
     out = []
     for s in range(fields.values.shape[0]):
         for target in range(n):
-            held_out = fields.years[target] >= window.holdout_from
-            if held_out != (split == "test"):
+            if held_out[target] != (split == "test"):
                 continue
             for lead in window.leads:
                 t0 = target - lead
@@ -633,12 +723,12 @@ def sample_index(fields: Fields, window: WindowSpec, split: str) -> list[tuple[i
 
 
 def train_time_index(fields: Fields, window: WindowSpec) -> np.ndarray:
-    """Indices of the times before ``holdout_from`` (the normalisation and climatology times)."""
-    idx = np.flatnonzero(fields.years < window.holdout_from)
+    """Indices of the times not held out (the normalisation and climatology times)."""
+    idx = np.flatnonzero(~held_out_times(fields, window))
     if idx.size == 0:
         raise WeatherDataError(
-            f"no time before the held-out year {window.holdout_from} (data covers "
-            f"{fields.years.min()}–{fields.years.max()}); choose a later --holdout-from"
+            f"no time to train on: every time is held out ({describe_holdout(window)}; the data "
+            f"covers {_covered(fields)}); {HOLDOUT_ADVICE}"
         )
     return idx
 
@@ -668,9 +758,9 @@ class WeatherWindows(Dataset):
         self.samples = sample_index(fields, window, split)
         if not self.samples:
             raise WeatherDataError(
-                f"the {split} split is empty: {fields.values.shape[1]} times "
-                f"({fields.years.min()}–{fields.years.max()}), history {window.history}, stride "
-                f"{window.stride}, leads {window.leads}, held out from {window.holdout_from}"
+                f"the {split} split is empty: {_covered(fields)}, history {window.history}, "
+                f"stride {window.stride}, leads {window.leads}, held out "
+                f"{describe_holdout(window)}; {HOLDOUT_ADVICE}"
             )
         normed = normalizer.normalise(fields.values)
         self.valid = np.isfinite(normed)

@@ -100,7 +100,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="weathertx-small")
     parser.add_argument("--overrides", default="", help="config fields, e.g. grid=32x64,depth=1")
     parser.add_argument("--strategy", default="dsp")

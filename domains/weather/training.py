@@ -54,11 +54,15 @@ from .data import (
     check_model_fits,
     default_variables,
     describe,
+    describe_holdout,
     file_format,
     fit_normalizer,
+    gridded_variables,
+    holdout_start,
     load_fields,
     open_file,
     resolve_sources,
+    standardise,
     train_time_index,
 )
 from .metrics import Climatology, fit_climatology, latitude_weights, markdown_table, score_table
@@ -117,8 +121,14 @@ class WeatherTrainConfig(RunConfig):
     history: int = flag(4, "input states per window (T)")
     stride: int = flag(1, "time steps between consecutive input states")
     leads: str = flag("1", "comma-separated lead times, in time steps of the data")
-    holdout_from: int = flag(
-        2060, "first held-out calendar year: training targets are earlier, test targets later"
+    holdout_from: str = flag(
+        "2060",
+        "where the held-out times begin: a calendar year (2060) or a date (2000-06-01); "
+        "training targets are earlier, test targets from there on",
+    )
+    holdout_fraction: float = flag(
+        0.0,
+        "hold out the last fraction of the time axis instead (e.g. 0.2; 0: --holdout-from)",
     )
     steps: int = flag(600, "total optimisation steps, counted from the start of training")
     global_batch: int = flag(16, "windows per step over all data-parallel groups")
@@ -146,21 +156,43 @@ class WeatherTrainConfig(RunConfig):
         if not leads or min(leads) < 1:
             raise UsageError(f"--leads must name lead times >= 1, got {self.leads!r}")
         parse_overrides(self.overrides)
+        self.holdout_from = holdout_start(self.holdout_from)  # "2060" → 2060, as it was saved
+        self.window()  # --holdout-fraction's range
         if not self.data.strip():
             raise UsageError("--data is empty; e.g. --data a1b,e1")
 
     def window(self) -> WindowSpec:
-        return WindowSpec(self.history, self.stride, parse_list(self.leads, int), self.holdout_from)
+        return WindowSpec(
+            self.history,
+            self.stride,
+            parse_list(self.leads, int),
+            self.holdout_from,
+            self.holdout_fraction,
+        )
 
     def channel_variables(self) -> tuple[str, ...]:
         chosen = parse_list(self.variables) or default_variables(self.data)
         if not chosen:
             # a missing or unreadable file is the first thing to fix: name it
-            for paths in resolve_sources(self.data):
+            sources = resolve_sources(self.data)
+            for paths in sources:
                 for path in paths:
                     if file_format(path) is None:
                         open_file(path)  # raises, naming the file and why it cannot be read
-            raise WeatherDataError(f"--data {self.data}: name the variables to use (--variables)")
+            try:  # what to choose from (an unreadable file says why once the variables are named)
+                have = sorted(
+                    {
+                        v
+                        for path in sources[0]
+                        for v in gridded_variables(standardise(open_file(path), str(path))[0])
+                    }
+                )
+                listed = f"; its gridded variables: {', '.join(have) or 'none'}"
+            except WeatherDataError:
+                listed = ""
+            raise WeatherDataError(
+                f"--data {self.data}: name the variables to use (--variables){listed}"
+            )
         return chosen
 
 
@@ -276,6 +308,7 @@ def weather_extra(data: WeatherData, cfg_like: dict[str, Any]) -> dict[str, Any]
             "stride": w.stride,
             "leads": list(w.leads),
             "holdout_from": w.holdout_from,
+            **({"holdout_fraction": w.holdout_fraction} if w.holdout_fraction else {}),
         },
         "lead_unit": "time steps of the data",
         "time": dict(data.fields.time_attrs),
@@ -292,6 +325,7 @@ def data_from_extra(extra: dict[str, Any]) -> WeatherData:
         w["window"]["stride"],
         tuple(w["window"]["leads"]),
         w["window"]["holdout_from"],
+        w["window"].get("holdout_fraction", 0.0),
     )
     data = load_data(
         w["data"],
@@ -442,7 +476,16 @@ class WeatherTask(Task):
     name = "weather"
     loss_name = "mse"
     families = WEATHER_FAMILIES
-    run_settings = ("global_batch", "seed", "history", "stride", "leads", "data", "holdout_from")
+    run_settings = (
+        "global_batch",
+        "seed",
+        "history",
+        "stride",
+        "leads",
+        "data",
+        "holdout_from",
+        "holdout_fraction",
+    )
     cfg: WeatherTrainConfig
 
     def build_data(self) -> WeatherWindows:
@@ -525,7 +568,9 @@ class WeatherTask(Task):
         units = dict(zip(self.data.fields.channels, self.data.fields.units))
         write_report(figures, self.output_dir / "evaluation", units)
         self.logger.info(
-            "held-out years (from %d):\n%s", self.cfg.holdout_from, markdown_table(figures, units)
+            "held out (%s):\n%s",
+            describe_holdout(self.data.window),
+            markdown_table(figures, units),
         )
 
     def result_extra(self, figures: Any) -> dict[str, Any]:
