@@ -46,7 +46,7 @@ _API = {
     **dict.fromkeys(("SavedTensorMeter", "comm_region", "trace_comm"), ".parallel.trace"),
 }
 
-#: the parallel layer's old module paths (``dspzoo.core.runtime``, ``dspzoo.core.comm.shm``,
+#: the parallel layer's old module paths (``dspzoo.core.runtime``, ``dspzoo.core.comm.exchange``,
 #: …) name the moved modules of ``parallel/``
 _PARALLEL = (
     "comm",
@@ -84,8 +84,8 @@ def __dir__() -> list[str]:
 class _MovedModules(_importlib.abc.MetaPathFinder, _importlib.abc.Loader):
     """Old paths of moved modules import the moved module itself, lazily: the training
     harness's (``dspzoo.core.loop``, …: importing :mod:`dspzoo.core` does not import the
-    Trainer) and the parallel layer's, submodules included (``dspzoo.core.comm.shm`` is
-    ``dspzoo.core.parallel.comm.shm``)."""
+    Trainer) and the parallel layer's, submodules included (``dspzoo.core.comm.exchange`` is
+    ``dspzoo.core.parallel.comm.exchange``)."""
 
     MOVED = {
         "checkpoint": "train.checkpoint",
@@ -130,7 +130,7 @@ class _MovedModules(_importlib.abc.MetaPathFinder, _importlib.abc.Loader):
 
 
 if not any(isinstance(_f, _MovedModules) for _f in _sys.meta_path):
-    # first: an old submodule path (dspzoo.core.comm.shm) must not be found as a file of the
+    # first: an old submodule path (dspzoo.core.comm.exchange) must not be found as a file of the
     # moved package's folder and run a second time under the old name
     _sys.meta_path.insert(0, _MovedModules())
 
