@@ -53,9 +53,8 @@ class Cluster:
             (``this-cpu`` probed at the workload's attention shape); 0: attention runs at the
             matmul rate (``peak_tflops · mfu``), as on every preset.
         switch_bw / switch_lat: bytes/s (beyond the fixed cost) and seconds per call of a
-            ``switch``'s all-to-all where switches take another transport than the other
-            collectives, layout work included (``this-cpu``: shared memory between the ranks
-            of one host, probed); 0, as on every preset: a switch is priced as an all-to-all
+            whole ``switch``, layout work included, where measured (``this-cpu``: probed on
+            the run's own group); 0, as on every preset: a switch is priced as an all-to-all
             at ``intra_bw``/``inter_bw`` plus its layout copies at ``hbm_bw``.
     """
 
@@ -214,9 +213,9 @@ def _probe_worker(rank: int, world: int) -> Rates:
 def this_cpu(rates: Rates) -> Cluster:
     """The ``this-cpu`` cluster of measured :class:`~.probe.Rates` (one thread per rank).
 
-    Its links are the transport this library's collectives take between the processes of one
-    host — shared memory, timed as a real ``switch`` (``Rates.switch_*``) — where measured,
-    else the backend's all-to-all (a cache from before that probe)."""
+    Its links are timed as a real ``switch`` (``Rates.switch_*``: the backend's all-to-all with
+    the switch's layout copies) where measured, else as the backend's bare all-to-all (a cache
+    from before that probe)."""
     switch = rates.switch_bandwidth > 0
     bandwidth = rates.switch_bandwidth if switch else rates.bandwidth
     latency = rates.switch_latency if switch else rates.latency

@@ -1,6 +1,6 @@
 """Measure this machine's rates for the ``this-cpu`` cluster: matmul FLOP/s, streaming-copy
-memory bandwidth, all-to-all α-β, and the α-β of a ``switch`` (which between the ranks of one
-host goes through shared memory, not through the backend's all-to-all).
+memory bandwidth, all-to-all α-β, and the α-β of a ``switch`` as the runtime makes it (its
+layout copies included, no agreement of its own).
 
 Two ways in, one measurement:
 
@@ -48,10 +48,9 @@ class Rates:
             forward + backward, counted as 3× the forward's ``4·B·H·L²·D``) at the workload's
             own shape (:class:`AttentionShape`); 0: not measured (the matmul rate prices
             attention too).
-        switch_bandwidth / switch_latency: the same α-β of :func:`dspzoo.core.comm.switch` in
-            its steady state (rehearsed, on the path the settings pick: shared memory between
-            the ranks of one host, :mod:`dspzoo.core.parallel.comm.shm`), layout work
-            included; 0: not measured (a switch costs what the all-to-all costs).
+        switch_bandwidth / switch_latency: the same α-β of :func:`dspzoo.core.comm.switch` as
+            the runtime makes it inside an agreed forward (no agreement of its own), layout
+            work included; 0: not measured (a switch costs what the all-to-all costs).
     """
 
     flops: float
@@ -155,21 +154,21 @@ def _median_call_s(group: Any, x: torch.Tensor, calls: int) -> float:
 
 def _median_switch_s(group: Any, local_bytes: int, calls: int) -> float:
     """Median seconds of a ``switch`` of a ``[1, 2, S, 4]`` fp32 shard of ``local_bytes`` from
-    sharded on axis 1 to sharded on axis 2, each call behind a barrier, after the group has
-    learnt the call (steady state: its agreement folded in)."""
-    from ..parallel.comm import switch
+    sharded on axis 1 to sharded on axis 2, each call behind a barrier, as the runtime makes
+    it after its entry agreement (no agreement of its own)."""
+    from ..parallel.comm import switch, trusted_calls
 
     n = dist.get_world_size(group)
     s = max(local_bytes // (2 * 4 * 4) // n, 1) * n
     x = torch.zeros(1, 2, s, 4)
-    for _ in range(3):  # agreed, learnt, folded
-        switch(x, 1, 2, group, src_length=2 * n)
+    switch(x, 1, 2, group, src_length=2 * n)  # a direct call: agreed once
     times = []
-    for _ in range(calls):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        switch(x, 1, 2, group, src_length=2 * n)
-        times.append(time.perf_counter() - start)
+    with trusted_calls(group):
+        for _ in range(calls):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            switch(x, 1, 2, group, src_length=2 * n)
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 

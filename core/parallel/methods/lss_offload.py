@@ -24,10 +24,7 @@ rows, all in the input dtype (the rows are finished where they are computed, so 
 travel). The helper also saves the lent rows' ``q``, ``out`` and log-sum-exp for backward
 (``t`` rows beyond LSS's saved tensors).
 
-Overlap: on the shared-memory channel the gather is waited for before the own block is
-computed (with loans the own blocks differ in work, and a rank moves its side of a
-shared-memory transfer only while it waits), so there, unlike LSS's, this forward does not
-overlap the gather with compute; over gloo's own transport (and NCCL) it still does.
+Overlap: the gather is in flight while each rank computes its own block, as in LSS.
 """
 
 from __future__ import annotations
