@@ -50,41 +50,19 @@ from .settings import SETTINGS
 
 WIDTH = 64  # int64 words per rank in the agreement
 
+# fmt: off
 PRIMITIVES = (
-    "split",
-    "gather",
-    "gather_for_local_use",
-    "switch",
-    "switch_async",
-    "ring_exchange",
-    "zigzag_split",
-    "zigzag_gather",
-    "ring_attention",
-    "ulysses_attention",
-    "lss_attention",
-    "usp_attention",
-    "check_consistent",
-    "selective_scan",
-    "ring_balanced",
-    "entry",
-    "validate",
+    "split", "gather", "gather_for_local_use", "switch", "switch_async", "ring_exchange",
+    "zigzag_split", "zigzag_gather", "ring_attention", "ulysses_attention", "lss_attention",
+    "usp_attention", "check_consistent", "selective_scan", "ring_balanced", "entry", "validate",
 )
 _CODES = {name: 7_000 + i for i, name in enumerate(PRIMITIVES)}
 
 DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )
+# fmt: on
 _DTYPE_CODES = {dt: i for i, dt in enumerate(DTYPES)}
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
 _DEVICE_CODES = {name: i for i, name in enumerate(_DEVICE_TYPES)}

@@ -51,24 +51,11 @@ class _SwitchMeta:
         src_sizes: list[int] | None = None,
         dst_sizes: list[int] | None = None,
     ) -> _SwitchMeta:
-        # the meta keeps its own lists: a caller reusing and changing its lists must not
-        # change a meta (the unchecked ones are cached)
-        src_sizes = None if src_sizes is None else list(src_sizes)
-        dst_sizes = None if dst_sizes is None else list(dst_sizes)
-        if src_sizes is None:
-            src_sizes = shard_sizes(src_length, n)
-        elif len(src_sizes) != n or sum(src_sizes) != src_length or min(src_sizes) < 0:
-            raise ValueError(
-                f"switch: src_sizes {list(src_sizes)} must give each of the {n} ranks a "
-                f"non-negative share of the length {src_length}"
-            )
-        if dst_sizes is None:
-            dst_sizes = shard_sizes(x.shape[dst], n)
-        elif len(dst_sizes) != n or sum(dst_sizes) != x.shape[dst] or min(dst_sizes) < 0:
-            raise ValueError(
-                f"switch: dst_sizes {list(dst_sizes)} must give each of the {n} ranks a "
-                f"non-negative share of the length {x.shape[dst]} of dim {dst}"
-            )
+        """This rank's sizes; the lists are the meta's own (a caller may reuse its lists).
+        The arguments were agreed (or are the runtime's own); only this rank's rows are
+        checked here."""
+        src_sizes = shard_sizes(src_length, n) if src_sizes is None else list(src_sizes)
+        dst_sizes = shard_sizes(x.shape[dst], n) if dst_sizes is None else list(dst_sizes)
         if x.shape[src] != src_sizes[r]:
             raise ValueError(
                 f"switch: rank {r} holds {x.shape[src]} rows of source dim {src}, but a global "
@@ -77,31 +64,16 @@ class _SwitchMeta:
         rest = math.prod(s for i, s in enumerate(x.shape) if i not in (src, dst))
         y_shape = list(x.shape)
         y_shape[src], y_shape[dst] = src_length, dst_sizes[r]
-        return cls(
-            src=src,
-            dst=dst,
-            src_sizes=src_sizes,
-            dst_sizes=dst_sizes,
-            x_shape=list(x.shape),
-            y_shape=y_shape,
-            send_splits=[src_sizes[r] * b * rest for b in dst_sizes],
-            recv_splits=[a * dst_sizes[r] * rest for a in src_sizes],
-            rank=r,
-        )
+        send = [src_sizes[r] * b * rest for b in dst_sizes]
+        recv = [a * dst_sizes[r] * rest for a in src_sizes]
+        return cls(src, dst, src_sizes, dst_sizes, list(x.shape), y_shape, send, recv, r)
 
     def reverse(self) -> _SwitchMeta:
         """The switch that undoes this one (the adjoint)."""
         return _SwitchMeta(
-            src=self.dst,
-            dst=self.src,
-            src_sizes=self.dst_sizes,
-            dst_sizes=self.src_sizes,
-            x_shape=self.y_shape,
-            y_shape=self.x_shape,
-            send_splits=self.recv_splits,
-            recv_splits=self.send_splits,
-            rank=self.rank,
-        )
+            self.dst, self.src, self.dst_sizes, self.src_sizes, self.y_shape, self.x_shape,
+            self.recv_splits, self.send_splits, self.rank,
+        )  # fmt: skip
 
     def bytes_sent(self, itemsize: int) -> int:
         return (sum(self.send_splits) - self.send_splits[self.rank]) * itemsize
