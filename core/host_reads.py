@@ -42,7 +42,15 @@ SYNCING_OPS = {
     aten._unique2.default,
     aten.unique_consecutive.default,
     aten.repeat_interleave.Tensor,
+    aten.equal.default,
+    aten.bincount.default,
+    aten.histc.default,
 }
+
+#: ops that take a tensor only for its dtype and device: their output holds no data of it
+FACTORY_LIKE = {"new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
+                "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+                "randn_like", "randint_like"}  # fmt: skip
 
 #: methods that copy a tensor's values to Python or to the host without dispatching an op
 HOST_METHODS = ("tolist", "numpy", "cpu", "__array__")
@@ -116,11 +124,21 @@ class DataReads(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        data_in = any(self.is_data(t) for t in inputs)
-        if data_in and func in SYNCING_OPS:
+        data_in = any(self.is_data(t) for t in inputs) and (
+            func._opname.rstrip("_") not in FACTORY_LIKE
+        )
+        bool_index = func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
+        bool_index = bool_index and any(
+            t is not None and t.dtype in (torch.bool, torch.uint8)
+            for t in tree_leaves(args[1:2])
+            if isinstance(t, torch.Tensor)
+        )
+        if data_in and (func in SYNCING_OPS or bool_index):
             self._read(str(func))
         out = func(*args, **kwargs)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if func.namespace == "c10d":  # collectives write into their tensor arguments
+            outputs += inputs
         for i, arg in enumerate(func._schema.arguments):  # in-place and out= arguments
             written = arg.alias_info is not None and arg.alias_info.is_write
             value = args[i] if i < len(args) else kwargs.get(arg.name)

@@ -19,7 +19,6 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.costmodel import StageSpec, Workload
 from dspzoo.core.costmodel.workload import register_workload
 from dspzoo.core.layers.mlp import Mlp
-from dspzoo.core.parallel.validate import validate_collectively
 from dspzoo.zoo import register_config, register_family
 
 SEQ_DIMS = ("t", "h", "w")
@@ -109,7 +108,7 @@ class Axial3D(nn.Module):
 
     def forward(self, video: torch.Tensor, sp: SeqParallel | None = None) -> torch.Tensor:
         sp = sp or SeqParallel()
-        validate_collectively(lambda: self.check(video), sp.group, "Axial3D frames", video.device)
+        sp.agree_entry({"video": video}, check=lambda: self.check(video), what="Axial3D frames")
         p = self.config.patch
         x = rearrange(video, "b t (h p) (w q) c -> b t h w (p q c)", p=p, q=p)
         _, t, h, w, _ = x.shape

@@ -29,7 +29,6 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.costmodel import StageSpec, Workload
 from dspzoo.core.layers.attention import SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp
-from dspzoo.core.parallel.validate import validate_collectively
 
 
 @dataclass(frozen=True)
@@ -102,8 +101,8 @@ class ConvVideo(nn.Module):
 
     def forward(self, x: torch.Tensor, sp: SeqParallel | None = None) -> torch.Tensor:
         sp = sp or SeqParallel()
-        validate_collectively(
-            lambda: _check_input(x, self.config, "ConvVideo"), sp.group, "ConvVideo", x.device
+        sp.agree_entry(
+            {"x": x}, check=lambda: _check_input(x, self.config, "ConvVideo"), what="ConvVideo"
         )
         act = sp.enter(x, ("t", "s"), self.STAGES)
         act = act.with_tensor(self.embed(act.tensor))
@@ -173,8 +172,8 @@ class Grid2D(nn.Module):
 
     def forward(self, x: torch.Tensor, sp: SeqParallel | None = None) -> torch.Tensor:
         sp = sp or SeqParallel()
-        validate_collectively(
-            lambda: _check_input(x, self.config, "Grid2D"), sp.group, "Grid2D", x.device
+        sp.agree_entry(
+            {"x": x}, check=lambda: _check_input(x, self.config, "Grid2D"), what="Grid2D"
         )
         act = sp.enter(x, ("h", "w"), GRID_STAGES)
         act = act.with_tensor(self.embed(act.tensor))

@@ -31,7 +31,6 @@ from dspzoo.core.costmodel import StageSpec, Workload
 from dspzoo.core.costmodel.workload import register_workload
 from dspzoo.core.layers.attention import SeqSelfAttention
 from dspzoo.core.layers.mlp import Mlp
-from dspzoo.core.parallel.validate import validate_collectively
 from dspzoo.zoo import register_config, register_family
 
 SEQ_DIMS = ("f", "t")
@@ -119,7 +118,7 @@ class Spectro2D(nn.Module):
 
     def forward(self, x: torch.Tensor, sp: SeqParallel | None = None) -> torch.Tensor:
         sp = sp or SeqParallel()
-        validate_collectively(lambda: self.check(x), sp.group, "Spectro2D input", x.device)
+        sp.agree_entry({"x": x}, check=lambda: self.check(x), what="Spectro2D input")
         act = sp.enter(x, SEQ_DIMS, STAGES)  # sharded on the plan's entry dim
         pos = sp.shard_like(
             self.pos_f[: x.shape[1]], act, {"f": 0}

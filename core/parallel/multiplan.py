@@ -143,8 +143,10 @@ class MultiParallel:
 
     def agree_entry(self, **inputs: torch.Tensor) -> None:
         """The forward's one agreement (:meth:`SeqParallel.agree_entry`) on the replicated
-        ``inputs`` and this plan; call it before the first collective of the forward."""
-        self.sp.agree_entry(inputs, ("several activations", self.plan))
+        ``inputs`` and this plan, when the model has not made it yet; call it before the
+        first collective of the forward."""
+        if not self.sp._fresh:
+            self.sp.agree_entry(inputs, ("several activations", self.plan))
 
     @contextmanager
     def region(self, **local: torch.Tensor) -> Iterator[SeveralActivations]:

@@ -29,6 +29,7 @@ sets the method, ``attention`` runs locally or through the method.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -43,7 +44,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import comm
-from .comm.agreement import Signature, agree, trusted_calls
+from .comm.agreement import Signature, agree_in_full, trusted_calls
 from .context import Region, check_local_shape, open_region
 from .layout import SeqSpec, shard_sizes
 from .mesh import SPMesh
@@ -95,9 +96,12 @@ def agreed_call(method: _Method) -> _Method:
     @functools.wraps(method)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         sp = self if isinstance(self, SeqParallel) else self.sp
+        sp._fresh = False
         if not sp._entered or sp.size == 1:
             return method(self, *args, **kwargs)
-        with trusted_calls(sp.group):
+        with contextlib.ExitStack() as trusted:
+            for group in sp.agreed_groups():
+                trusted.enter_context(trusted_calls(group))
             return method(self, *args, **kwargs)
 
     return wrapped  # type: ignore[return-value]
@@ -168,8 +172,16 @@ class SeqParallel:
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._open: tuple[str, str, str, str] | None = None  # (stage, method, entry, dim)
         self._entered = False  # an entry agreement was made (agree_entry): calls are trusted
+        self._fresh = False  # ... and no runtime call has run since (enter makes no second one)
         #: the stage of the last ``to_stage`` (its name and declared dims), for error messages
         self.last_stage: tuple[str, tuple[str, ...]] | None = None
+
+    def agreed_groups(self) -> tuple[Any, ...]:
+        """The groups the entry agreement covers: the SP group and, under USP, its Ulysses
+        and ring sub-groups (their ranks are the SP group's; their calls follow its plan)."""
+        mesh = self.mesh
+        subs = () if mesh is None else (mesh.ulysses_group, mesh.ring_group)
+        return (self.group, *(g for g in subs if g is not None))
 
     def __repr__(self) -> str:
         return f"SeqParallel(size={self.size}, rank={self.rank}, strategy={self.strategy.name!r})"
@@ -197,46 +209,77 @@ class SeqParallel:
         names: tuple[str, ...],
         stages: tuple[Stage, ...],
         first_axis: int = 1,
+        check: Callable[[], None] | None = None,
+        what: str = "inputs",
     ) -> SeqTensor:
-        """Replicated ``x`` → :class:`SeqTensor` sharded on the plan's entry dim."""
+        """Replicated ``x`` → :class:`SeqTensor` sharded on the plan's entry dim.
+
+        Makes the forward's one agreement (:meth:`agree_entry`, with ``check`` and ``what``)
+        unless the model made it already in this forward, before anything else.
+        """
         spec = SeqSpec.of(x, tuple(names), first_axis)
         plan = self.plan(spec.names, spec.lengths, tuple(stages))
         self._open = None  # a new pass: nothing left in force from an interrupted one
         self.last_stage = None
-        self.agree_entry({"x": x}, (tuple(names), first_axis, tuple(stages)))
+        if check is not None or not self._fresh:
+            key = (tuple(names), first_axis, plan, self.switch_chunk)
+            self.agree_entry({"x": x}, key, check=check, what=what)
         return self.shard(x, spec, plan.entry, plan)
 
-    def agree_entry(self, inputs: dict[str, torch.Tensor], plan_key: Any = ()) -> None:
-        """The one agreement of a forward: every rank holds replicated ``inputs`` of the same
-        shapes, dtypes and devices, plans the same (``plan_key``: what the plan depends on
-        besides the shapes, e.g. the dim names and stages; compared as a CRC of its ``repr``),
-        with the same strategy, and passed its input validation
-        (:func:`~dspzoo.core.parallel.validate.validate_collectively`). One tiny exchange on
-        the host over the SP group's control side group; a mismatch raises the same
-        :class:`~dspzoo.core.parallel.comm.CollectiveInputError` on every rank.
+    def agree_entry(
+        self,
+        inputs: dict[str, torch.Tensor],
+        plan_key: Any = (),
+        check: Callable[[], None] | None = None,
+        what: str = "inputs",
+    ) -> None:
+        """The one agreement of a forward, on the host; raises the same error on every rank.
 
-        Afterwards the runtime's own calls (its methods, the regions' ``stage``, ``local`` and
-        ``gather_for_local_use``) exchange nothing more until the next entry
-        (:func:`agreed_call`); direct calls of :mod:`~dspzoo.core.parallel.comm` by the model
-        still agree. :meth:`enter` calls it; a model that shards its inputs itself
-        (:meth:`shard`) calls it first, with every input it shards.
+        Every rank runs ``check()`` (raising ``ValueError``/``TypeError`` for bad input) and
+        then, in one tiny exchange over the SP group's control side group, the ranks agree
+        that every check passed (else every rank raises
+        :class:`~dspzoo.core.parallel.comm.InputValidationError` naming the ranks and their
+        messages, ``what`` saying what was checked), that they hold replicated ``inputs`` of
+        the same shapes, dtypes and devices, and that they plan alike: the same strategy, SP
+        size, gradient mode, debug mode and ``plan_key`` (what the plan depends on besides
+        the inputs' shapes: dim names, stages, a plan; compared as a CRC). A mismatch raises
+        the same :class:`~dspzoo.core.parallel.comm.CollectiveInputError` on every rank.
+
+        Call it first in the forward, before any code that could fail on one rank only
+        (anything that reads the inputs' shapes); :meth:`enter` then makes no second one.
+        Afterwards the runtime's own calls (its methods, the regions' ``stage``, ``local``
+        and ``gather_for_local_use``) exchange nothing more until the next entry
+        (:func:`agreed_call`); direct calls of :mod:`~dspzoo.core.parallel.comm` by the
+        model still agree.
         """
-        self._entered = False
+        self._entered = self._fresh = False
+        error: Exception | None = None
+        if check is not None:
+            try:
+                check()
+            except (ValueError, TypeError) as exc:
+                error = exc
         if self.size == 1:
+            if error is not None:
+                raise error
             return
         sig = Signature("entry")
-        key = stable_crc((self.strategy.name, self.size, plan_key))
-        sig.arg("plan (a CRC of strategy, SP size, names and stages)", key)
+        sig.what, sig.error = what, error
+        strategy = tuple(getattr(self.strategy, a, None) for a in ("name", "dim", "layout"))
+        key = (strategy, self.size, torch.is_grad_enabled(), comm.SETTINGS.debug, plan_key)
+        sig.arg("plan (a CRC of strategy, SP size, grad and debug modes, plan)", stable_crc(key))
         device = "cpu"
         for name, t in inputs.items():
+            if not isinstance(t, torch.Tensor):  # the check names what is wrong with it
+                continue
             if len(inputs) <= 3:
                 sig.tensor(name, t)
             else:  # many inputs: one word each (the error names the input, not its shape)
                 desc = (str(t.dtype), t.device.type, tuple(t.shape))
                 sig.arg(f"{name} (dtype, device, shape: a CRC)", zlib.crc32(repr(desc).encode()))
             device = t.device
-        agree(sig, self.group, device)
-        self._entered = True
+        agree_in_full(sig, self.group, device)
+        self._entered = self._fresh = True
 
     @agreed_call
     def shard(

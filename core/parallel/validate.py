@@ -1,19 +1,16 @@
 """Input validation that every rank of a group agrees on: one rank's bad input fails them all.
 
 A model entering the sharded region validates its inputs locally; if only one rank rejected
-them and raised, its peers would block in the next collective until the timeout. Instead
-:func:`validate_collectively` runs the local check on every rank, and:
+them and raised, its peers would block in the next collective until the timeout. Instead every
+rank runs the local check and the ranks agree on the outcome in one tiny exchange on the host;
+when some rank failed, every rank raises the same :class:`InputValidationError` naming the
+ranks and what was wrong.
 
-* a rank that accepts its input sends nothing: the outcome travels with the group's next
-  agreement — the runtime's entry agreement (:meth:`~dspzoo.core.parallel.runtime.SeqParallel.enter`),
-  which it makes anyway, so a valid forward costs no exchange of its own;
-* a rank that rejects its input agrees at once; the other ranks meet it in their next
-  agreement, and every rank raises the same :class:`InputValidationError` naming the ranks and
-  what was wrong.
-
-Call it before the sharded region's entry (or before any other collective of the group): a
-collective that is not an agreement (a bare all-reduce) would not meet the rejecting rank.
-Inside an agreed forward (after the entry), the outcome is settled at once, with one exchange.
+A model's forward passes its check to its entry agreement
+(``sp.enter(..., check=...)`` or ``sp.agree_entry(..., check=...)``), which makes that exchange
+anyway: a valid forward then costs nothing more. :func:`validate_collectively` is the same check
+on its own (one exchange), for anything else — a check inside the region, a run's output
+folder.
 """
 
 from __future__ import annotations
@@ -24,15 +21,7 @@ from typing import Any
 import torch
 
 from .comm import group_size
-from .comm.agreement import (
-    InputValidationError,
-    Signature,
-    agree_in_full,
-    is_trusted,
-    owe_validation,
-    settle_validation,
-)
-from .comm.settings import SETTINGS
+from .comm.agreement import InputValidationError, Signature, agree_in_full
 
 __all__ = ["InputValidationError", "validate_collectively"]
 
@@ -52,7 +41,8 @@ def validate_collectively(
         device: where the group's tensors live (used only by a group without a host side
             group for its agreements).
 
-    Other exceptions from ``check`` propagate unchanged (they are bugs, not input errors).
+    Costs one tiny exchange on the host (the group's control side group). Other exceptions
+    from ``check`` propagate unchanged (they are bugs, not input errors).
     """
     error: Exception | None = None
     try:
@@ -63,12 +53,6 @@ def validate_collectively(
         if error is not None:
             raise error
         return
-    if error is None:
-        owe_validation(group, what)
-        if is_trusted(group) or SETTINGS.debug:  # no entry agreement follows: settle now
-            settle_validation(group, device)
-        return
     sig = Signature("validate")
     sig.what, sig.error = what, error
-    agree_in_full(sig, group, device)  # raises InputValidationError on every rank
-    raise AssertionError("unreachable: a rejected input raises in its agreement")
+    agree_in_full(sig, group, device)  # raises InputValidationError on every rank if any failed

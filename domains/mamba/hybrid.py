@@ -42,7 +42,6 @@ from dspzoo.core.parallel import context
 from dspzoo.core.parallel.context import stage
 from dspzoo.core.parallel.methods.registry import get_method
 from dspzoo.core.parallel.plan import Stage
-from dspzoo.core.parallel.validate import validate_collectively
 from dspzoo.domains.text.model import Block, ByteLM, ByteLMConfig, rotary_table
 
 from .layers import scan_stage
@@ -226,8 +225,8 @@ class HybridLM(nn.Module):
         (``gather_output=False``) this rank's shard as a :class:`SeqTensor` (for ``lm_loss``).
         Inputs are validated on every rank of the SP group together."""
         sp = sp or SeqParallel()
-        validate_collectively(
-            lambda: self.check_tokens(tokens), sp.group, "HybridLM inputs", tokens.device
+        sp.agree_entry(
+            {"tokens": tokens}, check=lambda: self.check_tokens(tokens), what="HybridLM inputs"
         )
         rope = self.rotary(tokens.shape[1], device=tokens.device)
         recompute = self.config.checkpoint and torch.is_grad_enabled()

@@ -24,7 +24,6 @@ from dspzoo.core import SeqParallel, SeqTensor, comm_region
 from dspzoo.core.host_reads import values_readable
 from dspzoo.core.parallel.context import recompute_contexts, stage
 from dspzoo.core.parallel.plan import Stage
-from dspzoo.core.parallel.validate import validate_collectively
 
 from .layers import build_mixer, run_scan, scan_stage
 
@@ -217,8 +216,8 @@ class MambaLM(nn.Module):
         (``gather_output=False``) this rank's shard as a :class:`SeqTensor` (for ``lm_loss``).
         Inputs are validated on every rank of the SP group together."""
         sp = sp or SeqParallel()
-        validate_collectively(
-            lambda: self.check_tokens(tokens), sp.group, "MambaLM inputs", tokens.device
+        sp.agree_entry(
+            {"tokens": tokens}, check=lambda: self.check_tokens(tokens), what="MambaLM inputs"
         )
         act = sp.enter(tokens.long(), SEQ_DIMS, self.STAGES)  # [B, L_local] ids of this rank
         with sp.region(act) as region:

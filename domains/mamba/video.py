@@ -29,7 +29,6 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.embeddings import TimestepEmbedder, sincos_1d
 from dspzoo.core.layers.mlp import FinalLayer, Mlp, gated, modulate
 from dspzoo.core.parallel.context import local, stage
-from dspzoo.core.parallel.validate import validate_collectively
 
 from .layers import OrderedScan, build_mixer, scan_stage
 from .orders import parse_order
@@ -265,11 +264,10 @@ class VideoMamba(nn.Module):
         :meth:`patchify_target`). Inputs are validated on every rank of the SP group together.
         """
         sp = sp or SeqParallel()
-        validate_collectively(
-            lambda: self.check_inputs(x, timestep, y, label_drop),
-            sp.group,
-            "VideoMamba inputs",
-            x.device,
+        sp.agree_entry(
+            {"x": x},
+            check=lambda: self.check_inputs(x, timestep, y, label_drop),
+            what="VideoMamba inputs",
         )
         tokens = self.patchify(x)
         _, t, h, w, _ = tokens.shape

@@ -37,7 +37,6 @@ from dspzoo.core.parallel.multiplan import ActShape, Gather, MultiParallel, Mult
 from dspzoo.core.parallel.rng import mix_key
 from dspzoo.core.parallel.runtime import SeqParallel, SeqTensor
 from dspzoo.core.parallel.trace import comm_region
-from dspzoo.core.parallel.validate import validate_collectively
 
 from .ops import (
     MSAColumnAttention,
@@ -390,9 +389,11 @@ class Evoformer(nn.Module):
         sp = sp or SeqParallel()
         cfg = self.config
         _check_strategy(sp)
-        device = getattr(batch.get("msa_feat"), "device", "cpu")
-        validate_collectively(
-            lambda: _check_features(batch, cfg), sp.group, "Evoformer inputs", device
+        sp.agree_entry(
+            {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)},
+            "Evoformer",
+            check=lambda: _check_features(batch, cfg),
+            what="Evoformer inputs",
         )
         dropout_on = self.training and (cfg.msa_dropout > 0 or cfg.pair_dropout > 0)
         if dropout_on and rng_key is None:
@@ -407,7 +408,6 @@ class Evoformer(nn.Module):
         wanted = self._outputs(outputs)
         b, s, r, _ = batch["msa_feat"].shape
         mp = MultiParallel(sp, self.plan(r, s, sp.size), switch_chunk=cfg.c_z // 4 or None)
-        mp.agree_entry(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
         msa_mask, pair_mask = _masks(batch["msa_mask"], batch["seq_mask"])
         chunk = cfg.chunk_size if chunk_size is None else chunk_size
         add = Residual(chunk, self.training, rng_key, batch_offset)

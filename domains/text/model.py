@@ -32,7 +32,6 @@ from torch.utils.checkpoint import checkpoint
 from dspzoo.core import SeqParallel, SeqSpec, SeqTensor, Stage, comm_region, sp_mean
 from dspzoo.core.host_reads import values_readable
 from dspzoo.core.layers.attention import attend
-from dspzoo.core.parallel.validate import validate_collectively
 
 SEQ_DIMS = ("l",)
 STAGES = (Stage("attn", ("l",), causal=True), Stage("mlp"))  # ByteLM.stages adds the head count
@@ -327,8 +326,8 @@ class ByteLM(nn.Module):
         on every rank of the SP group together (a bad input raises on all of them).
         """
         sp = sp or SeqParallel()
-        validate_collectively(
-            lambda: self.check_tokens(tokens), sp.group, "ByteLM inputs", tokens.device
+        sp.agree_entry(
+            {"tokens": tokens}, check=lambda: self.check_tokens(tokens), what="ByteLM inputs"
         )
         return self._forward(tokens, sp, gather_output)
 
@@ -362,8 +361,10 @@ class ByteLM(nn.Module):
         Its mean over the SP group is the mean cross-entropy of the whole batch.
         """
         sp = sp or SeqParallel()
-        validate_collectively(
-            lambda: self.check_tokens(tokens, targets), sp.group, "ByteLM inputs", tokens.device
+        sp.agree_entry(
+            {"tokens": tokens},
+            check=lambda: self.check_tokens(tokens, targets),
+            what="ByteLM inputs",
         )
         return lm_loss(self._forward(tokens, sp, gather_output=False), targets, sp)
 

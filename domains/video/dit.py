@@ -405,7 +405,7 @@ class VideoDiT(nn.Module):
             frames = x.shape[2] // self.config.patch[0]
             self.check_conditioning(x.shape[0], timestep, y, cond, cond_mask, frames, label_drop)
 
-        validate_collectively(check, sp.group, f"{type(self).__name__} inputs", x.device)
+        sp.agree_entry({"x": x}, check=check, what=f"{type(self).__name__} inputs")
         _, _, t, h, w = x.shape
         act = sp.enter(patchify(x, self.config.patch), SEQ_DIMS, self.STAGES)
         act = self._forward_tokens(act, timestep, y, cond, cond_mask, sp, (t, h, w), label_drop)

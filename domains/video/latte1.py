@@ -48,7 +48,6 @@ from dspzoo.core import SeqParallel, SeqTensor, Stage, comm_region
 from dspzoo.core.layers.attention import SeqSelfAttention, attend
 from dspzoo.core.layers.embeddings import TimestepEmbedder
 from dspzoo.core.layers.mlp import Mlp, gated, modulate
-from dspzoo.core.parallel.validate import validate_collectively
 
 from .dit import patchify, unpatchify
 
@@ -343,11 +342,10 @@ class Latte1(nn.Module):
         Inputs are validated on all ranks of the SP group together before any collective.
         """
         sp = sp or SeqParallel()
-        validate_collectively(
-            lambda: self.check_inputs(x, timestep, cond, cond_mask, temporal),
-            sp.group,
-            "Latte1 inputs",
-            x.device,
+        sp.agree_entry(
+            {"x": x},
+            check=lambda: self.check_inputs(x, timestep, cond, cond_mask, temporal),
+            what="Latte1 inputs",
         )
         c = self.config
         _, _, frames, height, width = x.shape

@@ -43,7 +43,6 @@ from dspzoo.core.layers.mlp import FinalLayer, Mlp, gated, modulate
 from dspzoo.core.parallel.layout import SeqSpec, shard_offset
 from dspzoo.core.parallel.methods.ring import zigzag_positions
 from dspzoo.core.parallel.rng import mix_key
-from dspzoo.core.parallel.validate import validate_collectively
 
 from .layers import (
     VariableTokenizer,
@@ -357,11 +356,10 @@ class WeatherTransformer(nn.Module):
         """
         sp = sp or SeqParallel()
         c = self.config
-        validate_collectively(
-            lambda: self.check_inputs(x, lead_time, static),
-            sp.group,
-            f"{type(self).__name__} inputs",
-            x.device,
+        sp.agree_entry(
+            {"x": x},
+            check=lambda: self.check_inputs(x, lead_time, static),
+            what=f"{type(self).__name__} inputs",
         )
         act = sp.enter(patchify(x, c.patch), SEQ_DIMS, self.STAGES)  # [B, T, Y, X, V, p·p]
         tokens = self.tokenizer(act.tensor)  # [B, T_l, Y_l, X_l, C]

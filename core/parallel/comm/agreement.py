@@ -13,12 +13,12 @@ that were wrong, the primitive and the comm region. A rank's own error message r
 others through one extra ``all_gather_object``, only on that error path.
 
 **Once per forward.** The runtime agrees once, at the sharded region's entry
-(:meth:`dspzoo.core.parallel.runtime.SeqParallel.enter`: the input's shape, dtype and device,
-the plan's identity and the outcome of :func:`dspzoo.core.parallel.validate.validate_collectively`),
-then marks the group trusted until its ``exit`` (:func:`set_trusted`): every collective in
-between is a deterministic function of what was agreed, so :func:`agree` exchanges nothing and
-only checks this rank's own words (a failure there is a bug, raised on the rank that found it).
-Backward passes exchange nothing either. Direct calls of the primitives (``split``, ``switch``,
+(:meth:`dspzoo.core.parallel.runtime.SeqParallel.agree_entry`: every rank's input check, the
+inputs' shapes, dtypes and devices, the plan's identity), and runs its own calls after it as
+trusted calls (:func:`trusted_calls`): every collective they make is a deterministic function
+of what was agreed, so :func:`agree` exchanges nothing and only checks this rank's own words (a
+failure there is a bug, raised on the rank that found it). Backward passes exchange nothing
+either. Direct calls of the primitives (``split``, ``switch``,
 ``gather``, ``gather_for_local_use``, an attention method called by hand) agree each time;
 debug mode (:func:`~.settings.set_debug`) agrees before every collective, backward included.
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 import array
 import contextlib
 import struct
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
@@ -307,32 +308,35 @@ def _verdict(sig: Signature, table: list[list[int]], region: str, group: Any) ->
     )
 
 
-_TRUSTED: dict[int, Any] = {}  # id(group) -> group, for groups in an agreed forward
-_OWED: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, what): validations passed here
+_TRUST = threading.local()  # .groups: id(group) -> group, for groups in an agreed forward
+
+
+def _trusted() -> dict[int, Any]:
+    if not hasattr(_TRUST, "groups"):
+        _TRUST.groups = {}
+    return _TRUST.groups
 
 
 def set_trusted(group: Any, trusted: bool) -> None:
     """Mark ``group`` as inside (or outside) an agreed forward: while it is, :func:`agree`
     exchanges nothing on it (unless debug mode is on).
 
-    The runtime sets it right after its entry agreement and clears it at ``exit`` (and at the
-    next entry): every collective in between is a deterministic function of what was agreed
-    (shapes, lengths, the plan), so ranks cannot disagree on it unless the model's own code
-    differs between ranks. Setting it settles a validation still owed to the group
-    (:func:`owe_validation`) first, with one exchange.
+    The runtime's calls after its entry agreement run so (:func:`trusted_calls`): every
+    collective they make is a deterministic function of what was agreed (shapes, lengths, the
+    plan), so ranks cannot disagree on it unless the model's own code differs between ranks.
+    Per thread: another thread's direct calls on the same group still agree.
     """
-    if not trusted:
-        _TRUSTED.pop(id(group), None)
-        return
-    if id(group) in _OWED:
-        settle_validation(group)
-    _TRUSTED[id(group)] = group
+    trusted_groups = _trusted()
+    if trusted:
+        trusted_groups[id(group)] = group
+    else:
+        trusted_groups.pop(id(group), None)
 
 
 @contextlib.contextmanager
 def trusted_calls(group: Any) -> Iterator[None]:
     """:func:`set_trusted` for the block's duration (restored after it)."""
-    before = _TRUSTED.get(id(group)) is group
+    before = _trusted().get(id(group)) is group
     set_trusted(group, True)
     try:
         yield
@@ -342,29 +346,12 @@ def trusted_calls(group: Any) -> Iterator[None]:
 
 def is_trusted(group: Any) -> bool:
     """Whether ``group`` is inside an agreed forward and debug mode is off."""
-    return _TRUSTED.get(id(group)) is group and group is not None and not SETTINGS.debug
+    return _trusted().get(id(group)) is group and group is not None and not SETTINGS.debug
 
 
 def skips_agreement(group: Any) -> bool:
     """Whether :func:`agree` exchanges nothing on ``group`` now (see there)."""
     return not SETTINGS.debug and (is_trusted(group) or in_backward())
-
-
-def owe_validation(group: Any, what: str) -> None:
-    """This rank accepted its input (``what``); the group learns it with its next agreement.
-
-    A rank that rejected its input agrees at once instead (the others meet it in their next
-    agreement: the runtime's entry, or any primitive's), so every rank raises together.
-    """
-    _OWED[id(group)] = (group, what)
-
-
-def settle_validation(group: Any, device: torch.device | str = "cpu") -> None:
-    """Exchange a validation still owed to ``group`` now (one agreement; no-op if none)."""
-    owed = _OWED.get(id(group))
-    if owed is not None and owed[0] is group:
-        agree_in_full(Signature("validate"), group, device)
-    _OWED.pop(id(group), None)
 
 
 def agree(
@@ -409,7 +396,6 @@ def agree_in_full(sig: Signature, group: Any, device: torch.device | str = "cpu"
     everyone = torch.empty(n * WIDTH, dtype=torch.long, device=where)
     with guard(sig.primitive, group, region, where):
         all_gather_single(everyone, mine, group=control)
-    _OWED.pop(id(group), None)  # a validation owed to the group travelled with these words
     record_control(sig.primitive, WIDTH * 8 * (n - 1), n, region)
     table = everyone.view(n, WIDTH).tolist()
     agreed = _verdict(sig, table, region, control)
