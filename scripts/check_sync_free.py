@@ -21,7 +21,7 @@ import traceback
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="check_sync_free.py", description=(__doc__ or "").split("\n\n")[0]
+        prog="check_sync_free.py", allow_abbrev=False, description=(__doc__ or "").split("\n\n")[0]
     )
     parser.add_argument("--model", default="stdit-mini", help="a video model (default stdit-mini)")
     parser.add_argument("--frames", type=int, default=4, help="latent frames (default 4)")

@@ -194,8 +194,8 @@ def test_a_bf16_run_at_sp2_sends_what_its_report_says(tmp_path: Path) -> None:
     for name, r in rows.items():
         assert r["bytes_by_op"] == r["formula_bytes_by_op"], name
     dsp, uly, meg = rows["dsp"], rows["ulysses"], rows["megatron_sp"]
-    assert set(dsp["bytes_by_dtype"][0]) == {"float32", "int32"}  # int32: the input check
-    assert set(uly["bytes_by_dtype"][0]) == {"bfloat16", "int32"}
+    assert set(dsp["bytes_by_dtype"][0]) == {"float32"}  # the input check: no payload
+    assert set(uly["bytes_by_dtype"][0]) == {"bfloat16"}
     for traced in meg["bytes_by_op"]:  # the stream's collectives at 4 bytes, the others at 2
         assert traced["all_gather/forward"] == 2 * traced["all_gather/backward"] > 0
         assert traced["reduce_scatter/backward"] == 2 * traced["reduce_scatter/forward"] > 0

@@ -218,7 +218,7 @@ def test_a_family_registered_twice_names_both_sources_and_the_fix(tmp_path: Path
     (tmp_path / "my_widget.py").write_text(PLUGIN.format(family="widget"))
     env = {"PYTHONPATH": str(tmp_path), "DSPZOO_FAMILIES": "my_widget"}
     expected = (
-        "dspzoo: error: model family 'widget' is already registered, by module 'widgets_pkg.zoo' "
+        "error: model family 'widget' is already registered, by module 'widgets_pkg.zoo' "
         "(named by the 'dspzoo.families' entry point 'widgets' of the installed package "
         "widgets-pkg 0.3); module 'my_widget' (named by DSPZOO_FAMILIES='my_widget') registers "
         "it again. Keep one of the two: remove the 'dspzoo.families' entry point naming "
@@ -226,7 +226,8 @@ def test_a_family_registered_twice_names_both_sources_and_the_fix(tmp_path: Path
     )
     for command in (["list"], ["info", "widget-mini"]):
         proc = _run([sys.executable, "-m", "dspzoo", *command], env=env)
-        line = f"{expected} (see dspzoo --help)"  # the CLI's one-line usage error
+        name = f"dspzoo {command[0]}"  # the CLI's one-line usage error, naming the command
+        line = f"{name}: {expected} (see {name} --help)"
         assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
     imported = _python(  # a script's own import first: named as the module it is
         """

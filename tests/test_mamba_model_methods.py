@@ -76,8 +76,10 @@ _VIDEO = dict(in_channels=3, hidden=16, head_dim=8, chunk_size=4, depth=1, num_c
 VIDEO_AXIAL = replace(VIDEO_CONFIGS["tiny"], **_VIDEO, mlp_ratio=0.0)  # bidirectional (default)
 VIDEO_RASTER = replace(VIDEO_AXIAL, orders=("raster(t,h,w)", "raster(t,h,w)"))
 VIDEO_CROSS = replace(VIDEO_AXIAL, orders=("axial(t)", "cross(h,w)"))
+# two variables: with one, the variable aggregation's query has a zero gradient (rounding only)
 WEATHER = replace(WEATHER_CONFIGS["tiny"], grid=(10, 12), patch=2, hidden=16, depth=1,
-                  head_dim=8, chunk_size=4, history=3, num_static=1)  # fmt: skip
+                  head_dim=8, chunk_size=4, history=3, num_static=1,
+                  variables=("t2m", "u10"))  # fmt: skip
 WEATHER_LINE = replace(WEATHER, mixer="mamba1", periodic_lon=False)  # lon: a scan op stage
 
 
@@ -125,7 +127,7 @@ def _weather_inputs() -> dict[str, torch.Tensor]:
     """History 3 on 5 × 6 patches."""
     g = torch.Generator().manual_seed(4)
     c = WEATHER
-    return {"x": torch.randn(2, c.history, 1, *c.grid, generator=g, dtype=torch.float64),
+    return {"x": torch.randn(2, c.history, len(c.variables), *c.grid, generator=g, dtype=torch.float64),
             "lead_time": torch.tensor([1.0, 3.0], dtype=torch.float64),
             "static": torch.randn(2, c.num_static, *c.grid, generator=g, dtype=torch.float64)}  # fmt: skip
 

@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         families = sys.modules.get(f"{__package__}.families")  # imported if it raised
         if families is not None and isinstance(exc, families.FamilyImportError):
-            # a broken plugin: say which, once per launch
-            CommandParser(prog="dspzoo").error(str(exc))
+            # a broken plugin: say which, once per launch, as the command's own error
+            word = _command_word(sys.argv[1:] if argv is None else argv)
+            CommandParser(prog="dspzoo" + (f" {word}" if word else "")).error(str(exc))
         raise
 
 
