@@ -47,7 +47,7 @@ def test_a_family_module_that_fails_to_import_is_one_line_with_status_2() -> Non
     assert proc.returncode == 2 and proc.stdout == ""
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(
-        "dspzoo: error: cannot import module 'dspzoo_no_such_family_module', named by "
+        "dspzoo list: error: cannot import module 'dspzoo_no_such_family_module', named by "
         "DSPZOO_FAMILIES="
     )
 
