@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..entry import release_communicators_at_exit
-from .comm.group import register_control_group
+from .comm.group import moves_cpu_tensors, register_control_group
 from .nodes import (
     NodeLayout,
     RankPlace,
@@ -314,8 +314,7 @@ def own_group(blocks: list[list[int]], timeout_s: float | None = None) -> Any:
     """
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=collective_timeout_s(timeout_s))
-    backend = str(dist.get_backend())
-    side = "gloo" not in backend and "cpu:" not in backend
+    side = not moves_cpu_tensors(str(dist.get_backend()))
     mine = control = None
     for block in blocks:
         group = dist.new_group(block, timeout=timeout)

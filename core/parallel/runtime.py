@@ -58,6 +58,7 @@ from .strategies import get_strategy
 from .strategies.base import Strategy
 from .strategies.dispatch import sharded_attention
 from .trace import comm_region
+from .validate import local_outcome
 
 PLAN_CACHE_SIZE = 64  # plans kept per runtime (least recently used dropped)
 
@@ -253,12 +254,7 @@ class SeqParallel:
         model still agree.
         """
         self._entered = self._fresh = False
-        error: Exception | None = None
-        if check is not None:
-            try:
-                check()
-            except (ValueError, TypeError) as exc:
-                error = exc
+        error = local_outcome(check)
         if self.size == 1:
             if error is not None:
                 raise error
@@ -276,7 +272,7 @@ class SeqParallel:
                 sig.tensor(name, t)
             else:  # many inputs: one word each (the error names the input, not its shape)
                 desc = (str(t.dtype), t.device.type, tuple(t.shape))
-                sig.arg(f"{name} (dtype, device, shape: a CRC)", zlib.crc32(repr(desc).encode()))
+                sig.arg(f"{name} (dtype, device, shape: a CRC)", stable_crc(desc))
             device = t.device
         agree_in_full(sig, self.group, device)
         self._entered = self._fresh = True
@@ -305,10 +301,8 @@ class SeqParallel:
         axis, length = spec.axis(spec.sharded), spec.length(spec.sharded)
         with comm_region("exit"):
             if spec.layout == "zigzag" and self.size > 1:
-                out = zigzag_gather(act.tensor, axis, self.group, length)
-            else:
-                out = comm.gather(act.tensor, axis, self.group, length)
-        return out
+                return zigzag_gather(act.tensor, axis, self.group, length)
+            return comm.gather(act.tensor, axis, self.group, length)
 
     @agreed_call
     def switch(self, act: SeqTensor, dim: str) -> SeqTensor:

@@ -23,7 +23,19 @@ import torch
 from .comm import group_size
 from .comm.agreement import InputValidationError, Signature, agree_in_full
 
-__all__ = ["InputValidationError", "validate_collectively"]
+__all__ = ["InputValidationError", "local_outcome", "validate_collectively"]
+
+
+def local_outcome(check: Callable[[], None] | None) -> Exception | None:
+    """The bad-input error ``check()`` raises on this rank (``ValueError``/``TypeError``), or
+    ``None``; other exceptions propagate (they are bugs, not input errors)."""
+    if check is None:
+        return None
+    try:
+        check()
+    except (ValueError, TypeError) as exc:
+        return exc
+    return None
 
 
 def validate_collectively(
@@ -44,11 +56,7 @@ def validate_collectively(
     Costs one tiny exchange on the host (the group's control side group). Other exceptions
     from ``check`` propagate unchanged (they are bugs, not input errors).
     """
-    error: Exception | None = None
-    try:
-        check()
-    except (ValueError, TypeError) as exc:
-        error = exc
+    error = local_outcome(check)
     if group_size(group) == 1:
         if error is not None:
             raise error

@@ -202,8 +202,8 @@ class MambaLM(nn.Module):
         if tokens.dim() != 2 or tokens.shape[1] < 1:
             raise ValueError(f"tokens must be [batch, length >= 1], got {tuple(tokens.shape)}")
         # the ids' range is read on the host only for CPU tokens (no device sync)
-        in_range = not tokens.numel() or not values_readable(tokens)
-        if not in_range and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+        readable = tokens.numel() > 0 and values_readable(tokens)
+        if readable and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
             raise ValueError(
                 f"token ids must lie in [0, {self.config.vocab_size}), got "
                 f"[{int(tokens.min())}, {int(tokens.max())}]"

@@ -188,7 +188,7 @@ def ranks_text(ranks: Sequence[int]) -> str:
 class Agreed:
     """The gathered signatures of every rank; checks on them give the same verdict everywhere.
 
-    ``rows`` is ``None`` for a trusted call (:func:`set_trusted`): nothing was exchanged, and
+    ``rows`` is ``None`` for a trusted call (:func:`trusted_calls`): nothing was exchanged, and
     the checks see this rank's own words only.
     """
 
@@ -200,7 +200,7 @@ class Agreed:
     def fail(self, detail: str, primitive: str | None = None) -> NoReturn:
         """Raise the group's error (call it on every rank, from checks on gathered data).
 
-        On a trusted call only the rank that found it raises (a bug: see :func:`set_trusted`).
+        On a trusted call only the rank that found it raises (a bug: see :func:`trusted_calls`).
         """
         where = (
             "Raised on every rank of the group."
@@ -213,26 +213,23 @@ class Agreed:
             f"ranks): {detail}. {where}"
         )
 
+    def _span(self, name: str) -> tuple[int, int]:
+        """Where the ``free`` field ``name`` lies in ``sig.free``: ``(start, width)``."""
+        start = 0
+        for field_name, _, width in self.sig.free_fields:
+            if field_name == name:
+                return start, width
+            start += width
+        raise KeyError(name)
+
     def local(self, name: str) -> list[tuple[int, ...]]:
         """The ``free`` field ``name`` of every rank, in rank order (not on a trusted call:
         pass ``needs_rows`` to :func:`agree`)."""
         if self.rows is None:
             raise RuntimeError(f"{self.sig.primitive}: the other ranks' {name!r} was not exchanged")
-        start = 4 + len(self.sig.same)
-        for field_name, _, width in self.sig.free_fields:
-            if field_name == name:
-                return [tuple(row[start : start + width]) for row in self.rows]
-            start += width
-        raise KeyError(name)
-
-    def _own(self, name: str) -> list[int]:
-        """This rank's ``free`` field ``name``."""
-        start = 0
-        for field_name, _, width in self.sig.free_fields:
-            if field_name == name:
-                return self.sig.free[start : start + width]
-            start += width
-        raise KeyError(name)
+        start, width = self._span(name)
+        start += 4 + len(self.sig.same)  # after the header words and the ``same`` fields
+        return [tuple(row[start : start + width]) for row in self.rows]
 
     def check_rows(self, name: str, want: Sequence[int], how: str) -> None:
         """Fail unless rank ``q``'s local ``name`` is ``want[q]`` for every ``q``.
@@ -240,7 +237,7 @@ class Agreed:
         ``how`` says where ``want`` comes from, e.g. "a global length of 8 over 2 ranks".
         """
         if self.rows is None:  # trusted: this rank's own row
-            mine = self._own(name)[0]
+            mine = self.sig.free[self._span(name)[0]]
             if mine != want[self.rank]:
                 self.fail(
                     f"wrong {name} on rank {self.rank}: holds {mine}, expected "
@@ -317,41 +314,32 @@ def _trusted() -> dict[int, Any]:
     return _TRUST.groups
 
 
-def set_trusted(group: Any, trusted: bool) -> None:
-    """Mark ``group`` as inside (or outside) an agreed forward: while it is, :func:`agree`
-    exchanges nothing on it (unless debug mode is on).
-
-    The runtime's calls after its entry agreement run so (:func:`trusted_calls`): every
-    collective they make is a deterministic function of what was agreed (shapes, lengths, the
-    plan), so ranks cannot disagree on it unless the model's own code differs between ranks.
-    Per thread: another thread's direct calls on the same group still agree.
-    """
-    trusted_groups = _trusted()
-    if trusted:
-        trusted_groups[id(group)] = group
-    else:
-        trusted_groups.pop(id(group), None)
-
-
 @contextlib.contextmanager
 def trusted_calls(group: Any) -> Iterator[None]:
-    """:func:`set_trusted` for the block's duration (restored after it)."""
-    before = _trusted().get(id(group)) is group
-    set_trusted(group, True)
+    """Inside the block :func:`agree` exchanges nothing on ``group`` (unless debug mode is on).
+
+    The runtime's calls after its entry agreement run so: every collective they make is a
+    deterministic function of what was agreed (shapes, lengths, the plan), so ranks cannot
+    disagree on it unless the model's own code differs between ranks. Per thread: another
+    thread's direct calls on the same group still agree.
+    """
+    trusted = _trusted()
+    before = trusted.get(id(group))
+    trusted[id(group)] = group
     try:
         yield
     finally:
-        set_trusted(group, before)
-
-
-def is_trusted(group: Any) -> bool:
-    """Whether ``group`` is inside an agreed forward and debug mode is off."""
-    return _trusted().get(id(group)) is group and group is not None and not SETTINGS.debug
+        if before is None:
+            trusted.pop(id(group), None)
+        else:
+            trusted[id(group)] = before
 
 
 def skips_agreement(group: Any) -> bool:
     """Whether :func:`agree` exchanges nothing on ``group`` now (see there)."""
-    return not SETTINGS.debug and (is_trusted(group) or in_backward())
+    if SETTINGS.debug:
+        return False
+    return in_backward() or (group is not None and _trusted().get(id(group)) is group)
 
 
 def agree(
@@ -365,7 +353,7 @@ def agree(
     On one process, raises ``sig.error`` if set.
 
     Nothing is exchanged (only this rank's words are checked) on a group inside an agreed
-    forward (:func:`set_trusted`) and in a backward pass (autograd hands every rank gradients
+    forward (:func:`trusted_calls`) and in a backward pass (autograd hands every rank gradients
     of the forward's shapes, and a recomputation under activation checkpointing replays an
     agreed forward), unless debug mode is on or the caller ``needs_rows`` (the other ranks'
     free fields).

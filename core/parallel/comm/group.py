@@ -41,7 +41,13 @@ def control_group(group: Any) -> tuple[Any, bool]:
         backend = str(dist.get_backend(group))
     except (RuntimeError, ValueError):  # not a registered process group (tests' fakes)
         return group, True
-    return group, "gloo" in backend or "cpu:" in backend
+    return group, moves_cpu_tensors(backend)
+
+
+def moves_cpu_tensors(backend: str) -> bool:
+    """Whether a group on ``backend`` (``dist.get_backend``'s string) moves CPU tensors: gloo,
+    or torch's ``cpu:gloo,cuda:nccl`` default; not NCCL alone."""
+    return "gloo" in backend or "cpu:" in backend
 
 
 def group_size(group: Any) -> int:
