@@ -1,8 +1,9 @@
 """The one settings object of the collective layer.
 
-:data:`SETTINGS` is a :class:`CommSettings`; :func:`set_debug` changes it. There are no
-environment variables: a launch script that wants debug mode calls ``set_debug(True)`` (or
-passes ``--debug-comm`` where a command offers it) on every rank.
+:data:`SETTINGS` is a :class:`CommSettings`; :func:`set_debug` changes it. It reads no
+environment variable: a launch script that wants debug mode calls ``set_debug(True)`` on every
+rank. (The collective timeout belongs to the mesh: ``build_mesh(timeout_s=...)`` or
+``DSPZOO_COLLECTIVE_TIMEOUT``.)
 """
 
 from __future__ import annotations
